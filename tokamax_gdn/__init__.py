@@ -1,0 +1,12 @@
+"""tokamax_gdn: Gated Delta Net, causal conv1d and grouped matmuls for tokamax."""
+
+import os as _os
+
+# No TPU metadata-server lookups from libtpu on machines without a TPU.
+_os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+
+from tokamax_gdn import config
+from tokamax_gdn import registry
+from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule
+
+__all__ = ["config", "registry", "gated_delta_rule"]

@@ -1,0 +1,119 @@
+"""Process-wide switches: Pallas interpret mode and the TPU generation to target.
+
+Interpret mode lets the `pallas_mosaic_tpu` kernels run on CPU (Pallas TPU
+interpret mode). It is on when the environment variable `TOKAMAX_GDN_INTERPRET`
+is `1`/`true`, or when set with `set_interpret(True)` / `with interpret_mode():`.
+
+The TPU generation matters for tiling heuristics (VMEM size, MXU width). On a
+TPU it is read from the device; under an abstract mesh of a TPU topology (AOT
+compiles on CPU) from that mesh; otherwise from `TOKAMAX_GDN_TARGET_CHIP` or
+`set_target_chip(...)`, defaulting to v6e.
+"""
+
+import contextlib
+import dataclasses
+import os
+import threading
+
+import jax
+
+_state = threading.local()
+
+
+def _env_flag(name: str) -> bool:
+  return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def interpret_enabled() -> bool:
+  """Whether Pallas TPU kernels should run in interpret mode."""
+  override = getattr(_state, "interpret", None)
+  if override is not None:
+    return override
+  return _env_flag("TOKAMAX_GDN_INTERPRET")
+
+
+def set_interpret(enabled: bool | None) -> None:
+  """Sets interpret mode for this thread (None: back to the environment)."""
+  _state.interpret = enabled
+
+
+@contextlib.contextmanager
+def interpret_mode(enabled: bool = True):
+  """Context manager form of `set_interpret`."""
+  prev = getattr(_state, "interpret", None)
+  _state.interpret = enabled
+  try:
+    yield
+  finally:
+    _state.interpret = prev
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TpuGeneration:
+  """What the tiling heuristics need to know about a TPU generation."""
+
+  name: str            # short name: v5e, v6e, v5p, tpu7x
+  topology: str        # topology name for `jax.experimental.topologies`
+  vmem_bytes: int      # physical VMEM per TensorCore
+  mxu: int             # MXU edge (128 on v5e/v5p, 256 on v6e/tpu7x)
+  device_kinds: tuple[str, ...]  # `device.device_kind` strings seen for it
+
+
+TPU_GENERATIONS: dict[str, TpuGeneration] = {
+    g.name: g
+    for g in (
+        TpuGeneration("v5e", "v5e:2x2", 128 << 20, 128, ("TPU v5 lite", "TPU v5e")),
+        TpuGeneration("v6e", "v6e:2x2", 128 << 20, 256, ("TPU v6 lite", "TPU v6e")),
+        TpuGeneration("v5p", "v5p:2x2x1", 95 << 20, 128, ("TPU v5", "TPU v5p")),
+        TpuGeneration("tpu7x", "tpu7x:2x2x1", 64 << 20, 256, ("TPU7x", "TPU 7x", "TPU v7")),
+    )
+}
+DEFAULT_TARGET_CHIP = "v6e"
+
+
+def set_target_chip(name: str | None) -> None:
+  """Sets the TPU generation assumed when no TPU device or mesh says otherwise."""
+  if name is not None and name not in TPU_GENERATIONS:
+    raise ValueError(f"Unknown TPU generation {name!r}; valid: {sorted(TPU_GENERATIONS)}")
+  _state.target_chip = name
+
+
+def generation_from_device_kind(device_kind: str) -> TpuGeneration | None:
+  """Maps a `device_kind` string to a known TPU generation (None if not a TPU)."""
+  kind = device_kind.strip()
+  # Longest match first: "TPU v5 lite" must not be taken for "TPU v5".
+  candidates = sorted(
+      ((k, g) for g in TPU_GENERATIONS.values() for k in g.device_kinds),
+      key=lambda kg: -len(kg[0]),
+  )
+  for k, g in candidates:
+    if kind.lower().startswith(k.lower()):
+      return g
+  return None
+
+
+def current_device_kind() -> str:
+  """The device kind an op traced now would run on (abstract mesh first)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  device = getattr(mesh, "abstract_device", None)
+  if device is not None:
+    return device.device_kind
+  return jax.devices()[0].device_kind
+
+
+def target_generation() -> TpuGeneration:
+  """The TPU generation to tile for: device / abstract mesh, else the target chip."""
+  gen = generation_from_device_kind(current_device_kind())
+  if gen is not None:
+    return gen
+  name = getattr(_state, "target_chip", None) or os.environ.get(
+      "TOKAMAX_GDN_TARGET_CHIP", DEFAULT_TARGET_CHIP
+  )
+  if name not in TPU_GENERATIONS:
+    raise ValueError(f"TOKAMAX_GDN_TARGET_CHIP={name!r}; valid: {sorted(TPU_GENERATIONS)}")
+  return TPU_GENERATIONS[name]
+
+
+def on_tpu() -> bool:
+  """True when ops traced now target a TPU (a real one or an AOT topology)."""
+  return generation_from_device_kind(current_device_kind()) is not None

@@ -1,0 +1,1 @@
+"""Gated delta rule op (GDN)."""

@@ -1,0 +1,63 @@
+"""`gated_delta_rule`: the user-facing function."""
+
+from collections.abc import Sequence
+
+import jax
+
+from tokamax_gdn import registry
+
+
+def gated_delta_rule(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    a_log: jax.Array | None = None,
+    dt_bias: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    implementation: str | Sequence[str] | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+  """Gated delta rule (Yang et al., ICLR 2025), as in Qwen3-Next / Qwen3.5.
+
+  Per value head h (reading key head h // (Hv // Hk)) and token t:
+    S_t = exp(g_t) S_{t-1};  S_t += beta_t k_t (v_t - k_t^T S_t)^T;
+    o_t = scale * S_t^T q_t.
+
+  Args:
+    query, key: [B, T, Hk, K].
+    value: [B, T, Hv, V]; Hv a multiple of Hk.
+    g: [B, T, Hv] log-decay (<= 0); or, with `a_log`, the raw gate, turned into
+      -exp(a_log) * softplus(g + dt_bias) inside (with gradients for all three).
+    beta: [B, T, Hv], in (0, 1).
+    scale: output scale; default K**-0.5.
+    initial_state: [B, Hv, K, V] float32 state before the first token.
+    output_final_state: also return the state after the last token.
+    use_qk_l2norm: L2-normalise q and k (eps 1e-6) first.
+    a_log, dt_bias: [Hv] gate parameters (see `g`).
+    segment_ids: [B, T] int; the state resets to zero where the id changes.
+    implementation: None (best available for the backend), a name from
+      `tokamax_gdn.registry.implementations("gated_delta_rule")`, a
+      `tokamax.Op`, or a sequence of those tried in order (falling through on
+      NotImplementedError).
+
+  Returns:
+    (out [B, T, Hv, V] in value's dtype, final_state [B, Hv, K, V] float32 or
+    None).
+  """
+  return registry.call(
+      "gated_delta_rule", implementation,
+      query, key, value, g, beta,
+      scale=scale,
+      initial_state=initial_state,
+      output_final_state=output_final_state,
+      use_qk_l2norm=use_qk_l2norm,
+      a_log=a_log,
+      dt_bias=dt_bias,
+      segment_ids=segment_ids,
+  )

@@ -1,0 +1,303 @@
+"""Gated delta rule: the Op every implementation derives from.
+
+Recurrence (per batch b and value head h, reading key head h // (Hv // Hk)):
+
+  S_t = exp(g_t) * S_{t-1}
+  S_t = S_t + beta_t * k_t (v_t - k_t^T S_t)^T          S_t: [K, V], float32
+  o_t = scale * S_t^T q_t
+
+with q, k L2-normalised first (x / sqrt(sum x^2 + 1e-6)) when `use_qk_l2norm`,
+and g_t = -exp(a_log) * softplus(g_raw + dt_bias) when `a_log`/`dt_bias` are
+given. `segment_ids` resets S to zero where the id changes (t > 0); the first
+segment starts from `initial_state`.
+
+Split of work:
+- `GatedDeltaRule.bind` validates and canonicalises once, for all backends.
+- `prologue` (l2norm + gate activation) is pointwise per token; it is shared and
+  differentiated by autodiff in `GatedDeltaRuleVjp`.
+- Backends implement `_core_fwd` (and, for an analytical backward, a
+  `GatedDeltaRuleVjp` subclass implementing `_core_bwd`) on the prepared
+  q, k (input dtype, normalised), v, log-decay (float32) and beta.
+"""
+
+import functools
+from typing import Any, ClassVar, TypeAlias
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int  # pylint: disable=g-multiple-import,g-importing-member
+from tokamax._src.ops import op
+
+AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
+Output: TypeAlias = tuple[jax.Array, jax.Array | None]
+Residuals: TypeAlias = Any
+
+L2NORM_EPS = 1e-6
+
+
+def _name_shape(name: str, x) -> str:
+  return f"`{name}` (shape {tuple(x.shape)}, dtype {jnp.dtype(x.dtype).name})"
+
+
+def _require_float(name: str, x) -> None:
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{_name_shape(name, x)} must be a floating-point array.")
+
+
+def _require_shape(name: str, x, expected: tuple[int, ...], what: str) -> None:
+  if tuple(x.shape) != tuple(expected):
+    raise ValueError(
+        f"{_name_shape(name, x)}: expected shape {tuple(expected)} ({what})."
+    )
+
+
+def _require_rank(name: str, x, rank: int, layout: str) -> None:
+  if x.ndim != rank:
+    raise ValueError(f"{_name_shape(name, x)}: expected rank {rank} ({layout}).")
+
+
+def l2norm(x: jax.Array) -> jax.Array:
+  """x / sqrt(sum(x^2) + 1e-6) over the last axis, computed in float32."""
+  x32 = x.astype(jnp.float32)
+  return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def gate_log_decay(
+    g: jax.Array, a_log: jax.Array | None, dt_bias: jax.Array | None
+) -> jax.Array:
+  """Log-decay in float32: g itself, or -exp(a_log) * softplus(g + dt_bias)."""
+  g = g.astype(jnp.float32)
+  if a_log is None:
+    return g
+  if dt_bias is not None:
+    g = g + dt_bias.astype(jnp.float32)
+  return -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(g)
+
+
+def prologue(
+    query: jax.Array,
+    key: jax.Array,
+    g: jax.Array,
+    a_log: jax.Array | None,
+    dt_bias: jax.Array | None,
+    *,
+    use_qk_l2norm: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Per-token preparation shared by every backend: (q, k, log_decay).
+
+  q and k keep the input dtype (normalised in float32 first); the log-decay is
+  float32.
+  """
+  if use_qk_l2norm:
+    query = l2norm(query).astype(query.dtype)
+    key = l2norm(key).astype(key.dtype)
+  return query, key, gate_log_decay(g, a_log, dt_bias)
+
+
+def segment_starts(segment_ids: jax.Array | None, t: int) -> jax.Array | None:
+  """[B, T] bool: True where a new segment starts (never at t = 0)."""
+  if segment_ids is None:
+    return None
+  changed = segment_ids[:, 1:] != segment_ids[:, :-1]
+  return jnp.concatenate([jnp.zeros_like(changed[:, :1]), changed], axis=1)
+
+
+class GatedDeltaRule[C, K](op.Op[Any, Output, Residuals, C, K]):
+  """Gated delta rule op. Subclasses implement `_core_fwd`."""
+
+  # K or V above this: NotImplementedError, so `implementation=` falls through.
+  max_head_dim: ClassVar[int | None] = None
+
+  def bind(
+      self,
+      query: Float[Array | AbstractArray, "B T Hk K"],
+      key: Float[Array | AbstractArray, "B T Hk K"],
+      value: Float[Array | AbstractArray, "B T Hv V"],
+      g: Float[Array | AbstractArray, "B T Hv"],
+      beta: Float[Array | AbstractArray, "B T Hv"],
+      *,
+      scale: float | None = None,
+      initial_state: Float[Array | AbstractArray, "B Hv K V"] | None = None,
+      output_final_state: bool = False,
+      use_qk_l2norm: bool = False,
+      a_log: Float[Array | AbstractArray, "Hv"] | None = None,
+      dt_bias: Float[Array | AbstractArray, "Hv"] | None = None,
+      segment_ids: Int[Array | AbstractArray, "B T"] | None = None,
+      return_residuals: bool = False,
+  ) -> op.BoundArguments:
+    """Checks shapes and dtypes once for every backend; fills in `scale`."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+      _require_rank(name, x, 4, "[batch, time, heads, head_dim]")
+      _require_float(name, x)
+    b, t, hk, dk = query.shape
+    _require_shape("key", key, (b, t, hk, dk), "same as `query` [B, T, Hk, K]")
+    if value.shape[:2] != (b, t):
+      raise ValueError(
+          f"{_name_shape('value', value)}: batch and time must match `query`"
+          f" {(b, t)}."
+      )
+    hv, dv = value.shape[2], value.shape[3]
+    if hk == 0 or hv % hk:
+      raise ValueError(
+          f"{_name_shape('value', value)}: value heads Hv={hv} must be a multiple"
+          f" of key heads Hk={hk} (from `query`/`key`)."
+      )
+    for name, x in (("g", g), ("beta", beta)):
+      _require_rank(name, x, 3, "[batch, time, value_heads]")
+      _require_float(name, x)
+      _require_shape(name, x, (b, t, hv), "[B, T, Hv]")
+    if initial_state is not None:
+      _require_float("initial_state", initial_state)
+      _require_shape("initial_state", initial_state, (b, hv, dk, dv), "[B, Hv, K, V]")
+    if (a_log is None) != (dt_bias is None) and a_log is None:
+      raise ValueError("`dt_bias` was given without `a_log`; pass both or neither.")
+    for name, x in (("a_log", a_log), ("dt_bias", dt_bias)):
+      if x is not None:
+        _require_float(name, x)
+        _require_shape(name, x, (hv,), "[Hv]")
+    if segment_ids is not None:
+      if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise TypeError(f"{_name_shape('segment_ids', segment_ids)} must be integer.")
+      _require_shape("segment_ids", segment_ids, (b, t), "[B, T]")
+    if scale is None:
+      scale = dk**-0.5
+    if self.max_head_dim is not None and max(dk, dv) > self.max_head_dim:
+      raise NotImplementedError(
+          f"{type(self).__name__} supports head dims up to {self.max_head_dim};"
+          f" got K={dk}, V={dv}."
+      )
+    return super().bind(
+        query, key, value, g, beta,
+        scale=float(scale),
+        initial_state=initial_state,
+        output_final_state=bool(output_final_state),
+        use_qk_l2norm=bool(use_qk_l2norm),
+        a_log=a_log,
+        dt_bias=dt_bias,
+        segment_ids=segment_ids,
+        return_residuals=return_residuals,
+    )
+
+  def _fwd(
+      self,
+      query: Float[Array, "B T Hk K"],
+      key: Float[Array, "B T Hk K"],
+      value: Float[Array, "B T Hv V"],
+      g: Float[Array, "B T Hv"],
+      beta: Float[Array, "B T Hv"],
+      *,
+      scale: float,
+      initial_state: Float[Array, "B Hv K V"] | None,
+      output_final_state: bool,
+      use_qk_l2norm: bool,
+      a_log: Float[Array, "Hv"] | None,
+      dt_bias: Float[Array, "Hv"] | None,
+      segment_ids: Int[Array, "B T"] | None,
+      return_residuals: bool,
+      config: C,
+  ) -> tuple[Output, Residuals]:
+    q, k, log_decay = prologue(
+        query, key, g, a_log, dt_bias, use_qk_l2norm=use_qk_l2norm
+    )
+    out, final_state, residuals = self._core_fwd(
+        q, k, value, log_decay, beta,
+        scale=scale,
+        initial_state=initial_state,
+        segment_ids=segment_ids,
+        config=config,
+    )
+    out = out.astype(value.dtype)
+    final_state = final_state if output_final_state else None
+    return (out, final_state), (residuals if return_residuals else None)
+
+  def _core_fwd(
+      self,
+      q: jax.Array,
+      k: jax.Array,
+      v: jax.Array,
+      log_decay: jax.Array,
+      beta: jax.Array,
+      *,
+      scale: float,
+      initial_state: jax.Array | None,
+      segment_ids: jax.Array | None,
+      config: C,
+  ) -> tuple[jax.Array, jax.Array, Residuals]:
+    """Returns (out [B,T,Hv,V], final_state [B,Hv,K,V] f32, residuals)."""
+    raise NotImplementedError
+
+
+class GatedDeltaRuleVjp[C, K](op.Op[Any, dict[str, jax.Array], None, C, K]):
+  """Analytical VJP plumbing: prologue by autodiff, `_core_bwd` by hand."""
+
+  def _fwd(
+      self,
+      residuals: Residuals,
+      out: Output,
+      dout: Output,
+      query: Float[Array, "B T Hk K"],
+      key: Float[Array, "B T Hk K"],
+      value: Float[Array, "B T Hv V"],
+      g: Float[Array, "B T Hv"],
+      beta: Float[Array, "B T Hv"],
+      *,
+      scale: float,
+      initial_state: Float[Array, "B Hv K V"] | None,
+      output_final_state: bool,
+      use_qk_l2norm: bool,
+      a_log: Float[Array, "Hv"] | None,
+      dt_bias: Float[Array, "Hv"] | None,
+      segment_ids: Int[Array, "B T"] | None,
+      return_residuals: bool,
+      config: C,
+  ) -> tuple[dict[str, jax.Array], None]:
+    del out, return_residuals
+    pro = functools.partial(prologue, use_qk_l2norm=use_qk_l2norm)
+    (q, k, log_decay), pro_vjp = jax.vjp(pro, query, key, g, a_log, dt_bias)
+    d_out, d_final = dout
+    if not output_final_state or d_final is None:
+      d_final = None
+    dq, dk, dv, d_log_decay, dbeta, d_initial = self._core_bwd(
+        residuals, q, k, value, log_decay, beta, d_out, d_final,
+        scale=scale,
+        initial_state=initial_state,
+        segment_ids=segment_ids,
+        config=config,
+    )
+    dquery, dkey, dg, da_log, ddt_bias = pro_vjp(
+        (dq.astype(q.dtype), dk.astype(k.dtype), d_log_decay.astype(jnp.float32))
+    )
+    grads = dict(
+        query=dquery,
+        key=dkey,
+        value=dv.astype(value.dtype),
+        g=dg.astype(g.dtype),
+        beta=dbeta.astype(beta.dtype),
+    )
+    if initial_state is not None:
+      grads["initial_state"] = d_initial.astype(initial_state.dtype)
+    if a_log is not None:
+      grads["a_log"] = da_log
+      if dt_bias is not None:
+        grads["dt_bias"] = ddt_bias
+    return grads, None
+
+  def _core_bwd(
+      self,
+      residuals: Residuals,
+      q: jax.Array,
+      k: jax.Array,
+      v: jax.Array,
+      log_decay: jax.Array,
+      beta: jax.Array,
+      d_out: jax.Array,
+      d_final: jax.Array | None,
+      *,
+      scale: float,
+      initial_state: jax.Array | None,
+      segment_ids: jax.Array | None,
+      config: C,
+  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Returns (dq, dk, dv, d_log_decay, dbeta, d_initial_state [B,Hv,K,V] f32)."""
+    raise NotImplementedError
+

@@ -1,0 +1,122 @@
+"""Registry of ops and their implementations.
+
+Each op lives in `tokamax_gdn/ops/<op>/`; each implementation in a module of
+that folder named after it (`pallas_mosaic_tpu.py`, `xla.py`, `reference.py`)
+which exposes its `tokamax.Op` instance as `IMPLEMENTATION`. The registry
+discovers those modules, so an implementation joins the registry (and the
+conformance suite) by existing, with no list to edit; a name whose module does
+not exist is simply absent.
+"""
+
+from collections.abc import Sequence
+import importlib
+import importlib.util
+from typing import Any
+
+from tokamax._src.ops import op as op_lib
+
+from tokamax_gdn import config
+
+OPS: tuple[str, ...] = ("gated_delta_rule", "causal_conv1d", "gmm", "tgmm")
+IMPLEMENTATION_NAMES: tuple[str, ...] = ("pallas_mosaic_tpu", "xla", "reference")
+
+_cache: dict[str, dict[str, op_lib.Op]] = {}
+
+
+def list_ops() -> list[str]:
+  """Names of the ops, in a fixed order."""
+  return list(OPS)
+
+
+def _check_op(op_name: str) -> None:
+  if op_name not in OPS:
+    raise ValueError(f"Unknown op {op_name!r}; valid ops: {', '.join(OPS)}")
+
+
+def implementations(op_name: str) -> dict[str, op_lib.Op]:
+  """Implementation name -> `tokamax.Op` instance for `op_name`."""
+  _check_op(op_name)
+  if op_name not in _cache:
+    found = {}
+    for name in IMPLEMENTATION_NAMES:
+      module_name = f"tokamax_gdn.ops.{op_name}.{name}"
+      if importlib.util.find_spec(module_name) is None:
+        continue
+      module = importlib.import_module(module_name)
+      impl = getattr(module, "IMPLEMENTATION", None)
+      if not isinstance(impl, op_lib.Op):
+        raise TypeError(f"{module_name}.IMPLEMENTATION must be a tokamax Op, got {impl!r}")
+      found[name] = impl
+    _cache[op_name] = found
+  return dict(_cache[op_name])
+
+
+def get(op_name: str, name: str) -> op_lib.Op:
+  """The `tokamax.Op` registered for (`op_name`, `name`)."""
+  impls = implementations(op_name)
+  if name not in impls:
+    raise ValueError(
+        f"Unknown implementation {name!r} for op {op_name!r}; valid: {', '.join(impls)}"
+    )
+  return impls[name]
+
+
+def default_order(op_name: str) -> tuple[str, ...]:
+  """Implementation names tried when `implementation=None`.
+
+  On TPU (a real chip, or an abstract TPU mesh when compiling ahead of time)
+  the Pallas kernels come first; elsewhere `xla` then `reference`.
+  """
+  impls = implementations(op_name)
+  order = IMPLEMENTATION_NAMES if config.on_tpu() else ("xla", "reference")
+  return tuple(n for n in order if n in impls)
+
+
+Implementation = str | op_lib.Op | Sequence[str | op_lib.Op] | None
+
+
+def resolve(op_name: str, implementation: Implementation) -> list[op_lib.Op]:
+  """Turns an `implementation=` argument into the list of Ops to try, in order."""
+  if implementation is None:
+    names: Sequence[Any] = default_order(op_name)
+  elif isinstance(implementation, (str, op_lib.Op)):
+    names = (implementation,)
+  else:
+    names = tuple(implementation)
+    if not names:
+      raise ValueError("`implementation` must not be an empty sequence.")
+  return [n if isinstance(n, op_lib.Op) else get(op_name, n) for n in names]
+
+
+def call(
+    op_name: str,
+    implementation: Implementation,
+    *args,
+    **kwargs,
+) -> Any:
+  """Calls the first implementation that does not raise NotImplementedError.
+
+  Raises:
+    ValueError: for an unknown implementation name (before anything runs).
+    ExceptionGroup: when every implementation raised NotImplementedError.
+  """
+  errors = []
+  for impl in resolve(op_name, implementation):
+    try:
+      return impl(*args, **kwargs)
+    except NotImplementedError as e:
+      errors.append(e)
+  raise ExceptionGroup(f"all implementations of {op_name} failed", errors)
+
+
+def table() -> list[tuple[str, str, str, str]]:
+  """Rows (op, implementation, Op class, Config class) for printing."""
+  rows = []
+  for op_name in OPS:
+    for name, impl in implementations(op_name).items():
+      cfg = type(impl).config_cls
+      rows.append((op_name, name, type(impl).__name__, getattr(cfg, "__name__", str(cfg))))
+  return rows
+
+
+__all__ = ["list_ops", "implementations", "get", "default_order", "resolve", "call", "table"]

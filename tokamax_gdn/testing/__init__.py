@@ -1,0 +1,1 @@
+"""Testing helpers: argument specs and the conformance suite."""
