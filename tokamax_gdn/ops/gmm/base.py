@@ -1,0 +1,230 @@
+"""Grouped matmul (gmm): the Op every implementation derives from.
+
+Rows of `lhs` are split into consecutive groups by `group_sizes`; group g owns
+rows [offsets[g], offsets[g + 1]) with offsets = cumsum([0, *group_sizes]):
+
+  out[offsets[g]:offsets[g+1]] = lhs[offsets[g]:offsets[g+1]] @ rhs[g]      (rhs [G, K, N])
+  out[offsets[g]:offsets[g+1]] = lhs[offsets[g]:offsets[g+1]] @ rhs[g]^T    (transpose_rhs, rhs [G, N, K])
+
+Rows past sum(group_sizes) are zero. Same as `jax.lax.ragged_dot`.
+
+The checks here are shared with `tgmm` (its base imports them). `bind` also
+accepts the keyword arguments `tokamax.ragged_dot` passes to an Op instance
+(`ragged_dot_dimension_numbers`, `precision`, `activation`, `group_offset`,
+`manual_axis_type`), so any gmm implementation can be handed to
+`tokamax.ragged_dot(..., implementation=op)`.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Integer, Shaped  # pylint: disable=g-multiple-import,g-importing-member
+from tokamax._src.ops import op
+from tokamax._src.ops.ragged_dot import base as ragged_dot_base
+
+AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
+Residuals = None
+
+_DIMS_PLAIN = ragged_dot_base.DEFAULT_RAGGED_DOT_DIM_NUMS
+_DIMS_TRANSPOSED_RHS = ragged_dot_base.TRANS_RHS_RAGGED_DOT_DIM_NUMS
+
+
+def describe(name: str, x) -> str:
+  return f"`{name}` (shape {tuple(x.shape)}, dtype {jnp.dtype(x.dtype).name})"
+
+
+def _is_fp8(dtype) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 1
+
+
+def require_operand_dtype(name: str, x) -> None:
+  """Floats of any width, int8 and fp8 (8-bit operands are upcast in the matmul)."""
+  dt = jnp.dtype(x.dtype)
+  if jnp.issubdtype(dt, jnp.floating) or dt == jnp.int8:
+    return
+  raise TypeError(
+      f"{describe(name, x)} must be a floating-point (incl. fp8) or int8 array."
+  )
+
+
+def require_rank(name: str, x, rank: int, layout: str) -> None:
+  if x.ndim != rank:
+    raise ValueError(f"{describe(name, x)}: expected rank {rank} ({layout}).")
+
+
+def check_group_sizes(group_sizes, num_groups: int | None) -> None:
+  """Integer, rank 1, and (when known) of length G = rhs.shape[0]."""
+  if not hasattr(group_sizes, "dtype") or not hasattr(group_sizes, "shape"):
+    raise TypeError(
+        f"`group_sizes` must be an integer array of shape [G]; got {type(group_sizes).__name__}."
+    )
+  if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise TypeError(f"{describe('group_sizes', group_sizes)} must be an integer array.")
+  if group_sizes.ndim != 1:
+    raise ValueError(f"{describe('group_sizes', group_sizes)}: expected rank 1 ([G]).")
+  if num_groups is not None and group_sizes.shape[0] != num_groups:
+    raise ValueError(
+        f"{describe('group_sizes', group_sizes)}: expected shape ({num_groups},)"
+        " (one size per group of `rhs`)."
+    )
+
+
+def canonical_group_sizes(group_sizes) -> Any:
+  """Accepts a tokamax `GroupSizes`, a list of ints or an array; returns an array."""
+  if isinstance(group_sizes, ragged_dot_base.GroupSizes):
+    group_sizes = group_sizes.value
+  if isinstance(group_sizes, (list, tuple)):
+    group_sizes = jnp.asarray(group_sizes, jnp.int32)
+  return group_sizes
+
+
+def canonical_out_dtype(lhs, rhs, preferred_element_type) -> jnp.dtype:
+  """`preferred_element_type`, else the operands' result type (as `jax.lax.ragged_dot`)."""
+  if preferred_element_type is not None:
+    return jnp.dtype(preferred_element_type)
+  return jnp.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
+
+
+def compute_dtype(lhs_dtype, rhs_dtype) -> jnp.dtype:
+  """The dtype both operands are converted to before the matmul.
+
+  int8 / fp8 beside a wider float become that float (exact: every int8 and fp8
+  value is representable in bf16); two 8-bit operands meet in bf16.
+  """
+  lhs_dtype, rhs_dtype = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype)
+  narrow = lambda d: d.itemsize == 1
+  if narrow(lhs_dtype) and narrow(rhs_dtype):
+    return jnp.dtype(jnp.bfloat16)
+  if narrow(lhs_dtype):
+    return rhs_dtype
+  if narrow(rhs_dtype):
+    return lhs_dtype
+  return jnp.dtype(jnp.promote_types(lhs_dtype, rhs_dtype))
+
+
+def check_compat_kwargs(
+    *, ragged_dot_dimension_numbers, activation, group_offset, allowed_dims
+) -> jax.lax.RaggedDotDimensionNumbers | None:
+  """The `tokamax.ragged_dot` keywords we can honour; NotImplementedError otherwise."""
+  if activation is not None:
+    raise NotImplementedError("`activation` is not supported by tokamax_gdn gmm/tgmm.")
+  if group_offset is not None:
+    raise NotImplementedError("`group_offset` is not supported by tokamax_gdn gmm/tgmm.")
+  if ragged_dot_dimension_numbers is not None and ragged_dot_dimension_numbers not in allowed_dims:
+    raise NotImplementedError(
+        f"ragged_dot_dimension_numbers={ragged_dot_dimension_numbers} is not supported;"
+        f" supported: {list(allowed_dims)}."
+    )
+  return ragged_dot_dimension_numbers
+
+
+class Gmm[C, K](op.Op[Any, jax.Array, Residuals, C, K]):
+  """Grouped matmul. Subclasses implement `_gmm` (and set a `vjp`)."""
+
+  def bind(
+      self,
+      lhs: Shaped[Array | AbstractArray, "M K"],
+      rhs: Shaped[Array | AbstractArray, "G K N"],
+      group_sizes: Integer[Array | AbstractArray, "G"] | Any = None,
+      *,
+      preferred_element_type: jax.typing.DTypeLike | None = None,
+      transpose_rhs: bool = False,
+      return_residuals: bool = False,
+      # Keywords `tokamax.ragged_dot` passes to an Op instance.
+      ragged_dot_dimension_numbers: jax.lax.RaggedDotDimensionNumbers | None = None,
+      precision: jax.lax.PrecisionLike = None,
+      activation: Any = None,
+      group_offset: Any = None,
+      manual_axis_type: Any = None,
+      zero_initialize: bool = False,
+  ) -> op.BoundArguments:
+    """Checks shapes and dtypes once for every backend."""
+    # Every implementation accumulates in float32 with full-precision f32 matmuls.
+    del precision, manual_axis_type, zero_initialize
+    dims = check_compat_kwargs(
+        ragged_dot_dimension_numbers=ragged_dot_dimension_numbers,
+        activation=activation,
+        group_offset=group_offset,
+        allowed_dims=(_DIMS_PLAIN, _DIMS_TRANSPOSED_RHS),
+    )
+    if dims is not None:
+      transpose_rhs = dims == _DIMS_TRANSPOSED_RHS
+    if group_sizes is None:
+      raise TypeError("gmm() missing required argument `group_sizes`.")
+    group_sizes = canonical_group_sizes(group_sizes)
+    require_rank("lhs", lhs, 2, "[M, K]")
+    require_rank("rhs", rhs, 3, "[G, N, K]" if transpose_rhs else "[G, K, N]")
+    require_operand_dtype("lhs", lhs)
+    require_operand_dtype("rhs", rhs)
+    k_axis = 2 if transpose_rhs else 1
+    if rhs.shape[k_axis] != lhs.shape[1]:
+      layout = "[G, N, K] (transpose_rhs=True)" if transpose_rhs else "[G, K, N]"
+      raise ValueError(
+          f"{describe('rhs', rhs)}: contraction size K must match `lhs` K={lhs.shape[1]};"
+          f" got {rhs.shape[k_axis]} in rhs layout {layout}."
+      )
+    check_group_sizes(group_sizes, rhs.shape[0])
+    out_dtype = canonical_out_dtype(lhs, rhs, preferred_element_type)
+    return super().bind(
+        lhs,
+        rhs,
+        group_sizes=group_sizes,
+        preferred_element_type=out_dtype,
+        transpose_rhs=bool(transpose_rhs),
+        return_residuals=return_residuals,
+    )
+
+  def _fwd(
+      self,
+      lhs: Shaped[Array, "M K"],
+      rhs: Shaped[Array, "G K N"],
+      *,
+      group_sizes: Integer[Array, "G"],
+      preferred_element_type: jnp.dtype,
+      transpose_rhs: bool,
+      return_residuals: bool,
+      config: C,
+  ) -> tuple[jax.Array, Residuals]:
+    del return_residuals
+    out = self._gmm(lhs, rhs, group_sizes, out_dtype=preferred_element_type,
+                    transpose_rhs=transpose_rhs, config=config)
+    return out, None
+
+  def _gmm(self, lhs, rhs, group_sizes, *, out_dtype, transpose_rhs, config) -> jax.Array:
+    """The backend's computation on canonical arguments (`_fwd` keeps the annotations)."""
+    raise NotImplementedError
+
+
+def gmm_vjp_fn(implementation: str):
+  """The gmm VJP, computed with gmm / tgmm of the `implementation` family.
+
+  dlhs = gmm(dout, rhs, transpose_rhs=not transpose_rhs)
+  drhs = tgmm(lhs, dout)  [G, K, N],  or tgmm(dout, lhs) [G, N, K] when transposed.
+  """
+
+  def vjp(residuals, out, dout, lhs, rhs, *, group_sizes, preferred_element_type,
+          transpose_rhs):
+    del residuals, out, preferred_element_type
+    from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
+
+    gmm_op = registry.get("gmm", implementation)
+    tgmm_op = registry.get("tgmm", implementation)
+    grads = {}
+    if jnp.issubdtype(lhs.dtype, jnp.floating):
+      grads["lhs"] = gmm_op(
+          dout, rhs, group_sizes,
+          preferred_element_type=lhs.dtype, transpose_rhs=not transpose_rhs,
+      )
+    else:
+      grads["lhs"] = jnp.zeros_like(lhs)
+    if jnp.issubdtype(rhs.dtype, jnp.floating):
+      if transpose_rhs:
+        grads["rhs"] = tgmm_op(dout, lhs, group_sizes, preferred_element_type=rhs.dtype)
+      else:
+        grads["rhs"] = tgmm_op(lhs, dout, group_sizes, preferred_element_type=rhs.dtype)
+    else:
+      grads["rhs"] = jnp.zeros_like(rhs)
+    return grads
+
+  return vjp

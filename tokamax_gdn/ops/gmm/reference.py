@@ -1,0 +1,42 @@
+"""Reference gmm: one masked dense matmul per group, float32.
+
+  out = sum_g  where(row in group g, lhs @ rhs[g], 0)
+
+The oracle for the other implementations: obvious, O(G) times the work,
+differentiated by autodiff.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tokamax_gdn.ops.gmm import base
+
+
+def group_masks(group_sizes: jax.Array, m: int) -> jax.Array:
+  """[G, M] bool: row r belongs to group g."""
+  ends = jnp.cumsum(group_sizes)
+  starts = ends - group_sizes
+  rows = jnp.arange(m)
+  return (rows[None, :] >= starts[:, None]) & (rows[None, :] < ends[:, None])
+
+
+class ReferenceGmm(base.Gmm[Any, Any]):
+  """Per-group masked loop in float32."""
+
+  def _gmm(self, lhs, rhs, group_sizes, *, out_dtype, transpose_rhs, config):
+    del config
+    lhs32 = lhs.astype(jnp.float32)
+    rhs32 = rhs.astype(jnp.float32)
+    if transpose_rhs:
+      rhs32 = jnp.swapaxes(rhs32, 1, 2)
+    masks = group_masks(group_sizes, lhs.shape[0])
+    out = jnp.zeros((lhs.shape[0], rhs32.shape[2]), jnp.float32)
+    for g in range(rhs.shape[0]):
+      prod = jnp.dot(lhs32, rhs32[g], precision=jax.lax.Precision.HIGHEST)
+      out = out + jnp.where(masks[g][:, None], prod, 0.0)
+    return out.astype(out_dtype)
+
+
+IMPLEMENTATION = ReferenceGmm()

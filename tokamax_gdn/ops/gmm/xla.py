@@ -1,0 +1,36 @@
+"""XLA gmm: `jax.lax.ragged_dot_general`, float32 accumulation.
+
+The VJP is gmm / tgmm of this same family (see `base.gmm_vjp_fn`).
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tokamax_gdn.ops.gmm import base
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaGmm(base.Gmm[Any, Any]):
+  """`jax.lax.ragged_dot_general` on operands converted to a common dtype."""
+
+  def __post_init__(self):
+    if self.vjp is None:
+      object.__setattr__(self, "vjp", base.gmm_vjp_fn("xla"))
+
+  def _gmm(self, lhs, rhs, group_sizes, *, out_dtype, transpose_rhs, config):
+    del config
+    ct = base.compute_dtype(lhs.dtype, rhs.dtype)
+    dims = base._DIMS_TRANSPOSED_RHS if transpose_rhs else base._DIMS_PLAIN  # pylint: disable=protected-access
+    out = jax.lax.ragged_dot_general(
+        lhs.astype(ct), rhs.astype(ct), group_sizes.astype(jnp.int32),
+        ragged_dot_dimension_numbers=dims,
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+    return out.astype(out_dtype)
+
+
+IMPLEMENTATION = XlaGmm()

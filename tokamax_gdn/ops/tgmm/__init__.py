@@ -1,0 +1,1 @@
+"""Transposed grouped matmul: out[g] = lhs[rows_g]^T @ rhs[rows_g] (gmm's weight gradient)."""

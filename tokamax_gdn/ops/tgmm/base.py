@@ -1,0 +1,118 @@
+"""Transposed grouped matmul (tgmm): the Op every implementation derives from.
+
+With offsets = cumsum([0, *group_sizes]) and rows_g = [offsets[g], offsets[g+1]):
+
+  out[g] = lhs[rows_g]^T @ rhs[rows_g]        lhs [M, K], rhs [M, N], out [G, K, N]
+
+Rows past sum(group_sizes) are ignored; an empty group gives zeros. Same as
+`jax.lax.ragged_dot_general` with a ragged contracting dimension. It is gmm's
+weight gradient: for out = gmm(x, w), dw = tgmm(x, dout).
+
+VJP (out[g] = A_g^T B_g with A = lhs, B = rhs restricted to rows_g):
+  dlhs[rows_g] = B_g @ dout[g]^T  -> gmm(rhs, dout, transpose_rhs=True)
+  drhs[rows_g] = A_g @ dout[g]    -> gmm(lhs, dout)
+Both give zeros past sum(group_sizes), as they should.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Integer, Shaped  # pylint: disable=g-multiple-import,g-importing-member
+from tokamax._src.ops import op
+from tokamax._src.ops.ragged_dot import base as ragged_dot_base
+
+from tokamax_gdn.ops.gmm import base as gmm_base
+
+AbstractArray = gmm_base.AbstractArray
+Residuals = None
+DIMS = ragged_dot_base.RAGGED_CONTRACTING_DOT_DIM_NUMS
+
+
+class Tgmm[C, K](op.Op[Any, jax.Array, Residuals, C, K]):
+  """Transposed grouped matmul. Subclasses implement `_tgmm` (and set a `vjp`)."""
+
+  def bind(
+      self,
+      lhs: Shaped[Array | AbstractArray, "M K"],
+      rhs: Shaped[Array | AbstractArray, "M N"],
+      group_sizes: Integer[Array | AbstractArray, "G"] | Any = None,
+      *,
+      preferred_element_type: jax.typing.DTypeLike | None = None,
+      return_residuals: bool = False,
+      ragged_dot_dimension_numbers: jax.lax.RaggedDotDimensionNumbers | None = None,
+      precision: jax.lax.PrecisionLike = None,
+      activation: Any = None,
+      group_offset: Any = None,
+      manual_axis_type: Any = None,
+  ) -> op.BoundArguments:
+    """Checks shapes and dtypes once for every backend."""
+    del precision, manual_axis_type
+    gmm_base.check_compat_kwargs(
+        ragged_dot_dimension_numbers=ragged_dot_dimension_numbers,
+        activation=activation,
+        group_offset=group_offset,
+        allowed_dims=(DIMS,),
+    )
+    if group_sizes is None:
+      raise TypeError("tgmm() missing required argument `group_sizes`.")
+    group_sizes = gmm_base.canonical_group_sizes(group_sizes)
+    gmm_base.require_rank("lhs", lhs, 2, "[M, K]")
+    gmm_base.require_rank("rhs", rhs, 2, "[M, N]")
+    gmm_base.require_operand_dtype("lhs", lhs)
+    gmm_base.require_operand_dtype("rhs", rhs)
+    if rhs.shape[0] != lhs.shape[0]:
+      raise ValueError(
+          f"{gmm_base.describe('rhs', rhs)}: rows M must match `lhs` M={lhs.shape[0]}"
+          f" (the ragged contraction); got {rhs.shape[0]}."
+      )
+    gmm_base.check_group_sizes(group_sizes, None)
+    out_dtype = gmm_base.canonical_out_dtype(lhs, rhs, preferred_element_type)
+    return super().bind(
+        lhs,
+        rhs,
+        group_sizes=group_sizes,
+        preferred_element_type=out_dtype,
+        return_residuals=return_residuals,
+    )
+
+  def _fwd(
+      self,
+      lhs: Shaped[Array, "M K"],
+      rhs: Shaped[Array, "M N"],
+      *,
+      group_sizes: Integer[Array, "G"],
+      preferred_element_type: jnp.dtype,
+      return_residuals: bool,
+      config: C,
+  ) -> tuple[jax.Array, Residuals]:
+    del return_residuals
+    return self._tgmm(lhs, rhs, group_sizes, out_dtype=preferred_element_type,
+                      config=config), None
+
+  def _tgmm(self, lhs, rhs, group_sizes, *, out_dtype, config) -> jax.Array:
+    """The backend's computation on canonical arguments (`_fwd` keeps the annotations)."""
+    raise NotImplementedError
+
+
+def tgmm_vjp_fn(implementation: str):
+  """The tgmm VJP with gmm of the `implementation` family (see module docstring)."""
+
+  def vjp(residuals, out, dout, lhs, rhs, *, group_sizes, preferred_element_type):
+    del residuals, out, preferred_element_type
+    from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
+
+    gmm_op = registry.get("gmm", implementation)
+    grads = {}
+    if jnp.issubdtype(lhs.dtype, jnp.floating):
+      grads["lhs"] = gmm_op(rhs, dout, group_sizes, preferred_element_type=lhs.dtype,
+                            transpose_rhs=True)
+    else:
+      grads["lhs"] = jnp.zeros_like(lhs)
+    if jnp.issubdtype(rhs.dtype, jnp.floating):
+      grads["rhs"] = gmm_op(lhs, dout, group_sizes, preferred_element_type=rhs.dtype)
+    else:
+      grads["rhs"] = jnp.zeros_like(rhs)
+    return grads
+
+  return vjp

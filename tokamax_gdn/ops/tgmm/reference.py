@@ -1,0 +1,32 @@
+"""Reference tgmm: one masked dense matmul per group, float32.
+
+  out[g] = (where(row in group g, lhs, 0))^T @ rhs
+
+The oracle for the other implementations; differentiated by autodiff.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tokamax_gdn.ops.gmm.reference import group_masks
+from tokamax_gdn.ops.tgmm import base
+
+
+class ReferenceTgmm(base.Tgmm[Any, Any]):
+  """Per-group masked loop in float32."""
+
+  def _tgmm(self, lhs, rhs, group_sizes, *, out_dtype, config):
+    del config
+    lhs32 = lhs.astype(jnp.float32)
+    rhs32 = rhs.astype(jnp.float32)
+    masks = group_masks(group_sizes, lhs.shape[0])
+    outs = []
+    for g in range(group_sizes.shape[0]):
+      masked = jnp.where(masks[g][:, None], lhs32, 0.0)
+      outs.append(jnp.dot(masked.T, rhs32, precision=jax.lax.Precision.HIGHEST))
+    return jnp.stack(outs).astype(out_dtype)
+
+
+IMPLEMENTATION = ReferenceTgmm()

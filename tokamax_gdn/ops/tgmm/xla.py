@@ -1,0 +1,36 @@
+"""XLA tgmm: `jax.lax.ragged_dot_general` with a ragged contracting dimension.
+
+The VJP is gmm of this same family (see `base.tgmm_vjp_fn`).
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tokamax_gdn.ops.gmm import base as gmm_base
+from tokamax_gdn.ops.tgmm import base
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaTgmm(base.Tgmm[Any, Any]):
+  """`jax.lax.ragged_dot_general` on operands converted to a common dtype."""
+
+  def __post_init__(self):
+    if self.vjp is None:
+      object.__setattr__(self, "vjp", base.tgmm_vjp_fn("xla"))
+
+  def _tgmm(self, lhs, rhs, group_sizes, *, out_dtype, config):
+    del config
+    ct = gmm_base.compute_dtype(lhs.dtype, rhs.dtype)
+    out = jax.lax.ragged_dot_general(
+        lhs.astype(ct), rhs.astype(ct), group_sizes.astype(jnp.int32),
+        ragged_dot_dimension_numbers=base.DIMS,
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+    return out.astype(out_dtype)
+
+
+IMPLEMENTATION = XlaTgmm()
