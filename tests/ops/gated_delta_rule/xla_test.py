@@ -1,0 +1,262 @@
+"""Tests for the chunked `xla` gated delta rule against the reference."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pydantic
+import pytest
+
+import tokamax_gdn
+from tokamax_gdn import registry
+from tokamax_gdn.ops.gated_delta_rule import xla
+from tokamax_gdn.testing.specs import rel_rms, tolerance
+
+GRAD_NAMES = ("query", "key", "value", "g", "beta", "initial_state", "a_log",
+              "dt_bias")
+
+
+def make_inputs(seed, *, b=1, t=65, hk=1, hv=2, dk=16, dv=8, dtype=jnp.float32,
+                gate_params=False, normalise_keys=True, segments=None):
+  """Realistic random inputs: unit keys, beta = sigmoid(normal), g <= 0."""
+  ks = jax.random.split(jax.random.PRNGKey(seed), 9)
+  q = jax.random.normal(ks[0], (b, t, hk, dk))
+  k = jax.random.normal(ks[1], (b, t, hk, dk))
+  if normalise_keys:
+    q = q / jnp.linalg.norm(q, axis=-1, keepdims=True)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+  v = jax.random.normal(ks[2], (b, t, hv, dv))
+  g_raw = jax.random.normal(ks[3], (b, t, hv))
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, hv)))
+  s0 = 0.3 * jax.random.normal(ks[5], (b, hv, dk, dv))
+  kw = dict(initial_state=s0, output_final_state=True)
+  if gate_params:
+    g = g_raw
+    kw["a_log"] = 0.5 * jax.random.normal(ks[6], (hv,))
+    kw["dt_bias"] = 0.5 * jax.random.normal(ks[7], (hv,))
+  else:
+    g = -jax.nn.softplus(g_raw)
+  if segments is not None:
+    kw["segment_ids"] = segments
+  cast = lambda x: x.astype(dtype)
+  return (cast(q), cast(k), cast(v), cast(g), cast(beta)), kw
+
+
+def run(impl, args, kw, *, use_qk_l2norm=False, cot_seed=99):
+  """(out, final_state, grads by name) of a fixed random linear loss."""
+  names = ("query", "key", "value", "g", "beta")
+  diff = dict(zip(names, args))
+  for n in ("initial_state", "a_log", "dt_bias"):
+    if kw.get(n) is not None:
+      diff[n] = kw[n]
+  static = {n: x for n, x in kw.items() if n not in diff}
+
+  def f(diff):
+    p = dict(diff)
+    pos = [p.pop(n) for n in names]
+    return tokamax_gdn.gated_delta_rule(
+        *pos, **p, **static, use_qk_l2norm=use_qk_l2norm,
+        implementation=impl)
+
+  out_shape = jax.eval_shape(f, diff)
+  ka, kb = jax.random.split(jax.random.PRNGKey(cot_seed))
+  c_out = jax.random.normal(ka, out_shape[0].shape)
+  c_fin = jax.random.normal(kb, out_shape[1].shape)
+
+  @jax.jit
+  def fwd_bwd(diff):
+    (out, fin), vjp = jax.vjp(f, diff)
+    (grads,) = vjp((c_out.astype(out.dtype), c_fin))
+    return out, fin, grads
+
+  return fwd_bwd(diff)
+
+
+def assert_close(impl, args, kw, dtype=jnp.float32, **run_kw):
+  out, fin, grads = run(impl, args, kw, **run_kw)
+  r_out, r_fin, r_grads = run("reference", args, kw, **run_kw)
+  errs = {"out": rel_rms(out, r_out), "final_state": rel_rms(fin, r_fin)}
+  for name in r_grads:
+    errs["d_" + name] = rel_rms(grads[name], r_grads[name])
+  for name, e in errs.items():
+    tol = tolerance(dtype, grad=name.startswith("d_"))
+    assert np.isfinite(e) and e <= tol, (name, e, tol, errs)
+  assert set(r_grads) == set(grads)
+  return out, fin, grads
+
+
+def xla_op(chunk_size):
+  return registry.get("gated_delta_rule", "xla").replace(
+      config=xla.Config(chunk_size=chunk_size))
+
+
+@pytest.mark.parametrize(
+    "hk,hv,t,chunk,l2norm,gate",
+    [
+        (1, 1, 1, 16, False, False),
+        (2, 2, 63, 16, True, True),
+        (1, 2, 64, 32, False, False),
+        (1, 4, 65, 64, True, False),
+        (2, 4, 65, 128, False, True),
+        (1, 2, 1000, 64, True, True),
+    ],
+)
+def test_matches_reference(hk, hv, t, chunk, l2norm, gate):
+  args, kw = make_inputs(t + hv, t=t, hk=hk, hv=hv, gate_params=gate,
+                         normalise_keys=not l2norm)
+  if l2norm:  # unnormalised q/k with a spread of norms
+    args = (args[0] * 3.0, args[1] * 0.7) + args[2:]
+  assert_close(xla_op(chunk), args, kw, use_qk_l2norm=l2norm)
+
+
+def test_default_config_and_public_api_under_jit_grad():
+  args, kw = make_inputs(1, t=40, hk=1, hv=2)
+  kw = dict(kw, output_final_state=False)
+
+  @jax.jit
+  def loss_grad(q, k, v, g, beta):
+    def loss(q, k, v, g, beta):
+      out, _ = tokamax_gdn.gated_delta_rule(q, k, v, g, beta, **kw,
+                                            implementation="xla")
+      return jnp.sum(out**2)
+    return jax.grad(loss, argnums=range(5))(q, k, v, g, beta)
+
+  grads = loss_grad(*args)
+  ref = jax.grad(
+      lambda *a: jnp.sum(tokamax_gdn.gated_delta_rule(
+          *a, **kw, implementation="reference")[0] ** 2),
+      argnums=range(5))(*args)
+  for a, r in zip(grads, ref):
+    assert rel_rms(a, r) <= tolerance(jnp.float32, grad=True)
+
+
+def _segments(t, bounds):
+  ids = np.zeros((1, t), np.int32)
+  for i, s in enumerate(bounds):
+    ids[0, s:] = i + 1
+  return jnp.asarray(ids)
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_segment_resets(chunk):
+  t = 100
+  # Boundaries inside chunks, at a chunk start (64) and one token long segments.
+  seg = _segments(t, [5, 37, 38, 64, 90])
+  seg = jnp.concatenate([seg, _segments(t, [1, 50])], axis=0)
+  args, kw = make_inputs(3, b=2, t=t, hk=1, hv=2, segments=seg)
+  assert_close(xla_op(chunk), args, kw)
+
+
+def test_segment_isolation():
+  """Segment 2's inputs change neither segment 1's outputs nor its gradients."""
+  t, cut = 80, 29
+  seg = _segments(t, [cut])
+  args, kw = make_inputs(4, t=t, hk=1, hv=2, segments=seg)
+  kw = dict(kw, output_final_state=False)
+  op = xla_op(16)
+  later = (jnp.arange(t) >= cut)[None, :, None, None]
+  noise = jax.random.normal(jax.random.PRNGKey(5), args[2].shape)
+  perturbed = (args[0] + later * 0.5, args[1] - later * 0.3,
+               args[2] + later * noise,
+               args[3] + later[..., 0] * -0.7, args[4] * (1.0 - later[..., 0] / 2))
+
+  @jax.jit
+  def first_segment(q, k, v, g, beta):
+    def loss(q, k, v, g, beta):
+      out, _ = tokamax_gdn.gated_delta_rule(q, k, v, g, beta, **kw,
+                                            implementation=op)
+      return jnp.sum(jnp.sin(out[:, :cut])), out
+    return jax.grad(loss, argnums=range(5), has_aux=True)(q, k, v, g, beta)
+
+  grads_a, out_a = first_segment(*args)
+  grads_b, out_b = first_segment(*perturbed)
+  np.testing.assert_allclose(out_a[:, :cut], out_b[:, :cut], rtol=1e-6, atol=1e-6)
+  assert rel_rms(out_a[:, cut:], out_b[:, cut:]) > 0.1
+  for ga, gb in zip(grads_a, grads_b):
+    np.testing.assert_allclose(ga[:, :cut], gb[:, :cut], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gb[:, cut:], 0.0, atol=1e-6)
+
+
+def test_gates_exactly_zero_on_half_the_tokens():
+  args, kw = make_inputs(6, t=70, hk=1, hv=2)
+  g = args[3]
+  zero = jax.random.bernoulli(jax.random.PRNGKey(7), 0.5, g.shape)
+  args = args[:3] + (jnp.where(zero, 0.0, g),) + args[4:]
+  assert_close(xla_op(32), args, kw)
+
+
+def test_gates_of_minus_80():
+  args, kw = make_inputs(8, t=70, hk=1, hv=2)
+  g = args[3]
+  hard = jax.random.bernoulli(jax.random.PRNGKey(9), 0.3, g.shape)
+  args = args[:3] + (jnp.where(hard, -80.0, g),) + args[4:]
+  assert_close(xla_op(64), args, kw)
+
+
+def test_bf16_inputs():
+  args, kw = make_inputs(10, t=65, hk=1, hv=2, dtype=jnp.bfloat16)
+  out, fin, grads = assert_close(xla_op(32), args, kw, dtype=jnp.bfloat16)
+  assert out.dtype == jnp.bfloat16 and fin.dtype == jnp.float32
+  assert grads["query"].dtype == jnp.bfloat16
+  assert grads["initial_state"].dtype == jnp.float32
+
+
+def test_long_sequence_alternating_gates_is_finite():
+  t = 32768
+  args, kw = make_inputs(11, t=t, hk=1, hv=1, dk=16, dv=16)
+  g = jnp.where(jnp.arange(t) % 2 == 0, 0.0, -80.0)[None, :, None]
+  args = args[:3] + (g,) + args[4:]
+  out, fin, grads = run(xla_op(64), args, kw)
+  for x in (out, fin, *grads.values()):
+    assert bool(jnp.all(jnp.isfinite(x)))
+  assert float(jnp.max(jnp.abs(out))) > 0
+
+
+def test_config():
+  with pytest.raises(pydantic.ValidationError):
+    xla.Config(chunk_size=48)
+  op = registry.get("gated_delta_rule", "xla")
+  assert isinstance(op, xla.XlaGatedDeltaRule)
+  assert isinstance(op.vjp, xla.XlaGatedDeltaRuleVjp)
+  for t in (1, 20, 33, 5000):
+    args, kw = make_inputs(0, t=t)
+    ba = op.bind(*args, **kw)
+    configs = op._get_autotuning_configs(ba)  # pylint: disable=protected-access
+    assert {c.chunk_size for c in configs} == {16, 32, 64, 128}
+    assert op._get_heuristics_config(ba) in configs  # pylint: disable=protected-access
+
+
+def test_no_residuals_saved():
+  args, kw = make_inputs(12, t=20)
+  (_, _), res = registry.get("gated_delta_rule", "xla")(
+      *args, **kw, return_residuals=True)
+  assert res is None
+
+
+@functools.cache
+def _autodiff_grads(t, chunk):
+  """Autodiff through `chunked_forward` (a second, independent backward)."""
+  args, kw = make_inputs(13, t=t, hk=1, hv=2)
+  q, k, v, g, beta = args
+  s0 = kw["initial_state"]
+
+  def loss(q, k, v, g, beta, s0):
+    out, fin = xla.chunked_forward(q, k, v, g, beta, scale=0.25,
+                                   initial_state=s0, segment_ids=None,
+                                   chunk_size=chunk)
+    return jnp.sum(jnp.sin(out)) + jnp.sum(fin * fin)
+
+  auto = jax.jit(jax.grad(loss, argnums=range(6)))(q, k, v, g, beta, s0)
+  out, fin = xla.chunked_forward(q, k, v, g, beta, scale=0.25, initial_state=s0,
+                                 segment_ids=None, chunk_size=chunk)
+  manual = xla.chunked_backward(q, k, v, g, beta, jnp.cos(out), 2 * fin,
+                                scale=0.25, initial_state=s0, segment_ids=None,
+                                chunk_size=chunk)
+  return auto, manual
+
+
+def test_analytical_backward_matches_autodiff_of_chunked_forward():
+  auto, manual = _autodiff_grads(50, 16)
+  for a, m in zip(auto, manual):
+    assert rel_rms(m, a) <= 1e-5
