@@ -1,0 +1,19 @@
+"""Layers built on the ops: the Qwen3-Next / Qwen3.5 GatedDeltaNet block."""
+
+from tokamax_gdn.layers.gated_deltanet import (  # pylint: disable=g-multiple-import
+    GatedDeltaNetCache,
+    GatedDeltaNetConfig,
+    gated_deltanet,
+    gated_rmsnorm,
+    init_params,
+    param_shapes,
+    params_from_hf,
+    params_to_hf,
+)
+from tokamax_gdn.layers.presets import list_presets, load_preset
+
+__all__ = [
+    "GatedDeltaNetCache", "GatedDeltaNetConfig", "gated_deltanet", "gated_rmsnorm",
+    "init_params", "param_shapes", "params_from_hf", "params_to_hf",
+    "list_presets", "load_preset",
+]

@@ -1,0 +1,366 @@
+"""The Qwen3-Next / Qwen3.5 GatedDeltaNet block (HF `linear_attn`), in JAX.
+
+Per token x [hidden] (r = Hv / Hk value heads per key head):
+
+  [q k v | z | b | a] = x @ in_proj            q, k: Hk*K; v, z: Hv*V; b, a: Hv
+  [q k v] = silu(causal_conv1d([q k v], conv_weight))   (depthwise, W taps, no bias)
+  beta    = sigmoid(b);   g = -exp(a_log) * softplus(a + dt_bias)
+  o       = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)   (scale K**-0.5)
+  o       = rmsnorm(o, eps) * norm_weight * silu(z)      (per value head, over V)
+  y       = o @ out_proj
+
+Both HF variants compute exactly this; they differ only in how the input
+projection is stored. Qwen3.5 keeps four matrices (`in_proj_qkv`, `in_proj_z`,
+`in_proj_b`, `in_proj_a`); Qwen3-Next fuses them into two, interleaved per key
+head: `in_proj_qkvz` rows are [q_h (K), k_h (K), v_h (r*V), z_h (r*V)] for each
+key head h, `in_proj_ba` rows are [b_h (r), a_h (r)]. The parameters here hold
+one fused, de-interleaved `in_proj` [hidden, 2*Hk*K + 2*Hv*V + 2*Hv] (one
+matmul, then plain slices), whatever the variant; `params_from_hf` /
+`params_to_hf` do the (linear, so also gradient-exact) re-layout.
+
+The gated RMSNorm follows HF to the cast: normalise in float32, cast back to
+the activation dtype, multiply by the weight, then by silu(z) in float32.
+"""
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+from tokamax_gdn import registry
+from tokamax_gdn.ops.causal_conv1d.api import causal_conv1d
+from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule
+
+VARIANTS = ("qwen3_next", "qwen3_5")
+Params = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedDeltaNetConfig:
+  """Shapes and knobs of one GatedDeltaNet layer (hashable: usable as a jit static)."""
+
+  hidden_size: int
+  num_k_heads: int
+  num_v_heads: int
+  head_k_dim: int = 128
+  head_v_dim: int = 128
+  conv_kernel_size: int = 4
+  rms_norm_eps: float = 1e-6
+  chunk_size: int = 64          # performance knob of the chunked GDN only
+  use_gdn_kernel: bool = True   # prefer the Pallas TPU kernels when available
+  variant: str = "qwen3_5"      # HF weight layout: "qwen3_next" or "qwen3_5"
+
+  def __post_init__(self):
+    if self.variant not in VARIANTS:
+      raise ValueError(f"`variant`={self.variant!r}: expected one of {VARIANTS}.")
+    if self.num_k_heads <= 0 or self.num_v_heads % self.num_k_heads:
+      raise ValueError(
+          f"`num_v_heads`={self.num_v_heads} must be a positive multiple of"
+          f" `num_k_heads`={self.num_k_heads}.")
+    if self.conv_kernel_size < 1:
+      raise ValueError(f"`conv_kernel_size`={self.conv_kernel_size} must be >= 1.")
+
+  @property
+  def key_dim(self) -> int:
+    return self.num_k_heads * self.head_k_dim
+
+  @property
+  def value_dim(self) -> int:
+    return self.num_v_heads * self.head_v_dim
+
+  @property
+  def conv_dim(self) -> int:
+    return 2 * self.key_dim + self.value_dim
+
+  @property
+  def in_proj_dim(self) -> int:
+    return self.conv_dim + self.value_dim + 2 * self.num_v_heads
+
+  @classmethod
+  def from_hf_config(cls, d: dict[str, Any] | Any, variant: str = "qwen3_5",
+                     **overrides) -> "GatedDeltaNetConfig":
+    """From an HF `config.json` dict (or config object; `text_config` is followed)."""
+    if not isinstance(d, dict):
+      d = d.to_dict() if hasattr(d, "to_dict") else vars(d)
+    if "text_config" in d and "hidden_size" not in d:
+      d = d["text_config"]
+    kw = dict(
+        hidden_size=int(d["hidden_size"]),
+        num_k_heads=int(d["linear_num_key_heads"]),
+        num_v_heads=int(d["linear_num_value_heads"]),
+        head_k_dim=int(d["linear_key_head_dim"]),
+        head_v_dim=int(d["linear_value_head_dim"]),
+        conv_kernel_size=int(d["linear_conv_kernel_dim"]),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        variant=variant,
+    )
+    kw.update(overrides)
+    return cls(**kw)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "GatedDeltaNetConfig":
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - names - {"name"}
+    if unknown:
+      raise ValueError(f"Unknown GatedDeltaNetConfig keys {sorted(unknown)}; valid: {sorted(names)}.")
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+  @classmethod
+  def from_yaml(cls, path) -> "GatedDeltaNetConfig":
+    """From a preset file (keys = field names, plus an optional `name`)."""
+    with open(path) as f:
+      return cls.from_dict(yaml.safe_load(f))
+
+
+class GatedDeltaNetCache(NamedTuple):
+  """What a sequence carries between calls (a pytree).
+
+  conv_state: [B, W-1, 2*Hk*K + Hv*V], the last W-1 conv inputs (activation dtype).
+  recurrent_state: [B, Hv, K, V] float32.
+  """
+
+  conv_state: jax.Array
+  recurrent_state: jax.Array
+
+  @classmethod
+  def zeros(cls, batch: int, cfg: GatedDeltaNetConfig, dtype=jnp.float32) -> "GatedDeltaNetCache":
+    return cls(
+        jnp.zeros((batch, cfg.conv_kernel_size - 1, cfg.conv_dim), dtype),
+        jnp.zeros((batch, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim), jnp.float32))
+
+
+# ----------------------------------------------------------------------------
+# Parameters.
+
+def param_shapes(cfg: GatedDeltaNetConfig) -> dict[str, tuple[int, ...]]:
+  return dict(
+      in_proj=(cfg.hidden_size, cfg.in_proj_dim),
+      conv_weight=(cfg.conv_dim, cfg.conv_kernel_size),
+      dt_bias=(cfg.num_v_heads,),
+      a_log=(cfg.num_v_heads,),
+      norm_weight=(cfg.head_v_dim,),
+      out_proj=(cfg.value_dim, cfg.hidden_size),
+  )
+
+
+def init_params(key: jax.Array, cfg: GatedDeltaNetConfig, dtype=jnp.float32) -> Params:
+  """Random parameters as HF initialises them (normal(0.02) matrices,
+  kaiming-uniform conv, A ~ U(0.01, 16), dt_bias = 1, norm weight = 1)."""
+  k_in, k_conv, k_a, k_out = jax.random.split(key, 4)
+  w = cfg.conv_kernel_size
+  conv_bound = 1.0 / np.sqrt(w)   # PyTorch Conv1d default: fan_in = W for depthwise.
+  return dict(
+      in_proj=(0.02 * jax.random.normal(k_in, (cfg.hidden_size, cfg.in_proj_dim))).astype(dtype),
+      conv_weight=jax.random.uniform(k_conv, (cfg.conv_dim, w), dtype, -conv_bound, conv_bound),
+      dt_bias=jnp.ones((cfg.num_v_heads,), dtype),
+      a_log=jnp.log(jax.random.uniform(k_a, (cfg.num_v_heads,), jnp.float32, 0.01, 16.0)).astype(dtype),
+      norm_weight=jnp.ones((cfg.head_v_dim,), dtype),
+      out_proj=(0.02 * jax.random.normal(k_out, (cfg.value_dim, cfg.hidden_size))).astype(dtype),
+  )
+
+
+def _split_in_proj(w, cfg: GatedDeltaNetConfig):
+  """Columns of `in_proj` -> (qkv, z, b, a)."""
+  c, v, hv = cfg.conv_dim, cfg.value_dim, cfg.num_v_heads
+  return w[..., :c], w[..., c:c + v], w[..., c + v:c + v + hv], w[..., c + v + hv:]
+
+
+def params_from_hf(state_dict: dict[str, Any], cfg: GatedDeltaNetConfig,
+                   dtype=None) -> Params:
+  """HF `linear_attn` tensors (names without the layer prefix) -> params.
+
+  Accepts NumPy arrays (or anything `np.asarray` takes, e.g. CPU torch tensors).
+  A full-model state dict prefix like `model.layers.0.linear_attn.` is stripped.
+  """
+  sd = {k.rsplit("linear_attn.", 1)[-1]: np.asarray(v) for k, v in state_dict.items()}
+  hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
+  r = hv // hk
+  hidden = cfg.hidden_size
+
+  def need(name, shape):
+    if name not in sd:
+      raise KeyError(f"HF weight {name!r} missing for variant {cfg.variant!r}; got {sorted(sd)}.")
+    if tuple(sd[name].shape) != tuple(shape):
+      raise ValueError(f"HF weight {name!r}: expected shape {tuple(shape)}, got {tuple(sd[name].shape)}.")
+    return sd[name]
+
+  if cfg.variant == "qwen3_next":
+    qkvz = need("in_proj_qkvz.weight", (2 * cfg.key_dim + 2 * cfg.value_dim, hidden))
+    ba = need("in_proj_ba.weight", (2 * hv, hidden))
+    qkvz = qkvz.reshape(hk, 2 * dk + 2 * r * dv, hidden)
+    q, k = qkvz[:, :dk], qkvz[:, dk:2 * dk]
+    v, z = qkvz[:, 2 * dk:2 * dk + r * dv], qkvz[:, 2 * dk + r * dv:]
+    ba = ba.reshape(hk, 2 * r, hidden)
+    b, a = ba[:, :r], ba[:, r:]
+    flat = lambda t: t.reshape(-1, hidden)
+    rows = [flat(q), flat(k), flat(v), flat(z), flat(b), flat(a)]
+  else:
+    rows = [need("in_proj_qkv.weight", (cfg.conv_dim, hidden)),
+            need("in_proj_z.weight", (cfg.value_dim, hidden)),
+            need("in_proj_b.weight", (hv, hidden)),
+            need("in_proj_a.weight", (hv, hidden))]
+  conv = need("conv1d.weight", (cfg.conv_dim, 1, cfg.conv_kernel_size))
+  params = dict(
+      in_proj=np.concatenate(rows, axis=0).T,
+      conv_weight=conv[:, 0, :],
+      dt_bias=need("dt_bias", (hv,)),
+      a_log=need("A_log", (hv,)),
+      norm_weight=need("norm.weight", (dv,)),
+      out_proj=need("out_proj.weight", (hidden, cfg.value_dim)).T,
+  )
+  if "conv1d.bias" in sd:
+    raise ValueError("HF `conv1d.bias` is present; Qwen3-Next / Qwen3.5 convs have no bias.")
+  return {k: jnp.asarray(v, dtype or v.dtype) for k, v in params.items()}
+
+
+def params_to_hf(params: Params, cfg: GatedDeltaNetConfig) -> dict[str, np.ndarray]:
+  """Inverse of `params_from_hf` (NumPy, HF names); maps gradients the same way."""
+  p = {k: np.asarray(v) for k, v in params.items()}
+  hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
+  r = hv // hk
+  hidden = cfg.hidden_size
+  w_in = p["in_proj"].T                                    # [P, hidden]
+  qkv, z, b, a = _split_in_proj(w_in.T, cfg)
+  qkv, z, b, a = qkv.T, z.T, b.T, a.T
+  out = {}
+  if cfg.variant == "qwen3_next":
+    q = qkv[:cfg.key_dim].reshape(hk, dk, hidden)
+    k = qkv[cfg.key_dim:2 * cfg.key_dim].reshape(hk, dk, hidden)
+    v = qkv[2 * cfg.key_dim:].reshape(hk, r * dv, hidden)
+    zz = z.reshape(hk, r * dv, hidden)
+    out["in_proj_qkvz.weight"] = np.concatenate([q, k, v, zz], axis=1).reshape(-1, hidden)
+    out["in_proj_ba.weight"] = np.concatenate(
+        [b.reshape(hk, r, hidden), a.reshape(hk, r, hidden)], axis=1).reshape(-1, hidden)
+  else:
+    out["in_proj_qkv.weight"] = qkv
+    out["in_proj_z.weight"] = z
+    out["in_proj_b.weight"] = b
+    out["in_proj_a.weight"] = a
+  out["conv1d.weight"] = p["conv_weight"][:, None, :]
+  out["dt_bias"] = p["dt_bias"]
+  out["A_log"] = p["a_log"]
+  out["norm.weight"] = p["norm_weight"]
+  out["out_proj.weight"] = p["out_proj"].T
+  return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+# ----------------------------------------------------------------------------
+# Forward.
+
+def _implementations(op_name: str, implementation, cfg: GatedDeltaNetConfig):
+  """The `implementation=` for one op, from the layer's argument and config."""
+  if isinstance(implementation, dict):
+    implementation = implementation.get(op_name)
+  if implementation is not None:
+    names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+  else:
+    available = registry.implementations(op_name)
+    wanted = ("pallas_mosaic_tpu", "xla") if cfg.use_gdn_kernel else ("xla",)
+    names = tuple(n for n in wanted if n in available) or registry.default_order(op_name)
+  if op_name == "gated_delta_rule":
+    names = tuple(_with_chunk_size(n, cfg.chunk_size) for n in names)
+  return names
+
+
+def _with_chunk_size(impl, chunk_size: int):
+  """The xla GDN Op with its chunk size fixed to `chunk_size` (others unchanged)."""
+  if impl != "xla" or "xla" not in registry.implementations("gated_delta_rule"):
+    return impl
+  op = registry.get("gated_delta_rule", "xla")
+  try:
+    cfg = type(op).config_cls(chunk_size=chunk_size)
+  except Exception:  # pylint: disable=broad-except
+    return impl      # no such knob (or not this value): the op's own choice.
+  kw = dict(config=cfg)
+  vjp = getattr(op, "vjp", None)
+  if vjp is not None:
+    try:
+      kw["vjp"] = vjp.replace(config=type(vjp).config_cls(chunk_size=chunk_size))
+    except Exception:  # pylint: disable=broad-except
+      pass
+  return op.replace(**kw)
+
+
+def gated_rmsnorm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """HF Qwen3NextRMSNormGated over the last axis (see module docstring)."""
+  dtype = o.dtype
+  o32 = o.astype(jnp.float32)
+  o32 = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
+  h = weight * o32.astype(dtype)
+  h = h.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+  return h.astype(dtype)
+
+
+def gated_deltanet(
+    params: Params,
+    x: jax.Array,
+    cfg: GatedDeltaNetConfig,
+    *,
+    implementation=None,
+    segment_ids: jax.Array | None = None,
+    cache: GatedDeltaNetCache | None = None,
+    return_cache: bool = False,
+):
+  """The GatedDeltaNet block: x [B, T, hidden] -> y [B, T, hidden] (x's dtype).
+
+  Args:
+    params: from `init_params` or `params_from_hf`.
+    x: [B, T, hidden] activations.
+    cfg: the layer's shapes.
+    implementation: for both `causal_conv1d` and `gated_delta_rule`: a name,
+      a sequence of names tried in order, or a dict {op name: that}. None:
+      ("pallas_mosaic_tpu", "xla") when `cfg.use_gdn_kernel` else "xla",
+      restricted to what the registry has.
+    segment_ids: [B, T] int for packed sequences; conv windows and the
+      recurrent state restart where the id changes.
+    cache: state after earlier tokens of the same sequences (prefill then
+      decode); None starts from zeros.
+    return_cache: also return the `GatedDeltaNetCache` after the last token.
+
+  Returns:
+    y, or (y, cache) with `return_cache`.
+  """
+  b, t, hidden = x.shape
+  if hidden != cfg.hidden_size:
+    raise ValueError(f"`x` (shape {tuple(x.shape)}): last axis must be hidden_size={cfg.hidden_size}.")
+  dtype = x.dtype
+  hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
+
+  proj = jnp.einsum("bth,hp->btp", x, params["in_proj"].astype(dtype),
+                    preferred_element_type=jnp.float32).astype(dtype)
+  qkv, z, beta_logit, a = _split_in_proj(proj, cfg)
+
+  conv_state = None if cache is None else cache.conv_state.astype(dtype)
+  qkv, new_conv_state = causal_conv1d(
+      qkv, params["conv_weight"].astype(dtype), None,
+      activation="silu",
+      initial_state=conv_state,
+      output_final_state=return_cache,
+      segment_ids=segment_ids,
+      implementation=_implementations("causal_conv1d", implementation, cfg),
+  )
+  q = qkv[..., :cfg.key_dim].reshape(b, t, hk, dk)
+  k = qkv[..., cfg.key_dim:2 * cfg.key_dim].reshape(b, t, hk, dk)
+  v = qkv[..., 2 * cfg.key_dim:].reshape(b, t, hv, dv)
+  beta = jax.nn.sigmoid(beta_logit)
+
+  o, new_state = gated_delta_rule(
+      q, k, v, a, beta,
+      initial_state=None if cache is None else cache.recurrent_state,
+      output_final_state=return_cache,
+      use_qk_l2norm=True,
+      a_log=params["a_log"].astype(jnp.float32),
+      dt_bias=params["dt_bias"].astype(jnp.float32),
+      segment_ids=segment_ids,
+      implementation=_implementations("gated_delta_rule", implementation, cfg),
+  )
+  o = gated_rmsnorm(o.astype(dtype), z.reshape(b, t, hv, dv),
+                    params["norm_weight"].astype(dtype), cfg.rms_norm_eps)
+  y = jnp.einsum("btv,vh->bth", o.reshape(b, t, cfg.value_dim), params["out_proj"].astype(dtype),
+                 preferred_element_type=jnp.float32).astype(dtype)
+  if return_cache:
+    return y, GatedDeltaNetCache(new_conv_state, new_state)
+  return y

@@ -1,0 +1,42 @@
+"""Model presets: `configs/models/<name>.yml` as `GatedDeltaNetConfig`s.
+
+Looked up in `$TOKAMAX_GDN_MODELS_DIR`, then the repository's `configs/models/`
+(editable installs), then `tokamax_gdn/data/models/` (wheels).
+"""
+
+import os
+import pathlib
+
+from tokamax_gdn.layers.gated_deltanet import GatedDeltaNetConfig
+
+_PKG = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _dirs() -> list[pathlib.Path]:
+  dirs = []
+  if env := os.environ.get("TOKAMAX_GDN_MODELS_DIR"):
+    dirs.append(pathlib.Path(env))
+  dirs += [_PKG.parent / "configs" / "models", _PKG / "data" / "models"]
+  return [d for d in dirs if d.is_dir()]
+
+
+def list_presets() -> list[str]:
+  """Names of the presets found, sorted."""
+  return sorted({p.stem for d in _dirs() for p in d.glob("*.yml")})
+
+
+def preset_path(name: str) -> pathlib.Path:
+  for d in _dirs():
+    p = d / f"{name}.yml"
+    if p.is_file():
+      return p
+  raise ValueError(f"Unknown model preset {name!r}; available: {', '.join(list_presets())}.")
+
+
+def load_preset(name: str, **overrides) -> GatedDeltaNetConfig:
+  """`load_preset("qwen3.5-tiny")`; keyword overrides replace fields."""
+  cfg = GatedDeltaNetConfig.from_yaml(preset_path(name))
+  if overrides:
+    import dataclasses  # pylint: disable=g-import-not-at-top
+    cfg = dataclasses.replace(cfg, **overrides)
+  return cfg
