@@ -138,21 +138,33 @@ def _invert_unit_lower(a: jax.Array, precision) -> jax.Array:
       [a[..., i * bs:(i + 1) * bs, i * bs:(i + 1) * bs] for i in range(nb)],
       axis=-3,
   )
-  inv = jnp.broadcast_to(eye, diag.shape)
-  for i in range(1, bs):
-    row = eye[i] - jnp.einsum(
-        "...j,...jk->...k", diag[..., i, :], inv, precision=precision
-    )
-    inv = inv.at[..., i, :].set(row)
-  # Block rows below the diagonal: t_ij = -t_ii sum_{m<i} a_im t_mj.
-  t = inv[..., 0, :, :]
-  for i in range(1, nb):
-    rows = slice(i * bs, (i + 1) * bs)
-    t_ii = inv[..., i, :, :]
-    lower = jnp.matmul(a[..., rows, : i * bs], t, precision=precision)
-    lower = -jnp.matmul(t_ii, lower, precision=precision)
-    top = jnp.concatenate([t, jnp.zeros((*t.shape[:-1], bs), t.dtype)], -1)
-    t = jnp.concatenate([top, jnp.concatenate([lower, t_ii], -1)], -2)
+  def substitute(i, inv):
+    a_i = jax.lax.dynamic_index_in_dim(diag, i, axis=-2, keepdims=True)
+    row = jax.lax.dynamic_index_in_dim(eye, i, axis=0, keepdims=True) - jnp.matmul(
+        a_i, inv, precision=precision)
+    return jax.lax.dynamic_update_index_in_dim(inv, row, i, axis=-2)
+
+  inv = jax.lax.fori_loop(1, bs, substitute, jnp.broadcast_to(eye, diag.shape))
+  if nb == 1:
+    return inv[..., 0, :, :]
+  # Block rows below the diagonal, one per step with fixed shapes:
+  # t[rows_i, :i] = -t_ii a[rows_i, :i] t[:i, :i]  (columns >= i masked out).
+  t = jnp.zeros_like(a)
+  for i in range(nb):  # block-diagonal start
+    t = t.at[..., i * bs:(i + 1) * bs, i * bs:(i + 1) * bs].set(inv[..., i, :, :])
+  col_block = jnp.arange(c) // bs
+
+  def block_row(i, t):
+    rows = jax.lax.dynamic_slice_in_dim(a, i * bs, bs, axis=-2)
+    rows = jnp.where(col_block < i, rows, 0.0)
+    t_ii = jax.lax.dynamic_index_in_dim(inv, i, axis=-3, keepdims=False)
+    lower = -jnp.matmul(t_ii, jnp.matmul(rows, t, precision=precision),
+                        precision=precision)
+    new = jnp.where(col_block < i, lower,
+                    jax.lax.dynamic_slice_in_dim(t, i * bs, bs, axis=-2))
+    return jax.lax.dynamic_update_slice_in_dim(t, new, i * bs, axis=-2)
+
+  t = jax.lax.fori_loop(1, nb, block_row, t)
   return t
 
 
