@@ -70,7 +70,8 @@ def _with(args_kwargs, **extra):
 
 
 ARG_SPECS: list[ArgSpec] = [
-    _spec("mha_T24", b=2, t=24, hk=2, hv=2, dk=16, dv=16),
+    _spec("mha_T24", b=2, t=24, hk=2, hv=2, dk=16, dv=16,
+          tags=("conformance", "interpret")),
     _spec("gva_1to2_T40_gate", b=1, t=40, hk=1, hv=2, dk=16, dv=32, gate=True),
     _spec("gva_1to4_T70_segments", b=2, t=70, hk=1, hv=4, dk=32, dv=16, segments=3,
           initial_state=True),
@@ -80,6 +81,7 @@ ARG_SPECS: list[ArgSpec] = [
             random_inputs(key, b=1, t=33, hk=2, hv=4, dk=16, dv=16, gate=True),
             use_qk_l2norm=True),
         diff_argnames=DIFF,
+        tags=("conformance", "interpret"),
     ),
     ArgSpec(
         name="bf16_T48",
