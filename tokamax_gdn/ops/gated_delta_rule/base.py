@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int  # pylint: disable=g-multiple-import,g-importing-member
 from tokamax._src.ops import op
 
+from tokamax_gdn.autotuning import ShippedAutotuningCacheMixin
+
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
 Output: TypeAlias = tuple[jax.Array, jax.Array | None]
 Residuals: TypeAlias = Any
@@ -102,7 +104,7 @@ def segment_starts(segment_ids: jax.Array | None, t: int) -> jax.Array | None:
   return jnp.concatenate([jnp.zeros_like(changed[:, :1]), changed], axis=1)
 
 
-class GatedDeltaRule[C, K](op.Op[Any, Output, Residuals, C, K]):
+class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Residuals, C, K]):
   """Gated delta rule op. Subclasses implement `_core_fwd`."""
 
   # K or V above this: NotImplementedError, so `implementation=` falls through.
@@ -227,7 +229,7 @@ class GatedDeltaRule[C, K](op.Op[Any, Output, Residuals, C, K]):
     raise NotImplementedError
 
 
-class GatedDeltaRuleVjp[C, K](op.Op[Any, dict[str, jax.Array], None, C, K]):
+class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, jax.Array], None, C, K]):
   """Analytical VJP plumbing: prologue by autodiff, `_core_bwd` by hand."""
 
   def _fwd(
