@@ -1,0 +1,225 @@
+"""Pallas Mosaic TPU gated delta rule: Op wrapper (config, heuristics, VMEM, VJP).
+
+The kernels (chunked WY forward, reverse-chunk analytical backward) live in
+`pallas_mosaic_tpu_kernel.py`; their math is at the top of that module.
+
+The shared prologue (q/k L2-norm, gate activation -exp(a_log)·softplus(g+dt_bias))
+runs in XLA before the kernel (`base.prologue`) and is differentiated by
+autodiff in `base.GatedDeltaRuleVjp`; beta scaling, the in-chunk decay masks,
+segment resets and the tail mask are inside the kernels.
+
+Residuals for the backward, per token and value head, beyond the op inputs
+tokamax keeps anyway:
+  - `save_states=False` (heuristic default): 0 bytes; the backward recomputes
+    the chunk-entry states with one extra forward-kernel pass (transient
+    K·V·4/C bytes per token per head, 1 KiB at K=V=128, C=64, live only
+    during the backward).
+  - `save_states=True`: the float32 chunk-entry states, K·V·4/C bytes
+    (1 KiB/token/head at K=V=128, C=64), kept from forward to backward.
+"""
+
+import dataclasses
+import functools
+from typing import Annotated, Any, ClassVar, Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float  # pylint: disable=g-multiple-import,g-importing-member
+import pydantic
+from tokamax._src.ops import op
+from typing_extensions import override
+
+from tokamax_gdn import config as gdn_config
+from tokamax_gdn.ops.gated_delta_rule import base
+from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as kernel
+
+_MIB = 1 << 20
+
+
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+  """Tiling of the Mosaic TPU GDN kernels.
+
+  chunk_size: tokens per chunk C (the WY block; the inverse costs O(C) per token).
+  block_heads: value heads per grid step (a multiple of Hv/Hk dividing Hv);
+    amortises per-step overhead and lets the backward sum dq/dk over a GVA
+    group inside the kernel.
+  save_states: keep the f32 chunk-entry states from the forward (1 KiB per
+    token·head at K=V=128, C=64) instead of recomputing them in the backward.
+  """
+
+  chunk_size: Literal[32, 64, 128] = 64
+  block_heads: Annotated[int, pydantic.Field(gt=0)] = 2
+  save_states: bool = False
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["states"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Residuals:
+  """What the forward hands the backward (besides the op inputs)."""
+
+  states: Float[Array, "B Hv NC K V"] | None = None
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def valid_block_heads(hv: int, hk: int) -> list[int]:
+  """Value-head tiles the kernels accept: multiples of the GVA group dividing Hv."""
+  group = hv // hk
+  return [h for h in range(group, hv + 1, group) if hv % h == 0]
+
+
+def _effective_block_heads(requested: int, hv: int, hk: int) -> int:
+  valid = valid_block_heads(hv, hk)
+  at_least = [h for h in valid if h >= requested]
+  return at_least[0] if at_least else valid[-1]
+
+
+def vmem_estimate(*, chunk: int, block_heads: int, group: int, dk: int, dv: int,
+                  itemsize: int) -> int:
+  """Upper estimate of the backward kernel's VMEM (the larger of the two)."""
+  dk, dv = _round_up(dk, 128), _round_up(dv, 128)
+  kb = max(block_heads // group, 1)
+  key_blk = chunk * kb * dk * itemsize
+  val_blk = chunk * block_heads * dv * itemsize
+  scal_blk = block_heads * chunk * 128 * 4 * 3          # col/row packs, lane-padded
+  state_blk = block_heads * dk * dv * 4
+  # in: q, k, v, dO, states, dS_T; out: dq, dk, dv, dg packs, dh0 — double-buffered.
+  blocks = 2 * (4 * key_blk + 3 * val_blk + 2 * scal_blk + 3 * state_blk)
+  scratch = state_blk
+  temps = (16 * chunk * chunk + 24 * chunk * max(dk, dv)) * 4 + 2 * kb * chunk * dk * 4
+  return blocks + scratch + temps
+
+
+def _vmem_limit(gen: gdn_config.TpuGeneration, estimate: int) -> int:
+  return int(min(gen.vmem_bytes * 3 // 4, max(2 * estimate, 32 * _MIB)))
+
+
+def _shapes(ba: op.BoundArguments) -> tuple[int, int, int, int, int]:
+  q, v = ba.arguments["query"], ba.arguments["value"]
+  return q.shape[-2], v.shape[-2], q.shape[-1], v.shape[-1], jnp.dtype(q.dtype).itemsize
+
+
+def _heuristics(ba: op.BoundArguments) -> Config:
+  hk, hv, dk, dv, isz = _shapes(ba)
+  gen = gdn_config.target_generation()
+  # Two value heads per step (or one GVA group, if larger) keeps the unrolled
+  # body small and leaves B·Hv/hb parallel steps for both TensorCores.
+  hb = _effective_block_heads(2, hv, hk)
+  chunk = 64
+  budget = gen.vmem_bytes // 2
+  while hb > hv // hk and vmem_estimate(chunk=chunk, block_heads=hb, group=hv // hk,
+                                         dk=dk, dv=dv, itemsize=isz) > budget:
+    hb = max(h for h in valid_block_heads(hv, hk) if h < hb)
+  return Config(chunk_size=chunk, block_heads=hb, save_states=False)
+
+
+def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
+  hk, hv, dk, dv, isz = _shapes(ba)
+  gen = gdn_config.target_generation()
+  budget = gen.vmem_bytes // 2
+  configs = {_heuristics(ba)}
+  for chunk in (32, 64, 128):
+    for hb in valid_block_heads(hv, hk)[:4]:
+      est = vmem_estimate(chunk=chunk, block_heads=hb, group=hv // hk, dk=dk, dv=dv,
+                          itemsize=isz)
+      if est <= budget:
+        configs.add(Config(chunk_size=chunk, block_heads=hb, save_states=False))
+  return configs
+
+
+def _check_supported(q: jax.Array, v: jax.Array) -> bool:
+  """Returns interpret mode; raises NotImplementedError where the kernels can't run."""
+  interpret = gdn_config.interpret_enabled()
+  if not interpret and not gdn_config.on_tpu():
+    raise NotImplementedError(
+        "pallas_mosaic_tpu needs a TPU (or tokamax_gdn.config.interpret_mode()).")
+  if q.dtype not in (jnp.float32, jnp.bfloat16) or v.dtype != q.dtype:
+    raise NotImplementedError(
+        f"pallas_mosaic_tpu supports float32/bfloat16 q, k, v of one dtype; got"
+        f" {q.dtype}, {v.dtype}.")
+  return interpret
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasMosaicTpuGatedDeltaRule(base.GatedDeltaRule[Config, None]):
+  """Chunked gated delta rule in Pallas Mosaic TPU (forward + analytical VJP)."""
+
+  config_cls: ClassVar[type[Config]] = Config
+  max_head_dim: ClassVar[int | None] = 256
+
+  def __post_init__(self):
+    if self.vjp is None:
+      object.__setattr__(self, "vjp", PallasMosaicTpuGatedDeltaRuleVjp())
+
+  @override
+  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
+    return _heuristics(ba)
+
+  @override
+  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
+    return _autotuning_configs(ba)
+
+  @override
+  def supported_on(self, device: jax.Device) -> bool:
+    # Interpret mode runs the same kernels on any backend.
+    return device.platform == "tpu" or gdn_config.interpret_enabled()
+
+  def _core_fwd(self, q, k, v, log_decay, beta, *, scale, initial_state,
+                segment_ids, config: Config):
+    interpret = _check_supported(q, v)
+    hk, hv = q.shape[2], v.shape[2]
+    hb = _effective_block_heads(config.block_heads, hv, hk)
+    gen = gdn_config.target_generation()
+    est = vmem_estimate(chunk=config.chunk_size, block_heads=hb, group=hv // hk,
+                        dk=q.shape[3], dv=v.shape[3], itemsize=q.dtype.itemsize)
+    out, final, states = kernel.gdn_fwd(
+        q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
+        segment_ids=segment_ids, chunk=config.chunk_size, block_heads=hb,
+        emit_states=config.save_states, lane_pad=not interpret,
+        interpret=interpret, vmem_limit_bytes=_vmem_limit(gen, est))
+    return out, final, Residuals(states=states)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PallasMosaicTpuGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, None]):
+  """Reverse-chunk analytical backward of the Mosaic TPU GDN kernels."""
+
+  config_cls: ClassVar[type[Config]] = Config
+
+  @override
+  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
+    return _heuristics(ba)
+
+  @override
+  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
+    return _autotuning_configs(ba)
+
+  @override
+  def supported_on(self, device: jax.Device) -> bool:
+    # Interpret mode runs the same kernels on any backend.
+    return device.platform == "tpu" or gdn_config.interpret_enabled()
+
+  def _core_bwd(self, residuals: Any, q, k, v, log_decay, beta, d_out, d_final, *,
+                scale, initial_state, segment_ids, config: Config):
+    interpret = _check_supported(q, v)
+    hk, hv, t = q.shape[2], v.shape[2], q.shape[1]
+    hb = _effective_block_heads(config.block_heads, hv, hk)
+    states = getattr(residuals, "states", None)
+    # States saved under another chunk size can't be reused: recompute.
+    if states is not None and states.shape[2] != -(-t // config.chunk_size):
+      states = None
+    gen = gdn_config.target_generation()
+    est = vmem_estimate(chunk=config.chunk_size, block_heads=hb, group=hv // hk,
+                        dk=q.shape[3], dv=v.shape[3], itemsize=q.dtype.itemsize)
+    return kernel.gdn_bwd(
+        q, k, v, log_decay, beta, d_out, d_final, states, scale=scale,
+        initial_state=initial_state, segment_ids=segment_ids,
+        chunk=config.chunk_size, block_heads=hb, lane_pad=not interpret,
+        interpret=interpret, vmem_limit_bytes=_vmem_limit(gen, est))
+
+
+IMPLEMENTATION = PallasMosaicTpuGatedDeltaRule()
