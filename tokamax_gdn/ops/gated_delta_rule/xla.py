@@ -35,10 +35,12 @@ forming dt), and the log-decay gradient per token from e_g, gamma (row sums
 minus column sums of dp*p + da*a), dec and e_gc, followed by a reverse cumsum
 within the chunk to undo gcum.
 
-Saved vs recomputed: nothing is saved beyond what tokamax already keeps for
-every op (the inputs and the outputs); the backward recomputes a, t, w, u and
-the chunk-entry states (one extra forward state scan). Residual bytes per
-token per head: 0 (the op's residuals are `None`).
+Saved vs recomputed: the op's own residuals are `None`, i.e. 0 bytes per token
+per head; tokamax keeps the inputs and the outputs for every op anyway (for
+`out` that is V * itemsize bytes per token per head, 512 B at V = 128 f32).
+The backward recomputes a, t, w, u and the chunk-entry states (one extra
+forward state scan, O(N K V) temporaries) instead of keeping the states
+(K V 4 / C bytes per token per head, 1 KiB at K = V = 128, C = 64).
 """
 
 import dataclasses
@@ -320,12 +322,12 @@ def chunked_backward(q, k, v, log_decay, beta, d_out, d_final, *, scale,
   # Output: out = scale e_g (q s) + p delta.
   dp = jnp.where(ch.mask, ein("nbhgiv,nbhgjv->nbhgij", do, delta), 0.0)
   do_st = ein("nbhgcv,nbhgkv->nbhgck", do, entries)           # dout s^T
-  d_e_g = scale * ein("nbhck,nbhgck->nbhgc", ch.q, do_st)
+  d_e_g = scale * jnp.sum(ch.q[:, :, :, None] * do_st, axis=-1)
   dq = scale * jnp.sum(ch.e_g[..., None] * do_st, axis=3)
   # State update: s_next = e_gc s + k^T (dec delta).
   dkd = ein("nbhgcv,nbhgkv->nbhgck", delta, ds_exit)           # delta ds^T
   dk = jnp.sum(ch.dec[..., None] * dkd, axis=3)
-  d_dec = ein("nbhck,nbhgck->nbhgc", kf, dkd)
+  d_dec = jnp.sum(kf[:, :, :, None] * dkd, axis=-1)
   d_e_gc = jnp.sum(entries * ds_exit, axis=(-1, -2))
   # delta = u - w s with u = t (beta v), w = t (beta e_g k).
   dw = -ein("nbhgcv,nbhgkv->nbhgck", d_delta, entries)
@@ -338,7 +340,7 @@ def chunked_backward(q, k, v, log_decay, beta, d_out, d_final, *, scale,
   da = jnp.where(strict & ch.mask, da, 0.0)
   dv_ = ch.beta[..., None] * dvb
   d_beta = jnp.sum(ch.v * dvb, axis=-1)
-  k_dkb = ein("nbhck,nbhgck->nbhgc", kf, dkb)
+  k_dkb = jnp.sum(kf[:, :, :, None] * dkb, axis=-1)
   d_beta += ch.e_g * k_dkb
   d_e_g += ch.beta * k_dkb
   dk += jnp.sum((ch.beta * ch.e_g)[..., None] * dkb, axis=3)

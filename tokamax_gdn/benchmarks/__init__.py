@@ -1,0 +1,1 @@
+"""Benchmarks run by `tokamax-gdn bench`."""
