@@ -56,12 +56,13 @@ class Shapes:
 
 def _model_config(model: str):
   # Lazy: the layers package is only needed to read a preset.
-  from tokamax_gdn.layers import gated_deltanet, presets  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.layers import presets  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.layers.gated_deltanet import GatedDeltaNetConfig  # pylint: disable=g-import-not-at-top
   path = pathlib.Path(model)
   if path.suffix in (".yml", ".yaml") or path.is_file():
     if not path.is_file():
       raise SystemExit(f"error: model file {model!r} not found")
-    return gated_deltanet.GatedDeltaNetConfig.from_yaml(path)
+    return GatedDeltaNetConfig.from_yaml(path)
   try:
     return presets.load_preset(model)
   except ValueError as e:
