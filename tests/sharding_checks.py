@@ -1,0 +1,350 @@
+"""Sharded-vs-unsharded checks, run in a subprocess by `sharding_test.py`.
+
+Usage: python tests/sharding_checks.py {cpu|aot} OUT.json [CHECK ...]
+
+`cpu` needs 8 host devices, so XLA_FLAGS must hold
+--xla_force_host_platform_device_count=8 before jax starts (the test sets it
+for this subprocess only; the other tests keep one device). `aot` compiles
+sharded GDN forward+backward for tpu7x 2x2x1 (8 TensorCores) on CPU.
+
+Each check writes {"ok": bool, "detail": str} under its name in OUT.json.
+"""
+
+import functools
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+# Several processes (tests, other users) may load libtpu for AOT at once.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+
+from tokamax_gdn import config  # pylint: disable=g-import-not-at-top
+from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
+from tokamax_gdn.ops.causal_conv1d.api import causal_conv1d  # pylint: disable=g-import-not-at-top
+from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule  # pylint: disable=g-import-not-at-top
+from tokamax_gdn.ops.gmm.api import gmm  # pylint: disable=g-import-not-at-top
+from tokamax_gdn.testing.specs import rel_rms  # pylint: disable=g-import-not-at-top
+
+TOL = 2e-5  # sharding must not change the arithmetic beyond reduction order
+
+CHECKS = {}
+
+
+def check(group):
+  def deco(fn):
+    CHECKS[fn.__name__] = (group, fn)
+    return fn
+  return deco
+
+
+def _rng_tree(seed, shapes):
+  r = np.random.default_rng(seed)
+  return {n: jnp.asarray(r.standard_normal(s), jnp.float32) for n, s in shapes.items()}
+
+
+def fwd_bwd(f, diff, cts):
+  """(outputs, grads) of sum(outputs * cts) for f(diff) -> tuple of arrays."""
+  out, vjp = jax.vjp(f, diff)
+  return out, vjp(cts)[0]
+
+
+def _compare(got, want, what, tol=TOL):
+  errs = {}
+  for path, w in jax.tree_util.tree_leaves_with_path(want):
+    g = functools.reduce(lambda t, k: t[k.key if hasattr(k, "key") else k.idx], path, got)
+    errs[what + jax.tree_util.keystr(path)] = rel_rms(g, w)
+  bad = {k: v for k, v in errs.items() if not v <= tol}
+  if bad:
+    raise AssertionError(f"sharded != unsharded: {bad}")
+  return f"max rel-RMS {max(errs.values()):.2e} over {len(errs)} arrays"
+
+
+def _put(tree, mesh, specs):
+  return {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in tree.items()}
+
+
+# ------------------------------------------------------------------ GDN
+GDN_POS = ("query", "key", "value", "g", "beta")
+
+
+def _gdn_problem(b, hk, hv, t=40, dk=8, dv=8, seed=0):
+  d = _rng_tree(seed, dict(query=(b, t, hk, dk), key=(b, t, hk, dk), value=(b, t, hv, dv),
+                           g=(b, t, hv), beta=(b, t, hv), initial_state=(b, hv, dk, dv),
+                           a_log=(hv,), dt_bias=(hv,)))
+  d["beta"] = jax.nn.sigmoid(d["beta"])
+  d["initial_state"] = 0.1 * d["initial_state"]
+  d["a_log"] = 0.3 * d["a_log"]
+  cts = tuple(_rng_tree(seed + 1, dict(o=(b, t, hv, dv), s=(b, hv, dk, dv))).values())
+  return d, cts
+
+
+def _gdn_specs(data, model):
+  return dict(query=P(data, None, model), key=P(data, None, model),
+              value=P(data, None, model), g=P(data, None, model), beta=P(data, None, model),
+              initial_state=P(data, model), a_log=P(model), dt_bias=P(model))
+
+
+def _gdn_call(impl):
+  def f(d):
+    d = dict(d)
+    pos = [d.pop(n) for n in GDN_POS]
+    return gated_delta_rule(*pos, **d, use_qk_l2norm=True, output_final_state=True,
+                            implementation=impl)
+  return f
+
+
+def _gdn_sharded(mesh, data, model, impl, mode):
+  specs = _gdn_specs(data, model)
+  f = _gdn_call(impl)
+  if mode == "shard_map":
+    f = jax.shard_map(f, mesh=mesh, in_specs=(specs,),
+                      out_specs=(P(data, None, model), P(data, model)), check_vma=False)
+  return f, specs
+
+
+def _gdn_run(mesh, data, model, b, hk, hv, impl="xla", mode="jit", t=40):
+  d, cts = _gdn_problem(b, hk, hv, t=t)
+  want = jax.jit(functools.partial(fwd_bwd, _gdn_call("reference" if impl != "xla"
+                                                       else "xla")))(d, cts)
+  f, specs = _gdn_sharded(mesh, data, model, impl, mode)
+  ds = _put(d, mesh, specs)
+  cts_s = (jax.device_put(cts[0], NamedSharding(mesh, P(data, None, model))),
+           jax.device_put(cts[1], NamedSharding(mesh, P(data, model))))
+  with config.interpret_mode(impl == "pallas_mosaic_tpu"):
+    got = jax.jit(functools.partial(fwd_bwd, f))(ds, cts_s)
+  # Outputs keep the batch/head sharding they were given.
+  out_sharding = got[0][0].sharding
+  if mode == "jit" and not out_sharding.is_equivalent_to(
+      NamedSharding(mesh, P(data, None, model)), 4):
+    note = f" (output sharding {out_sharding.spec})"
+  else:
+    note = ""
+  # Pallas (interpret) is compared with the reference: the numerical contract.
+  return _compare(got, want, "", tol=TOL if impl == "xla" else 2e-3) + note
+
+
+def _mesh(shape, names):
+  return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
+
+
+@check("cpu")
+def gdn_xla_batch_jit():
+  return _gdn_run(_mesh((8,), ("data",)), "data", None, b=8, hk=1, hv=2)
+
+
+@check("cpu")
+def gdn_xla_batch_shard_map():
+  return _gdn_run(_mesh((8,), ("data",)), "data", None, b=8, hk=1, hv=2, mode="shard_map")
+
+
+@check("cpu")
+def gdn_xla_heads_jit():
+  # 2-way batch x 4-way heads; Hk=4, Hv=8: each shard owns key head i and
+  # value heads 2i, 2i+1, a whole GVA group.
+  return _gdn_run(_mesh((2, 4), ("data", "model")), "data", "model", b=2, hk=4, hv=8)
+
+
+@check("cpu")
+def gdn_xla_heads_shard_map():
+  return _gdn_run(_mesh((2, 4), ("data", "model")), "data", "model", b=2, hk=4, hv=8,
+                  mode="shard_map")
+
+
+@check("cpu")
+def gdn_pallas_interpret_heads_shard_map():
+  if "pallas_mosaic_tpu" not in registry.implementations("gated_delta_rule"):
+    return "SKIP: pallas_mosaic_tpu not registered"
+  return _gdn_run(_mesh((2, 4), ("data", "model")), "data", "model", b=2, hk=4, hv=8,
+                  impl="pallas_mosaic_tpu", mode="shard_map", t=24)
+
+
+# ------------------------------------------------------------ causal_conv1d
+def _conv_run(mesh, data, model, b, mode):
+  t, dch, w = 20, 16, 4
+  d = _rng_tree(3, dict(x=(b, t, dch), weight=(dch, w), bias=(dch,),
+                        initial_state=(b, w - 1, dch)))
+  cts = tuple(_rng_tree(4, dict(y=(b, t, dch), s=(b, w - 1, dch))).values())
+  specs = dict(x=P(data, None, model), weight=P(model), bias=P(model),
+               initial_state=P(data, None, model))
+
+  def f(d):
+    return causal_conv1d(d["x"], d["weight"], d["bias"], initial_state=d["initial_state"],
+                         output_final_state=True, implementation="xla")
+
+  want = jax.jit(functools.partial(fwd_bwd, f))(d, cts)
+  g = f
+  if mode == "shard_map":
+    g = jax.shard_map(f, mesh=mesh, in_specs=(specs,),
+                      out_specs=(P(data, None, model), P(data, None, model)), check_vma=False)
+  cts_s = tuple(jax.device_put(c, NamedSharding(mesh, P(data, None, model))) for c in cts)
+  got = jax.jit(functools.partial(fwd_bwd, g))(_put(d, mesh, specs), cts_s)
+  return _compare(got, want, "")
+
+
+@check("cpu")
+def conv_xla_batch_jit():
+  return _conv_run(_mesh((8,), ("data",)), "data", None, 8, "jit")
+
+
+@check("cpu")
+def conv_xla_batch_shard_map():
+  return _conv_run(_mesh((8,), ("data",)), "data", None, 8, "shard_map")
+
+
+@check("cpu")
+def conv_xla_channels_jit():
+  return _conv_run(_mesh((2, 4), ("data", "model")), "data", "model", 2, "jit")
+
+
+@check("cpu")
+def conv_xla_channels_shard_map():
+  return _conv_run(_mesh((2, 4), ("data", "model")), "data", "model", 2, "shard_map")
+
+
+# ------------------------------------------------------------------ gmm
+def _gmm_problem():
+  m, k, n, g = 64, 8, 16, 4
+  d = _rng_tree(5, dict(lhs=(m, k), rhs=(g, k, n)))
+  gs = jnp.array([10, 0, 27, 19], jnp.int32)          # sum 56 < M: tail rows are zero
+  ct = _rng_tree(6, dict(o=(m, n)))["o"]
+  return d, gs, ct
+
+
+def _gmm_f(gs):
+  return lambda d: (gmm(d["lhs"], d["rhs"], gs, implementation="xla"),)
+
+
+@check("cpu")
+def gmm_xla_rows_and_columns_jit():
+  """Tokens (rows) over `data`, expert output columns over `model`, by jit."""
+  mesh = _mesh((2, 4), ("data", "model"))
+  d, gs, ct = _gmm_problem()
+  want = jax.jit(functools.partial(fwd_bwd, _gmm_f(gs)))(d, (ct,))
+  specs = dict(lhs=P("data", None), rhs=P(None, None, "model"))
+  ct_s = jax.device_put(ct, NamedSharding(mesh, P("data", "model")))
+  got = jax.jit(functools.partial(fwd_bwd, _gmm_f(gs)))(_put(d, mesh, specs), (ct_s,))
+  return _compare(got, want, "")
+
+
+@check("cpu")
+def gmm_xla_columns_shard_map():
+  """Expert weights split over N (tensor parallel): per-device gmm, no collective."""
+  mesh = _mesh((8,), ("model",))
+  d, gs, ct = _gmm_problem()
+  want = jax.jit(functools.partial(fwd_bwd, _gmm_f(gs)))(d, (ct,))
+  specs = dict(lhs=P(), rhs=P(None, None, "model"))
+  f = jax.shard_map(lambda d: (gmm(d["lhs"], d["rhs"], gs, implementation="xla"),),
+                    mesh=mesh, in_specs=(specs,), out_specs=(P(None, "model"),),
+                    check_vma=False)
+  ct_s = jax.device_put(ct, NamedSharding(mesh, P(None, "model")))
+  got = jax.jit(functools.partial(fwd_bwd, f))(_put(d, mesh, specs), (ct_s,))
+  return _compare(got, want, "")
+
+
+@check("cpu")
+def gmm_xla_rows_shard_map():
+  """Tokens over `data`: each shard turns the global group sizes into its own
+  (rows of each group that fall in its slice); weights replicated, their
+  gradient summed over shards by the shard_map transpose."""
+  mesh = _mesh((8,), ("data",))
+  d, gs, ct = _gmm_problem()
+  m = d["lhs"].shape[0]
+  want = jax.jit(functools.partial(fwd_bwd, _gmm_f(gs)))(d, (ct,))
+
+  def local(d, gs):
+    rows = m // 8
+    lo = jax.lax.axis_index("data") * rows
+    ends = jnp.cumsum(gs)
+    starts = ends - gs
+    local_gs = (jnp.clip(ends, lo, lo + rows) - jnp.clip(starts, lo, lo + rows)).astype(gs.dtype)
+    return (gmm(d["lhs"], d["rhs"], local_gs, implementation="xla"),)
+
+  specs = dict(lhs=P("data", None), rhs=P())
+  f = jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=(P("data", None),),
+                    check_vma=False)
+  ct_s = jax.device_put(ct, NamedSharding(mesh, P("data", None)))
+  got = jax.jit(functools.partial(fwd_bwd, lambda d: f(d, gs)))(_put(d, mesh, specs), (ct_s,))
+  return _compare(got, want, "")
+
+
+# ------------------------------------------------------------------ AOT
+def _gdn_aot(impl):
+  """Forward+backward of GDN, value heads (and whole GVA groups of key heads)
+  over 8 TensorCores of tpu7x 2x2x1 (2-way batch x 4-way heads), under
+  shard_map: the kernel sees per-device shapes."""
+  from tokamax_gdn import aot  # pylint: disable=g-import-not-at-top
+  if impl not in registry.implementations("gated_delta_rule"):
+    return f"SKIP: {impl} not registered"
+  mesh = aot.target_mesh("tpu7x", 8, ("data", "model"), (2, 4))
+  b, t, hk, hv, dk, dv = 2, 256, 4, 8, 128, 128
+  bf = jnp.bfloat16
+  specs = _gdn_specs("data", "model")
+  shapes = dict(query=((b, t, hk, dk), bf), key=((b, t, hk, dk), bf), value=((b, t, hv, dv), bf),
+                g=((b, t, hv), bf), beta=((b, t, hv), bf),
+                initial_state=((b, hv, dk, dv), jnp.float32),
+                a_log=((hv,), jnp.float32), dt_bias=((hv,), jnp.float32))
+  arg = {n: aot.spec(mesh, s, dt, specs[n]) for n, (s, dt) in shapes.items()}
+  f = jax.shard_map(_gdn_call(impl), mesh=mesh, in_specs=(specs,),
+                    out_specs=(P("data", None, "model"), P("data", "model")), check_vma=False)
+
+  names = list(shapes)
+
+  def loss_grads(*arrays):
+    def loss(d):
+      out, fin = f(d)
+      return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(fin**2)
+    return jax.grad(loss)(dict(zip(names, arrays)))
+
+  report = aot.compile_for("tpu7x", loss_grads, *[arg[n] for n in names], mesh=mesh)
+  if impl == "pallas_mosaic_tpu":
+    with aot.on_target(mesh):
+      hlo = jax.jit(loss_grads).lower(*[arg[n] for n in names]).as_text()
+    n_kernels = hlo.count("tpu_custom_call")
+    if not n_kernels:
+      raise AssertionError("no Mosaic kernel (tpu_custom_call) in the lowered program")
+    impl += f" ({n_kernels} Mosaic kernel calls)"
+  return (f"{impl}: compiled fwd+bwd for tpu7x x8, temp {report.temp_bytes / 2**20:.1f} MiB"
+          f" per device")
+
+
+@check("aot")
+def gdn_aot_tpu7x_8dev_heads_sharded_pallas():
+  return _gdn_aot("pallas_mosaic_tpu")
+
+
+@check("aot")
+def gdn_aot_tpu7x_8dev_heads_sharded_xla():
+  return _gdn_aot("xla")
+
+
+def main(argv):
+  group, out_path, *names = argv[1:]
+  names = names or [n for n, (g, _) in CHECKS.items() if g == group]
+  if group == "cpu" and len(jax.devices()) < 8:
+    raise SystemExit(f"needs 8 devices, got {len(jax.devices())}: set XLA_FLAGS="
+                     "--xla_force_host_platform_device_count=8")
+  results = {}
+  for name in names:
+    t0 = time.time()
+    try:
+      detail = CHECKS[name][1]()
+      results[name] = {"ok": True, "detail": detail}
+    except Exception:  # pylint: disable=broad-except
+      results[name] = {"ok": False, "detail": traceback.format_exc()[-3000:]}
+    results[name]["seconds"] = round(time.time() - t0, 1)
+    print(name, results[name]["ok"], results[name]["seconds"], flush=True)
+    with open(out_path, "w") as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main(sys.argv)
