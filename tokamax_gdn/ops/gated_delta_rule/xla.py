@@ -236,17 +236,18 @@ def _prepare(q, k, v, log_decay, beta, starts, *, c, scale, precision):
 
 
 def _entry_states(ch: _Chunks, s0: jax.Array, precision):
-  """Float32 scan over chunks: (entry state of every chunk, final state)."""
+  """Float32 scan over chunks: (entry states, delta of every chunk, final)."""
 
   def step(s, xs):
     w, u, k, dec, e_gc = xs
     delta = u - jnp.einsum("bhgck,bhgkv->bhgcv", w, s, precision=precision)
     upd = jnp.einsum("bhck,bhgcv->bhgkv", k.astype(_F32), dec[..., None] * delta,
                      precision=precision)
-    return e_gc[..., None, None] * s + upd, s
+    return e_gc[..., None, None] * s + upd, (s, delta)
 
-  final, entries = jax.lax.scan(step, s0, (ch.w, ch.u, ch.k, ch.dec, ch.e_gc))
-  return entries, final
+  final, (entries, delta) = jax.lax.scan(
+      step, s0, (ch.w, ch.u, ch.k, ch.dec, ch.e_gc))
+  return entries, delta, final
 
 
 def _precision(dtype):
@@ -271,8 +272,7 @@ def chunked_forward(q, k, v, log_decay, beta, *, scale, initial_state,
   ch = _prepare(q, k, v, log_decay, beta, starts, c=chunk_size, scale=scale,
                 precision=precision)
   s0 = _initial(initial_state, b, hk, hv // hk, dk, dv)
-  entries, final = _entry_states(ch, s0, precision)
-  delta = ch.u - jnp.matmul(ch.w, entries, precision=precision)
+  entries, delta, final = _entry_states(ch, s0, precision)
   inter = jnp.einsum("nbhck,nbhgkv->nbhgcv", ch.q, entries, precision=precision,
                      preferred_element_type=_F32)
   out = scale * ch.e_g[..., None] * inter + jnp.matmul(
@@ -296,8 +296,7 @@ def chunked_backward(q, k, v, log_decay, beta, d_out, d_final, *, scale,
   ch = _prepare(q, k, v, log_decay, beta, starts, c=c, scale=scale,
                 precision=precision)
   s0 = _initial(initial_state, b, hk, grp, d_key, d_val)
-  entries, _ = _entry_states(ch, s0, precision)
-  delta = ch.u - mm(ch.w, entries)
+  entries, delta, _ = _entry_states(ch, s0, precision)
 
   tp = ch.q.shape[0] * c
   do = _value_side(_pad_time(d_out.astype(_F32), tp), c, hk)
@@ -312,13 +311,10 @@ def chunked_backward(q, k, v, log_decay, beta, d_out, d_final, *, scale,
     d_delta = pt_do + dec[..., None] * ein("bhck,bhgkv->bhgcv", k, ds)
     ds_prev = q_do + e_gc[..., None, None] * ds - ein(
         "bhgck,bhgcv->bhgkv", w, d_delta)
-    return ds_prev, ds
+    return ds_prev, (ds, d_delta)
 
-  d_s0, ds_exit = jax.lax.scan(
+  d_s0, (ds_exit, d_delta) = jax.lax.scan(
       step, ds_final, (pt_do, q_do, kf, ch.dec, ch.e_gc, ch.w), reverse=True)
-
-  kd_ds = ein("nbhck,nbhgkv->nbhgcv", kf, ds_exit)
-  d_delta = pt_do + ch.dec[..., None] * kd_ds
   # Output: out = scale e_g (q s) + p delta.
   dp = jnp.where(ch.mask, ein("nbhgiv,nbhgjv->nbhgij", do, delta), 0.0)
   do_st = ein("nbhgcv,nbhgkv->nbhgck", do, entries)           # dout s^T
