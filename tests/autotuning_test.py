@@ -1,0 +1,297 @@
+"""Autotuning end to end: discovery by `tokamax.autotune`, JSON round trip,
+context-manager overlay, the package's shipped cache (hit, miss, precedence),
+`tokamax-gdn autotune`, and a wheel install that ships the tuning data."""
+
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+import tokamax
+from tokamax._src import benchmarking
+from tokamax._src.autotuning import autotuner
+from tokamax._src.ops import op as op_lib
+
+import tokamax_gdn
+from tokamax_gdn import autotuning
+from tokamax_gdn import registry
+from tokamax_gdn import tuning
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = tuning.Shapes(b=1, t=32, hk=1, hv=2, k=16, v=16, dtype=jnp.float32)
+# The shape of the shipped CPU data (see the README's "Autotuning").
+SHIPPED = tuning.Shapes(b=1, t=8192, hk=2, hv=4, k=128, v=128, dtype=jnp.bfloat16)
+DEVICE_KIND = jax.devices()[0].device_kind
+
+
+def _xla_config(chunk_size):
+  return type(registry.get("gated_delta_rule", "xla")).config_cls(chunk_size=chunk_size)
+
+
+def _inputs(shapes):
+  specs, _ = tuning.gdn_inputs(shapes)
+  keys = jax.random.split(jax.random.PRNGKey(0), len(specs))
+  return tuple((0.3 * jax.random.normal(k, s.shape, jnp.float32)).astype(s.dtype)
+               for k, s in zip(keys, specs))
+
+
+def _forward(q, k, v, g, beta, a_log, dt_bias):
+  return tokamax_gdn.gated_delta_rule(
+      q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias, use_qk_l2norm=True,
+      implementation="xla")[0]
+
+
+def _loss(*xs):
+  return jnp.sum(_forward(*xs).astype(jnp.float32))
+
+
+_grad = jax.grad(_loss, argnums=tuple(range(7)))
+
+
+def _bench(ms):
+  return benchmarking.BenchmarkData(
+      compile_time_ms=1.0, lower_time_ms=1.0, evaluation_times_ms=(ms,), metadata={})
+
+
+def _fake_result(bound, best):
+  """`best` measured faster than the heuristics config for every bound op."""
+  data = tuple(
+      (ba, autotuner.AutotuningData({ba.heuristics_config: _bench(1.0), best: _bench(0.5)}))
+      for ba in bound)
+  return tokamax.AutotuningResult(DEVICE_KIND, data)
+
+
+def _bound(shapes, impl="xla"):
+  return [ba for _, ba in tuning.bound_args("gated_delta_rule", impl, shapes)]
+
+
+@pytest.fixture(scope="module")
+def grad_result():
+  return tokamax.autotune(_grad, *_inputs(TINY), ignore_cache=True, progress_bar=False)
+
+
+@pytest.fixture
+def extra_dir(tmp_path, monkeypatch):
+  """An extra shipped-data root, read after the package's; caches reloaded."""
+  monkeypatch.setenv(autotuning.ENV_DIRS, str(tmp_path))
+  autotuning.reload()
+  yield tmp_path
+  autotuning.reload()
+
+
+def test_autotune_discovers_forward_op():
+  result = tokamax.autotune(_forward, *_inputs(TINY), ignore_cache=True, progress_bar=False)
+  assert [type(ba.op).__name__ for ba, _ in result.data] == ["XlaGatedDeltaRule"]
+  (ba, data), = result.data
+  assert not ba.arguments["return_residuals"]
+  assert set(data) == ba.autotuning_configs == {_xla_config(c) for c in (16, 32, 64, 128)}
+  assert data.fastest_config in ba.autotuning_configs
+
+
+def test_autotune_discovers_vjp_op_under_grad(grad_result):
+  assert grad_result.device_kind == DEVICE_KIND
+  names = sorted(type(ba.op).__name__ for ba, _ in grad_result.data)
+  assert names == ["XlaGatedDeltaRule", "XlaGatedDeltaRuleVjp"]
+  for ba, data in grad_result.data:
+    assert set(data) == ba.autotuning_configs, type(ba.op).__name__
+    assert all(isinstance(b, benchmarking.BenchmarkData) for b in data.values())
+
+
+def test_json_round_trip(grad_result):
+  text = grad_result.dumps()
+  back = tokamax.AutotuningResult.loads(text)
+  assert back.device_kind == grad_result.device_kind
+  summary = lambda r: [(type(ba.op), ba.autotuning_cache_key, d.fastest_config, dict(d))
+                       for ba, d in r.data]
+  assert summary(back) == summary(grad_result)
+  assert back.dumps() == text
+
+
+def test_result_as_context_manager_sets_default_config(grad_result):
+  bound = _bound(TINY)
+  heuristics = [ba.default_config for ba in bound]
+  assert heuristics == [ba.heuristics_config for ba in bound]
+  best = _xla_config(128)
+  assert best not in heuristics
+  fake = tokamax.AutotuningResult.loads(_fake_result(bound, best).dumps())
+  with fake:
+    assert [ba.default_config for ba in bound] == [best] * len(bound)
+    out = _forward(*_inputs(TINY))  # runs with the overlaid config
+  assert [ba.default_config for ba in bound] == heuristics
+  assert jnp.all(jnp.isfinite(out))
+  # The measured result overlays the same way.
+  with grad_result:
+    for ba, data in grad_result.data:
+      assert ba.default_config == data.fastest_config
+
+
+def test_shipped_cache_hit_and_miss(extra_dir):
+  bound = _bound(TINY)
+  best = _xla_config(128)
+  written = autotuning.install(_fake_result(bound, best), extra_dir)
+  kind = autotuning.normalize_device_kind(DEVICE_KIND)
+  assert sorted(p.relative_to(extra_dir).as_posix() for p in written) == [
+      f"{kind}/xla_gated_delta_rule.json", f"{kind}/xla_gated_delta_rule_vjp.json"]
+  for ba in bound:  # fwd, fwd inside grad (return_residuals) and vjp
+    assert ba.cached_autotuning_data is not None, type(ba.op).__name__
+    assert ba.default_config == best
+  miss = _bound(dataclasses.replace(TINY, t=48))
+  for ba in miss:
+    assert ba.cached_autotuning_data is None
+    assert ba.default_config == ba.heuristics_config
+  with tokamax.config.autotuning_cache_miss_fallback("error"):
+    assert bound[0].default_config == best
+    with pytest.raises(ValueError, match="No config found"):
+      _ = miss[0].default_config
+
+
+def test_install_merges_and_replaces(extra_dir):
+  bound, other = _bound(TINY), _bound(dataclasses.replace(TINY, t=48))
+  autotuning.install(_fake_result(bound, _xla_config(128)), extra_dir)
+  autotuning.install(_fake_result(other, _xla_config(16)), extra_dir)
+  autotuning.install(_fake_result(bound[:1], _xla_config(64)), extra_dir)
+  assert bound[0].default_config == _xla_config(64)
+  assert [ba.default_config for ba in bound[1:]] == [_xla_config(128)] * 2
+  assert [ba.default_config for ba in other] == [_xla_config(16)] * 3
+  text = (extra_dir / autotuning.normalize_device_kind(DEVICE_KIND)
+          / "xla_gated_delta_rule.json").read_text()
+  assert len(json.loads(text)) == 4  # T=32, T=48: alone and inside grad
+
+
+def test_tokamax_cache_entries_win_over_shipped(extra_dir):
+  ba = _bound(TINY)[0]
+  autotuning.install(_fake_result([ba], _xla_config(128)), extra_dir)
+  op = ba.op.replace(vjp=None)
+  own = autotuner.AutotuningData({_xla_config(16): _bench(0.1)})
+  op_lib._AUTOTUNING_CACHE[op] = {DEVICE_KIND: {ba.autotuning_cache_key: own}}  # pylint: disable=protected-access
+  assert ba.default_config == _xla_config(16)
+
+
+def test_ignore_autotuning_cache_ignores_shipped(extra_dir):
+  ba = _bound(TINY)[0]
+  autotuning.install(_fake_result([ba], _xla_config(128)), extra_dir)
+  with tokamax.config.ignore_autotuning_cache(True):
+    assert ba.default_config == ba.heuristics_config
+  assert ba.default_config == _xla_config(128)
+
+
+def test_shipped_cpu_data_matches_its_shape():
+  autotuning.reload()
+  names = {p.name for p in autotuning.shipped_files("cpu")}
+  assert {"xla_gated_delta_rule.json", "xla_gated_delta_rule_vjp.json"} <= names
+  for label, ba in tuning.bound_args("gated_delta_rule", "xla", SHIPPED):
+    data = ba.op.get_autotuning_cache("cpu").get(ba.autotuning_cache_key)
+    assert data is not None, label
+    if DEVICE_KIND == "cpu":
+      assert ba.default_config == data.fastest_config
+
+
+def test_cli_out_and_install(tmp_path, extra_dir, capsys):
+  out = tmp_path / "result.json"
+  rc = tuning.main(["--hk", "1", "--hv", "2", "--k", "16", "--v", "16", "-T", "16",
+                    "--dtype", "float32", "--forward-only", "--no-progress",
+                    "--out", str(out), "--install", "--install-dir", str(extra_dir), "--json"])
+  assert rc == 0
+  report = json.loads(capsys.readouterr().out)
+  (row,) = report["rows"]
+  assert row["op"] == "gated_delta_rule" and row["implementation"] == "xla"
+  assert row["speedup"] >= 1.0
+  result = tokamax.AutotuningResult.loads(out.read_text())
+  (ba, data), = result.data
+  assert ba.default_config == data.fastest_config  # installed: read back from extra_dir
+  with pytest.raises(SystemExit):
+    tuning.main(["-T", "16"])  # no model and no head shapes
+
+
+def test_pallas_interpret_autotune_mechanism(monkeypatch):
+  impls = registry.implementations("gated_delta_rule")
+  if "pallas_mosaic_tpu" not in impls:
+    pytest.skip("gated_delta_rule has no registered pallas_mosaic_tpu implementation yet"
+                " (no tokamax_gdn/ops/gated_delta_rule/pallas_mosaic_tpu.py)")
+  if type(impls["pallas_mosaic_tpu"]).config_cls is op_lib.NullConfig:
+    pytest.skip("pallas_mosaic_tpu gated_delta_rule has no Config to tune")
+  # The environment variable, not the thread-local switch: tokamax may compile
+  # configs on worker threads.
+  monkeypatch.setenv("TOKAMAX_GDN_INTERPRET", "1")
+  shapes = tuning.Shapes(b=1, t=64, hk=1, hv=1, k=128, v=128, dtype=jnp.float32)
+  items = tuning.bound_args("gated_delta_rule", "pallas_mosaic_tpu", shapes, backward=False)
+  assert items, "pallas_mosaic_tpu op not found in the lowered function"
+  ba = items[0][1]
+  configs = set(sorted(ba.autotuning_configs, key=str)[:2])
+  data = ba.autotune(configs, cache_results=False)
+  assert data.fastest_config in configs
+
+
+_CHECK_INSTALLED = textwrap.dedent("""
+    import json, pathlib, sys
+    import jax.numpy as jnp
+    import tokamax_gdn
+    from tokamax_gdn import autotuning, tuning
+    pkg = pathlib.Path(tokamax_gdn.__file__).resolve().parent
+    shapes = tuning.Shapes(b=1, t=8192, hk=2, hv=4, k=128, v=128, dtype=jnp.bfloat16)
+    rows = []
+    for label, ba in tuning.bound_args("gated_delta_rule", "xla", shapes):
+      data = ba.op.get_autotuning_cache("cpu").get(ba.autotuning_cache_key)
+      rows.append(dict(pass_=label, op=type(ba.op).__name__, hit=data is not None,
+                       config=None if data is None else data.fastest_config.chunk_size,
+                       default=ba.default_config.chunk_size))
+    print(json.dumps(dict(package=str(pkg),
+                          files=[p.relative_to(autotuning.package_dir()).as_posix()
+                                 for p in autotuning.shipped_files()],
+                          rows=rows)))
+""")
+
+
+@pytest.mark.slow
+def test_wheel_install_ships_tuning_data(tmp_path):
+  """`pip install` of the repository (not editable) loads the shipped xla data."""
+  try:
+    import setuptools  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    pytest.skip("building offline without isolation needs setuptools in the test"
+                " interpreter: pip install 'setuptools>=69' wheel")
+  # Build from a copy: an in-tree build would leave build/ in the shared checkout.
+  src = tmp_path / "src"
+  shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
+      ".git", "__pycache__", "build", "dist", "*.egg-info", ".pytest_cache",
+      ".hypothesis", "tests", "venv", ".venv", ".whl"))
+  venv = tmp_path / "venv"
+  subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+  python = venv / "bin" / "python"
+  site = pathlib.Path(subprocess.check_output(
+      [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+      text=True).strip())
+  # The test interpreter's packages (jax, tokamax, setuptools) behind the new
+  # venv's own: a path line in a .pth does not run the editable finder there.
+  (site / "_host_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("PYTHONPATH", autotuning.ENV_DIRS, "TOKAMAX_GDN_MODELS_DIR")}
+  env["JAX_PLATFORMS"] = "cpu"
+  subprocess.run(
+      [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
+       "--no-deps", "--no-index", "--no-build-isolation", "--ignore-installed", str(src)],
+      check=True, cwd=tmp_path, env=env)
+  proc = subprocess.run([python, "-c", _CHECK_INSTALLED], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads(proc.stdout.strip().splitlines()[-1])
+  print(json.dumps(report, indent=1))
+  assert pathlib.Path(report["package"]).is_relative_to(venv), report["package"]
+  assert {"cpu/xla_gated_delta_rule.json", "cpu/xla_gated_delta_rule_vjp.json"} <= set(
+      report["files"])
+  assert [r["pass_"] for r in report["rows"]] == ["fwd", "fwd (in grad)", "vjp"]
+  autotuning.reload()
+  for r, (_, ba) in zip(report["rows"], tuning.bound_args("gated_delta_rule", "xla", SHIPPED)):
+    assert r["hit"], r
+    expected = ba.op.get_autotuning_cache("cpu")[ba.autotuning_cache_key].fastest_config
+    assert r["config"] == expected.chunk_size, r
+    if DEVICE_KIND == "cpu":
+      assert r["default"] == r["config"], r
