@@ -1,0 +1,239 @@
+"""Pallas Mosaic TPU causal conv1d: Op wrapper (config, heuristics, VMEM, VJP).
+
+The kernels (forward with fused SiLU; backward giving dx and per-tile dweight /
+dbias partials) live in `pallas_mosaic_tpu_kernel.py` with their math. This
+wrapper pads T and D to whole tiles, builds the 8-row halos each tile needs
+(from x and the initial state), and finishes in XLA what touches only W-1
+tokens: the final state (base.py) and the initial-state gradient.
+
+The op is memory-bound (2·W flops per input element): tiles only need to be
+big enough to amortise the per-step overhead and the halo (8 / block_t extra
+reads); residuals are none (the backward recomputes the pre-activation).
+"""
+
+import dataclasses
+import functools
+from typing import Annotated, ClassVar
+
+import jax
+import jax.numpy as jnp
+import pydantic
+from tokamax._src.ops import op
+from typing_extensions import override
+
+from tokamax_gdn import config as gdn_config
+from tokamax_gdn.ops.causal_conv1d import base
+from tokamax_gdn.ops.causal_conv1d import pallas_mosaic_tpu_kernel as kernel
+from tokamax_gdn.ops.causal_conv1d import xla
+
+_MIB = 1 << 20
+_LANES = 128
+_SUBLANES = 16     # bf16 native tiling; also a multiple of the 8-row halo
+
+
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+  """Tiling: block_d channels (lanes, a multiple of 128) x block_t tokens (a multiple of 16)."""
+
+  block_d: Annotated[int, pydantic.Field(gt=0, multiple_of=_LANES)] = 512
+  block_t: Annotated[int, pydantic.Field(gt=0, multiple_of=_SUBLANES)] = 256
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _tiles(cfg: Config, t: int, d: int) -> tuple[int, int]:
+  """Effective (block_t, block_d): never larger than the (rounded-up) array."""
+  return (min(cfg.block_t, _round_up(max(t, 1), _SUBLANES)),
+          min(cfg.block_d, _round_up(d, _LANES)))
+
+
+def _heuristics(ba: op.BoundArguments) -> Config:
+  x = ba.arguments["x"]
+  t, d = x.shape[1], x.shape[2]
+  dp = _round_up(d, _LANES)
+  block_d = next(c for c in (512, 256, 128) if dp % c == 0)
+  return Config(block_d=block_d, block_t=min(512, _round_up(max(t, 1), _SUBLANES)))
+
+
+def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
+  x = ba.arguments["x"]
+  t, d = x.shape[1], x.shape[2]
+  return {Config(block_d=bd, block_t=bt)
+          for bd in (128, 256, 512, 1024) if bd <= _round_up(d, _LANES)
+          for bt in (64, 128, 256, 512, 1024) if bt <= _round_up(max(t, 1), _SUBLANES)}
+
+
+def _vmem_limit(bt: int, bd: int, width: int, itemsize: int) -> int:
+  """Backward (the larger kernel): double-buffered x, dy, dx tiles + halos + f32 scratch."""
+  tile = bt * bd
+  est = 2 * 3 * tile * itemsize + 2 * 4 * kernel.HALO * bd * 4 + (2 * tile + 3 * kernel.HALO * bd) * 4
+  est += 2 * (width + 1) * bd * 4 + 2 * (bt + kernel.HALO) * kernel.REACH_LANES * 4
+  cap = gdn_config.target_generation().vmem_bytes * 3 // 4
+  return int(min(cap, max(32 * _MIB, 2 * est)))
+
+
+def _check_supported(x: jax.Array, width: int) -> bool:
+  """Returns interpret mode; raises NotImplementedError where the kernels can't run."""
+  interpret = gdn_config.interpret_enabled()
+  if not interpret and not gdn_config.on_tpu():
+    raise NotImplementedError(
+        "pallas_mosaic_tpu needs a TPU (or tokamax_gdn.config.interpret_mode()).")
+  if x.dtype not in (jnp.float32, jnp.bfloat16):
+    raise NotImplementedError(f"pallas_mosaic_tpu supports float32/bfloat16 x; got {x.dtype}.")
+  if width - 1 > kernel.HALO:
+    raise NotImplementedError(f"pallas_mosaic_tpu supports W <= {kernel.HALO + 1}; got {width}.")
+  return interpret
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+  x: jax.Array          # [B, Tp, Dp], x's dtype
+  x_prev: jax.Array     # [B, nT, 8, Dp] f32
+  w_t: jax.Array        # [W, Dp] f32
+  bias: jax.Array | None    # [1, Dp] f32
+  reach: jax.Array | None   # [B, Tp, 128] int32
+  bt: int
+  bd: int
+
+
+def _prepare(x, weight, bias, initial_state, reach, cfg: Config) -> _Prepared:
+  b, t, d = x.shape
+  width = weight.shape[1]
+  bt, bd = _tiles(cfg, t, d)
+  tp, dp = _round_up(max(t, 1), bt), _round_up(d, bd)
+  xp = jnp.pad(x, ((0, 0), (0, tp - t), (0, dp - d)))
+  state = (jnp.zeros((b, width - 1, d), jnp.float32) if initial_state is None
+           else initial_state.astype(jnp.float32))
+  first = jnp.pad(state, ((0, 0), (kernel.HALO - (width - 1), 0), (0, dp - d)))
+  x_prev = kernel.halo_prev(xp.astype(jnp.float32), bt, first)
+  w_t = jnp.pad(weight.astype(jnp.float32).T, ((0, 0), (0, dp - d)))
+  bias_p = None if bias is None else jnp.pad(bias.astype(jnp.float32), (0, dp - d))[None]
+  reach_p = None
+  if reach is not None:
+    reach_p = jnp.pad(reach, ((0, 0), (0, tp - t)), constant_values=width - 1)
+    reach_p = jnp.broadcast_to(reach_p[..., None], (b, tp, kernel.REACH_LANES))
+  return _Prepared(xp, x_prev, w_t, bias_p, reach_p, bt, bd)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasMosaicTpuCausalConv1d(base.CausalConv1d[Config, None]):
+  """Tiled causal conv1d + SiLU in Pallas Mosaic TPU (forward + backward kernels)."""
+
+  config_cls: ClassVar[type[Config]] = Config
+  max_width: ClassVar[int | None] = kernel.HALO + 1
+
+  def __post_init__(self):
+    if self.vjp is None:
+      object.__setattr__(self, "vjp", PallasMosaicTpuCausalConv1dVjp())
+
+  @override
+  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
+    return _heuristics(ba)
+
+  @override
+  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
+    return _autotuning_configs(ba)
+
+  @override
+  def supported_on(self, device: jax.Device) -> bool:
+    return device.platform == "tpu" or gdn_config.interpret_enabled()
+
+  def _conv(self, x, weight, bias, *, activation, initial_state, reach, config: Config):
+    interpret = _check_supported(x, weight.shape[1])
+    b, t, d = x.shape
+    if t == 0:
+      return jnp.zeros(x.shape, x.dtype)
+    p = _prepare(x, weight, bias, initial_state, reach, config)
+    y = kernel.conv_fwd(
+        p.x, p.x_prev, p.w_t, p.bias, p.reach, bt=p.bt, bd=p.bd, activation=activation,
+        interpret=interpret,
+        vmem_limit_bytes=_vmem_limit(p.bt, p.bd, weight.shape[1], x.dtype.itemsize))
+    return y[:, :t, :d]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PallasMosaicTpuCausalConv1dVjp(op.Op):
+  """Backward: one Pallas kernel for dx / dweight / dbias; XLA for the W-1-token edges."""
+
+  config_cls: ClassVar[type[Config]] = Config
+
+  @override
+  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
+    return _heuristics(ba)
+
+  @override
+  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
+    return _autotuning_configs(ba)
+
+  @override
+  def supported_on(self, device: jax.Device) -> bool:
+    return device.platform == "tpu" or gdn_config.interpret_enabled()
+
+  def _fwd(
+      self,
+      residuals: None,
+      out: base.Output,
+      dout: base.Output,
+      x: jax.Array,
+      weight: jax.Array,
+      bias: jax.Array | None,
+      *,
+      activation: str | None,
+      initial_state: jax.Array | None,
+      output_final_state: bool,
+      segment_ids: jax.Array | None,
+      return_residuals: bool,
+      config: Config,
+  ) -> tuple[dict[str, jax.Array], None]:
+    del residuals, out, return_residuals
+    width = weight.shape[1]
+    interpret = _check_supported(x, width)
+    b, t, d = x.shape
+    dy, d_final = dout
+    reach = base.window_reach(segment_ids, width)
+    grads = {}
+    if t == 0:
+      dx = jnp.zeros_like(x)
+      dweight = jnp.zeros(weight.shape, jnp.float32)
+      dbias = jnp.zeros((d,), jnp.float32)
+    else:
+      p = _prepare(x, weight, bias, initial_state, reach, config)
+      dyp = jnp.pad(dy.astype(x.dtype), ((0, 0), (0, p.x.shape[1] - t), (0, p.x.shape[2] - d)))
+      x_next = kernel.halo_next(p.x.astype(jnp.float32), p.bt)
+      dy_next = kernel.halo_next(dyp.astype(jnp.float32), p.bt)
+      reach_next = None if p.reach is None else kernel.halo_next(p.reach, p.bt)
+      dx, dwp, dbp = kernel.conv_bwd(
+          p.x, p.x_prev, x_next, dyp, dy_next, p.w_t, p.bias, p.reach, reach_next,
+          bt=p.bt, bd=p.bd, activation=activation, interpret=interpret,
+          vmem_limit_bytes=_vmem_limit(p.bt, p.bd, width, x.dtype.itemsize))
+      dx = dx[:, :t, :d]
+      dweight = jnp.sum(dwp, axis=(0, 1)).T[:d]
+      dbias = jnp.sum(dbp, axis=(0, 1, 2))[:d]
+    if initial_state is not None:
+      # Only the first W-1 tokens read the initial state: differentiate those in XLA.
+      n = min(t, width - 1)
+      conv = functools.partial(
+          xla.IMPLEMENTATION._conv, x[:, :n], weight, bias,  # pylint: disable=protected-access
+          activation=activation, reach=None if reach is None else reach[:, :n], config=None)
+      _, state_vjp = jax.vjp(lambda s: conv(initial_state=s), initial_state)
+      (d_state,) = state_vjp(dy[:, :n].astype(jnp.float32))
+      d_state = d_state.astype(jnp.float32)
+    if output_final_state and d_final is not None:
+      fs = lambda x_, s_: base.final_state(x_, s_, segment_ids, width)
+      _, fs_vjp = jax.vjp(fs, x, initial_state)
+      dx_f, ds_f = fs_vjp(d_final.astype(x.dtype))
+      dx = dx.astype(jnp.float32) + dx_f.astype(jnp.float32)
+      if initial_state is not None:
+        d_state = d_state + ds_f.astype(jnp.float32)
+    grads["x"] = dx.astype(x.dtype)
+    grads["weight"] = dweight.astype(weight.dtype)
+    # `bias` is positional: a None gradient keeps the args tuple whole.
+    grads["bias"] = None if bias is None else dbias.astype(bias.dtype)
+    if initial_state is not None:
+      grads["initial_state"] = d_state.astype(initial_state.dtype)
+    return grads, None
+
+
+IMPLEMENTATION = PallasMosaicTpuCausalConv1d()

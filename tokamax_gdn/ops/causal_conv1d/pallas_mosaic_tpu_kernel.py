@@ -1,0 +1,216 @@
+"""Pallas Mosaic TPU kernels for the causal depthwise conv1d (fused SiLU).
+
+Shapes inside a grid step (b, j, i): a time tile of bt tokens and a channel
+tile of bd lanes. Tap w reads s = W-1-w tokens back, so a tile needs the
+H = 8 >= W-1 inputs before it; those come as a small precomputed "halo"
+([B, nT, 8, D], built in XLA from x and the initial state) rather than from
+the previous grid step, so every grid axis is parallel (megacore splits any).
+
+Forward, per row r of the tile (xb = [halo_prev; x_tile] in a float32 scratch):
+  pre[r] = bias + sum_w weight[w] * xb[8 + r - s] * (s <= reach[r]);  y = silu(pre)
+
+Backward, with dpre[u] = dy[u] * silu'(pre[u]) for u over the tile and the
+8 rows after it (the forward is recomputed there from a second halo):
+  dx[r]      = sum_w weight[w] * (s <= reach[r+s]) * dpre[r+s]
+  dweight[w] = sum_r (s <= reach[r]) * dpre[r] * xb[8 + r - s]    (per-tile partial)
+  dbias      = sum_r dpre[r]                                      (per-tile partial)
+The partials ([B, nT, W, D]) are summed in XLA; the initial-state gradient
+(only the first W-1 tokens see it) is left to the wrapper.
+
+`reach` (see base.py) is passed lane-dense ([B, T, 128] int32) so that every
+ref is (8, 128)-tiled; it is absent without segment_ids.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+HALO = 8        # rows of history / lookahead per tile; W - 1 <= HALO
+REACH_LANES = 128
+
+
+def _silu_and_grad(pre):
+  sig = jax.nn.sigmoid(pre)
+  return pre * sig, sig * (1.0 + pre * (1.0 - sig))
+
+
+def _fwd_kernel(*refs, width, activation, has_bias, has_reach):
+  it = iter(refs)
+  x_ref, prev_ref, w_ref = next(it), next(it), next(it)
+  b_ref = next(it) if has_bias else None
+  reach_ref = next(it) if has_reach else None
+  y_ref, xb = next(it), next(it)
+  bt = x_ref.shape[0]
+  xb[:HALO, :] = prev_ref[...].astype(jnp.float32)
+  xb[HALO:, :] = x_ref[...].astype(jnp.float32)
+  w = w_ref[...].astype(jnp.float32)                        # [W, bd]
+  acc = jnp.zeros(y_ref.shape, jnp.float32)
+  if has_bias:
+    acc = acc + b_ref[...].astype(jnp.float32)
+  reach = reach_ref[:, :1] if has_reach else None             # [bt, 1]
+  for tap in range(width):
+    s = width - 1 - tap
+    term = xb[HALO - s:HALO - s + bt, :] * w[tap:tap + 1, :]
+    if has_reach and s:
+      term = jnp.where(s <= reach, term, 0.0)
+    acc = acc + term
+  y = _silu_and_grad(acc)[0] if activation == "silu" else acc
+  y_ref[...] = y.astype(y_ref.dtype)
+
+
+def _bwd_kernel(*refs, width, activation, has_bias, has_reach):
+  it = iter(refs)
+  x_ref, prev_ref, next_ref, dy_ref, dy_next_ref, w_ref = (next(it) for _ in range(6))
+  b_ref = next(it) if has_bias else None
+  if has_reach:
+    reach_ref, reach_next_ref = next(it), next(it)
+  dx_ref, dw_ref, db_ref, xb, db = (next(it) for _ in range(5))
+  rb = next(it) if has_reach else None
+  bt = x_ref.shape[0]
+  xb[:HALO, :] = prev_ref[...].astype(jnp.float32)
+  xb[HALO:HALO + bt, :] = x_ref[...].astype(jnp.float32)
+  xb[HALO + bt:, :] = next_ref[...].astype(jnp.float32)
+  w = w_ref[...].astype(jnp.float32)
+  bias = b_ref[...].astype(jnp.float32) if has_bias else 0.0
+
+  def dpre(lo, n, dy, reach):
+    """d pre for rows [lo, lo + n) of the tile (xb row HALO + lo + r)."""
+    acc = jnp.zeros((n, xb.shape[1]), jnp.float32) + bias
+    for tap in range(width):
+      s = width - 1 - tap
+      term = xb[HALO + lo - s:HALO + lo - s + n, :] * w[tap:tap + 1, :]
+      if has_reach and s:
+        term = jnp.where(s <= reach, term, 0.0)
+      acc = acc + term
+    dy = dy.astype(jnp.float32)
+    return dy * _silu_and_grad(acc)[1] if activation == "silu" else dy
+
+  reach = reach_next = None
+  if has_reach:
+    rb[:bt, :] = reach_ref[...]
+    rb[bt:, :] = reach_next_ref[...]
+    reach, reach_next = rb[:bt, :1], rb[bt:, :1]
+  db[:bt, :] = dpre(0, bt, dy_ref[...], reach)
+  db[bt:, :] = dpre(bt, HALO, dy_next_ref[...], reach_next)
+
+  # dweight / dbias partials over this tile's own rows.
+  d_main = db[:bt, :]
+  for tap in range(width):
+    s = width - 1 - tap
+    term = d_main * xb[HALO - s:HALO - s + bt, :]
+    if has_reach and s:
+      term = jnp.where(s <= reach, term, 0.0)
+    dw_ref[tap:tap + 1, :] = jnp.sum(term, axis=0, keepdims=True)
+  db_ref[...] = jnp.sum(d_main, axis=0, keepdims=True)
+
+  # dx: each row gathers the taps that read it, from rows r + s.
+  dx = jnp.zeros(dx_ref.shape, jnp.float32)
+  for tap in range(width):
+    s = width - 1 - tap
+    term = db[s:s + bt, :] * w[tap:tap + 1, :]
+    if has_reach and s:
+      term = jnp.where(s <= rb[s:s + bt, :1], term, 0.0)
+    dx = dx + term
+  dx_ref[...] = dx.astype(dx_ref.dtype)
+
+
+def _tiles(a, bt):
+  """[B, Tp, D] -> [B, nT, bt, D]."""
+  b, tp, d = a.shape
+  return a.reshape(b, tp // bt, bt, d)
+
+
+def halo_prev(a, bt, first):
+  """[B, nT, 8, D]: the 8 rows before each tile; `first` [B, 8, D] before tile 0."""
+  t = _tiles(a, bt)[:, :-1, bt - HALO:]
+  return jnp.concatenate([first[:, None], t], axis=1)
+
+
+def halo_next(a, bt):
+  """[B, nT, 8, D]: the 8 rows after each tile (zeros after the last)."""
+  t = _tiles(a, bt)[:, 1:, :HALO]
+  zeros = jnp.zeros((a.shape[0], 1, HALO, a.shape[2]), a.dtype)
+  return jnp.concatenate([t, zeros], axis=1)
+
+
+def _specs(bt, bd):
+  row = pl.BlockSpec((None, bt, bd), lambda b, j, i: (b, i, j))
+  halo = pl.BlockSpec((None, None, HALO, bd), lambda b, j, i: (b, i, 0, j))
+  reach = pl.BlockSpec((None, bt, REACH_LANES), lambda b, j, i: (b, i, 0))
+  reach_halo = pl.BlockSpec((None, None, HALO, REACH_LANES), lambda b, j, i: (b, i, 0, 0))
+  return row, halo, reach, reach_halo
+
+
+def conv_fwd(x, x_prev, w_t, bias, reach, *, bt, bd, activation, interpret,
+             vmem_limit_bytes=None):
+  """x [B, Tp, Dp] (Tp % bt == 0, Dp % bd == 0), x_prev [B, nT, 8, Dp], w_t [W, Dp],
+  bias [1, Dp] | None, reach [B, Tp, 128] int32 | None -> y [B, Tp, Dp]."""
+  b, tp, dp = x.shape
+  width = w_t.shape[0]
+  row, halo, reach_spec, _ = _specs(bt, bd)
+  in_specs = [row, halo, pl.BlockSpec((width, bd), lambda b, j, i: (0, j))]
+  args = [x, x_prev, w_t]
+  if bias is not None:
+    in_specs.append(pl.BlockSpec((1, bd), lambda b, j, i: (0, j)))
+    args.append(bias)
+  if reach is not None:
+    in_specs.append(reach_spec)
+    args.append(reach)
+  kernel = functools.partial(_fwd_kernel, width=width, activation=activation,
+                             has_bias=bias is not None, has_reach=reach is not None)
+  return pl.pallas_call(
+      kernel,
+      grid=(b, dp // bd, tp // bt),
+      in_specs=in_specs,
+      out_specs=row,
+      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      scratch_shapes=[pltpu.VMEM((HALO + bt, bd), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "parallel"),
+          vmem_limit_bytes=vmem_limit_bytes),
+      interpret=interpret,
+  )(*args)
+
+
+def conv_bwd(x, x_prev, x_next, dy, dy_next, w_t, bias, reach, reach_next, *, bt, bd,
+             activation, interpret, vmem_limit_bytes=None):
+  """-> (dx [B, Tp, Dp] x.dtype, dw partials [B, nT, W, Dp] f32, db partials [B, nT, 1, Dp] f32)."""
+  b, tp, dp = x.shape
+  width = w_t.shape[0]
+  nt = tp // bt
+  row, halo, reach_spec, reach_halo = _specs(bt, bd)
+  in_specs = [row, halo, halo, row, halo, pl.BlockSpec((width, bd), lambda b, j, i: (0, j))]
+  args = [x, x_prev, x_next, dy, dy_next, w_t]
+  if bias is not None:
+    in_specs.append(pl.BlockSpec((1, bd), lambda b, j, i: (0, j)))
+    args.append(bias)
+  if reach is not None:
+    in_specs += [reach_spec, reach_halo]
+    args += [reach, reach_next]
+  kernel = functools.partial(_bwd_kernel, width=width, activation=activation,
+                             has_bias=bias is not None, has_reach=reach is not None)
+  return pl.pallas_call(
+      kernel,
+      grid=(b, dp // bd, nt),
+      in_specs=in_specs,
+      out_specs=[
+          row,
+          pl.BlockSpec((None, None, width, bd), lambda b, j, i: (b, i, 0, j)),
+          pl.BlockSpec((None, None, 1, bd), lambda b, j, i: (b, i, 0, j)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct(x.shape, x.dtype),
+          jax.ShapeDtypeStruct((b, nt, width, dp), jnp.float32),
+          jax.ShapeDtypeStruct((b, nt, 1, dp), jnp.float32),
+      ],
+      scratch_shapes=[pltpu.VMEM((HALO + bt + HALO, bd), jnp.float32),
+                      pltpu.VMEM((bt + HALO, bd), jnp.float32)]
+      + ([pltpu.VMEM((bt + HALO, REACH_LANES), jnp.int32)] if reach is not None else []),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "parallel"),
+          vmem_limit_bytes=vmem_limit_bytes),
+      interpret=interpret,
+  )(*args)
