@@ -211,6 +211,18 @@ def test_cli_out_and_install(tmp_path, extra_dir, capsys):
     tuning.main(["-T", "16"])  # no model and no head shapes
 
 
+def test_cli_shapes_from_model_preset(tmp_path):
+  parse = lambda *a: tuning._shapes(tuning.build_parser().parse_args(list(a)))  # pylint: disable=protected-access
+  s = parse("--model", str(REPO / "configs/models/qwen3.5-tiny.yml"), "-T", "64", "--hk", "2")
+  assert (s.b, s.t, s.hk, s.hv, s.k, s.v) == (1, 64, 2, 32, 128, 128)
+  assert s.dtype == jnp.bfloat16
+  elsewhere = tmp_path / "configs/models/qwen3.5-tiny.yml"  # not a file: the preset
+  assert parse("--model", str(elsewhere), "-T", "64", "--dtype", "float32") == tuning.Shapes(
+      b=1, t=64, hk=16, hv=32, k=128, v=128, dtype=jnp.float32)
+  with pytest.raises(SystemExit):
+    parse("--model", "no-such-model", "-T", "64")
+
+
 def test_pallas_interpret_autotune_mechanism(monkeypatch):
   impls = registry.implementations("gated_delta_rule")
   if "pallas_mosaic_tpu" not in impls:

@@ -59,12 +59,12 @@ def _model_config(model: str):
   from tokamax_gdn.layers import presets  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.layers.gated_deltanet import GatedDeltaNetConfig  # pylint: disable=g-import-not-at-top
   path = pathlib.Path(model)
-  if path.suffix in (".yml", ".yaml") or path.is_file():
-    if not path.is_file():
-      raise SystemExit(f"error: model file {model!r} not found")
+  if path.is_file():
     return GatedDeltaNetConfig.from_yaml(path)
+  # `configs/models/<name>.yml` outside a checkout: the preset shipped in the package.
+  name = path.stem if path.suffix in (".yml", ".yaml") else model
   try:
-    return presets.load_preset(model)
+    return presets.load_preset(name)
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
 
