@@ -1,0 +1,91 @@
+"""Pallas Mosaic TPU tgmm: Config, per-generation heuristics, VMEM budget, VJP wiring.
+
+The kernel is in `pallas_mosaic_tpu_kernel.py`. For out[g] = lhs[rows_g]^T @
+rhs[rows_g] with lhs [M, K], rhs [M, N], out [G, K, N]: lhs is read once per
+n tile and rhs once per k tile, so the first choice is the whole [K, N]
+output of a group in one block (a float32 accumulator of K*N*4 bytes), then
+smaller tn, then smaller tk, until the VMEM estimate fits half the chip's
+VMEM. tm (the contraction per step) is 512: boundary tiles are masked, so a
+smaller tm only adds steps.
+"""
+
+import dataclasses
+import itertools
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from tokamax._src.ops import op
+
+from tokamax_gdn import config as gdn_config
+from tokamax_gdn.ops.gmm import pallas_mosaic_tpu as gmm_pallas
+from tokamax_gdn.ops.tgmm import base
+from tokamax_gdn.ops.tgmm import pallas_mosaic_tpu_kernel as kernel
+
+Config = gmm_pallas.Config
+
+
+def _dims(ba: op.BoundArguments):
+  lhs, rhs = ba.args
+  return (lhs.shape[0], lhs.shape[1], rhs.shape[1], lhs.dtype, rhs.dtype,
+          ba.kwargs["preferred_element_type"])
+
+
+def tgmm_vmem(m, k, n, lhs_dtype, rhs_dtype, out_dtype, cfg: Config) -> int:
+  tiles = kernel.tgmm_tiles(m, k, n, lhs_dtype, rhs_dtype, out_dtype,
+                            tm=cfg.tm, tk=cfg.tk, tn=cfg.tn)
+  return kernel.vmem_bytes(tiles, lhs_dtype, rhs_dtype, out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasMosaicTpuTgmm(base.Tgmm[Config, None]):
+  """Megablox-style transposed grouped matmul with per-operand dtype tiling."""
+
+  config_cls: ClassVar[type[Config]] = Config
+
+  def __post_init__(self):
+    if self.vjp is None:
+      object.__setattr__(self, "vjp", base.tgmm_vjp_fn("pallas_mosaic_tpu"))
+
+  def _tgmm(self, lhs, rhs, group_sizes, *, out_dtype, config):
+    interpret = gmm_pallas.interpret_or_raise(type(self).__name__)
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+      raise NotImplementedError(f"{type(self).__name__}: integer outputs are not supported.")
+    m, k = lhs.shape
+    n = rhs.shape[1]
+    tiles = kernel.tgmm_tiles(m, k, n, lhs.dtype, rhs.dtype, out_dtype,
+                              tm=config.tm, tk=config.tk, tn=config.tn)
+    estimate = kernel.vmem_bytes(tiles, lhs.dtype, rhs.dtype, out_dtype)
+    return kernel.tgmm(
+        lhs, rhs, group_sizes.astype(jnp.int32),
+        tiles=tiles, out_dtype=out_dtype, interpret=interpret,
+        vmem_limit_bytes=None if interpret else gmm_pallas.vmem_limit(estimate),
+    )
+
+  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
+    m, k, n, ld, rd, od = _dims(ba)
+    budget = gmm_pallas.vmem_budget()
+    sizes = gmm_pallas._sizes  # pylint: disable=protected-access
+    for tk, tn in itertools.chain(
+        ((k, tn) for tn in sizes(n)), ((tk, tn) for tk in sizes(k)[1:] for tn in sizes(n))):
+      cfg = Config(tm=512, tk=tk, tn=tn)
+      if tgmm_vmem(m, k, n, ld, rd, od, cfg) <= budget:
+        return cfg
+    return Config(tm=128, tk=128, tn=128)
+
+  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
+    m, k, n, ld, rd, od = _dims(ba)
+    budget = gmm_pallas.vmem_budget()
+    sizes = gmm_pallas._sizes  # pylint: disable=protected-access
+    configs = {
+        Config(tm=tm, tk=tk, tn=tn)
+        for tm, tk, tn in itertools.product(gmm_pallas._TM_CHOICES, sizes(k), sizes(n))  # pylint: disable=protected-access
+    }
+    configs.add(self._get_heuristics_config(ba))
+    return {c for c in configs if tgmm_vmem(m, k, n, ld, rd, od, c) <= budget}
+
+  def supported_on(self, device: jax.Device) -> bool:
+    return device.platform == "tpu" or gdn_config.interpret_enabled()
+
+
+IMPLEMENTATION = PallasMosaicTpuTgmm()
