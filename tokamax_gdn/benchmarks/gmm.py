@@ -1,0 +1,201 @@
+"""Benchmark of gmm on a TPU generation, by AOT compile and static cycle estimates.
+
+  tokamax-gdn bench --op gmm [--target v6e] [--m 8192 --k 2048 --n 1024 --g 8] [--json]
+
+No TPU is needed: every kernel is compiled for `--target` through libtpu and
+the compiler's static cycle estimate is read back (`tokamax_gdn.aot`). One
+table, same shape and dtype for every row:
+- ours: `pallas_mosaic_tpu` gmm with its heuristics config (and `--tiles`);
+- tokamax v1: `tokamax.ragged_dot(implementation="mosaic_tpu")` (its own
+  heuristics config);
+- dense: a plain Pallas matmul of the same M, K, N (no groups), best of a
+  few tilings: the ceiling a grouped matmul is measured against.
+Columns: grid steps, estimated cycles, FLOP per cycle, % of the dense
+FLOP/cycle, and modelled HBM bytes per FLOP (lhs re-reads per n tile, rhs
+re-reads per step unless its block index stays put). The estimate is a proxy
+(TPU_ON_CPU.md); where the compiler reports 0 cycles (kernels with inner
+pipelines) the row says so and the structure columns are the comparison.
+"""
+
+import argparse
+import functools
+import json
+import os
+import sys
+from typing import Any
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+import jax.numpy as jnp
+
+from tokamax_gdn import aot
+from tokamax_gdn import config as gdn_config
+
+DENSE_TILES = ((512, 1024, 1024), (1024, 512, 1024), (1024, 1024, 1024), (512, 2048, 1024))
+
+
+def _dense_matmul(x, y, *, tm, tk, tn):
+  m, k = x.shape
+  n = y.shape[1]
+
+  def kernel(x_ref, y_ref, o_ref, acc_ref):
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+    def _():
+      o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+  return pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+      grid=(m // tm, n // tn, k // tk),
+      in_specs=[pl.BlockSpec((tm, tk), lambda i, j, kk: (i, kk)),
+                pl.BlockSpec((tk, tn), lambda i, j, kk: (kk, j))],
+      out_specs=pl.BlockSpec((tm, tn), lambda i, j, kk: (i, j)),
+      scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary"),
+          vmem_limit_bytes=100 << 20),
+      name="dense_matmul",
+  )(x, y)
+
+
+def _cycles(report: aot.CompileReport, prefix: str | None) -> int | None:
+  """The kernel's estimate: the entry named `prefix`, else the largest one."""
+  cycles = report.kernel_cycles
+  if not cycles:
+    return None
+  if prefix:
+    named = [v for k, v in cycles.items() if k.startswith(prefix)]
+    if named:
+      return max(named)
+  return max(cycles.values())
+
+
+def _compile(target: str, fn, *specs) -> aot.CompileReport:
+  aot.clear_cycle_dumps()
+  return aot.compile_for(target, fn, *specs)
+
+
+def _traffic(m, k, n, g, tm, tk, tn, itemsize) -> tuple[int, int]:
+  """(grid steps, modelled HBM bytes) of a megablox-style gmm grid (n, steps, k)."""
+  tiles_m, tiles_k, tiles_n = -(-m // tm), -(-k // tk), -(-n // tn)
+  steps = tiles_m + g - 1
+  lhs = m * k * itemsize * tiles_n
+  rhs = (g if tiles_k == 1 else steps) * k * n * itemsize
+  out = m * n * itemsize
+  return tiles_n * steps * tiles_k, lhs + rhs + out
+
+
+def run(target: str, m: int, k: int, n: int, g: int, dtype, tiles=None) -> list[dict[str, Any]]:
+  """Compiles ours, tokamax v1 and the dense matmul for `target`; one dict per row."""
+  import tokamax  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.ops.gmm import pallas_mosaic_tpu  # pylint: disable=g-import-not-at-top
+
+  flops = 2 * m * k * n
+  itemsize = jnp.dtype(dtype).itemsize
+  specs = (((m, k), dtype), ((g, k, n), dtype), ((g,), jnp.int32))
+  rows = []
+  ours = registry.get("gmm", "pallas_mosaic_tpu")
+  mesh = aot.target_mesh(target)
+  with aot.on_target(mesh):
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in specs]
+    heuristic = ours.bind(*args).heuristics_config
+  configs = [("ours (heuristics)", heuristic)]
+  if tiles:
+    configs.append(("ours (--tiles)", pallas_mosaic_tpu.Config(tm=tiles[0], tk=tiles[1],
+                                                              tn=tiles[2])))
+  for label, cfg in configs:
+    op = ours.replace(config=cfg)
+    fn = lambda x, w, gs, op=op: op(x, w, gs)
+    rep = _compile(target, fn, *specs)
+    steps, nbytes = _traffic(m, k, n, g, cfg.tm, min(cfg.tk, k), min(cfg.tn, n), itemsize)
+    rows.append(dict(kernel=label, config=f"tm={cfg.tm} tk={min(cfg.tk, k)} tn={min(cfg.tn, n)}",
+                     grid_steps=steps, cycles=_cycles(rep, "tokamax_gdn_gmm"),
+                     hbm_bytes=nbytes))
+
+  def tokamax_v1(x, w, gs):
+    return tokamax.ragged_dot(x, w, gs, implementation="mosaic_tpu")
+
+  rep = _compile(target, tokamax_v1, *specs)
+  steps, nbytes = _traffic(m, k, n, g, 128, 128, 128, itemsize)
+  rows.append(dict(kernel="tokamax v1 ragged_dot mosaic_tpu", config="tm=tk=tn=128 (default)",
+                   grid_steps=steps, cycles=_cycles(rep, None), hbm_bytes=nbytes))
+
+  best = None
+  for tm, tk, tn in DENSE_TILES:
+    if m % tm or k % tk or n % tn:
+      continue
+    fn = functools.partial(_dense_matmul, tm=tm, tk=tk, tn=tn)
+    try:
+      rep = _compile(target, fn, ((m, k), dtype), ((k, n), dtype))
+    except Exception:  # pylint: disable=broad-except
+      continue  # a tiling that does not fit this chip's VMEM
+    cyc = _cycles(rep, "dense_matmul")
+    if cyc and (best is None or cyc < best["cycles"]):
+      nbytes = m * k * itemsize * (n // tn) + k * n * itemsize * (m // tm) + m * n * itemsize
+      best = dict(kernel="dense matmul (best tile)", config=f"tm={tm} tk={tk} tn={tn}",
+                  grid_steps=(m // tm) * (n // tn) * (k // tk), cycles=cyc, hbm_bytes=nbytes)
+  if best:
+    rows.append(best)
+  dense_fpc = flops / best["cycles"] if best else None
+  for r in rows:
+    r["flops"] = flops
+    r["flop_per_cycle"] = flops / r["cycles"] if r["cycles"] else None
+    r["pct_dense"] = (100 * r["flop_per_cycle"] / dense_fpc
+                      if r["flop_per_cycle"] and dense_fpc else None)
+    r["hbm_bytes_per_flop"] = r["hbm_bytes"] / flops
+    r["note"] = "" if r["cycles"] else "compiler reports 0 / no estimate"
+  return rows
+
+
+def _table(rows, title: str) -> str:
+  head = ["kernel", "config", "grid steps", "est. cycles", "FLOP/cycle", "% dense", "HBM B/FLOP"]
+  body = []
+  for r in rows:
+    fmt = lambda v, f: (f.format(v) if v is not None else "n/a")
+    body.append([r["kernel"], r["config"], str(r["grid_steps"]), fmt(r["cycles"], "{:,}"),
+                 fmt(r["flop_per_cycle"], "{:,.0f}"), fmt(r["pct_dense"], "{:.0f}%"),
+                 f"{r['hbm_bytes_per_flop']:.4f}"] + ([r["note"]] if r["note"] else []))
+  widths = [max(len(x[i]) for x in body + [head]) for i in range(len(head))]
+  line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)) + (
+      "  " + cells[-1] if len(cells) > len(widths) else "")
+  return "\n".join([title, line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+
+
+def main(argv: list[str] | None = None) -> int:
+  """CLI entry point (`tokamax-gdn bench --op gmm`)."""
+  # Compiling for a TPU on CPU needs no exclusive libtpu lock; don't fail when
+  # another process on this machine holds it.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  aot.enable_cycle_estimates()
+  p = argparse.ArgumentParser(prog="tokamax-gdn bench --op gmm", description=__doc__.split("\n")[0])
+  p.add_argument("--target", default="v6e", choices=sorted(gdn_config.TPU_GENERATIONS))
+  p.add_argument("--m", type=int, default=8192)
+  p.add_argument("--k", type=int, default=2048)
+  p.add_argument("--n", type=int, default=1024)
+  p.add_argument("--g", type=int, default=8)
+  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--tiles", default=None, help="also compile ours with tm,tk,tn")
+  p.add_argument("--json", action="store_true", help="print the rows as JSON")
+  a = p.parse_args(argv)
+  tiles = tuple(int(t) for t in a.tiles.split(",")) if a.tiles else None
+  rows = run(a.target, a.m, a.k, a.n, a.g, jnp.dtype(a.dtype), tiles)
+  if a.json:
+    print(json.dumps(dict(target=a.target, m=a.m, k=a.k, n=a.n, g=a.g, dtype=a.dtype,
+                          rows=rows), indent=1))
+  else:
+    title = (f"gmm M={a.m} K={a.k} N={a.n} G={a.g} {a.dtype} on {a.target}"
+             " (AOT, static cycle estimates)")
+    print(_table(rows, title))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
