@@ -262,3 +262,17 @@ def test_analytical_backward_matches_autodiff_of_chunked_forward():
   auto, manual = _autodiff_grads(50, 16)
   for a, m in zip(auto, manual):
     assert rel_rms(m, a) <= 1e-5
+
+
+def test_correlated_keys_slow_decay():
+  """Near-identical keys and g ~ 0 make (I + A) badly conditioned for
+  series-style inverses (FLA #537); forward substitution must stay exact."""
+  args, kw = make_inputs(14, t=130, hk=1, hv=2)
+  rng = np.random.default_rng(15)
+  base_key = rng.standard_normal((1, 1, 1, 16)).astype(np.float32)
+  k = base_key + 0.05 * rng.standard_normal(args[1].shape).astype(np.float32)
+  k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+  g = -1e-3 * np.abs(rng.standard_normal(args[3].shape)).astype(np.float32)
+  beta = 0.9 + 0.1 * np.asarray(args[4])
+  args = (args[0], jnp.asarray(k), args[2], jnp.asarray(g), jnp.asarray(beta))
+  assert_close(xla_op(128), args, kw)
