@@ -58,11 +58,13 @@ def _heuristics(ba: op.BoundArguments) -> Config:
 
 
 def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
+  """Power-of-two tiles up to the (rounded-up) array, plus the heuristic choice."""
   x = ba.arguments["x"]
   t, d = x.shape[1], x.shape[2]
-  return {Config(block_d=bd, block_t=bt)
-          for bd in (128, 256, 512, 1024) if bd <= _round_up(d, _LANES)
-          for bt in (64, 128, 256, 512, 1024) if bt <= _round_up(max(t, 1), _SUBLANES)}
+  space = {Config(block_d=bd, block_t=bt)
+           for bd in (128, 256, 512, 1024) if bd <= _round_up(d, _LANES)
+           for bt in (64, 128, 256, 512, 1024) if bt <= _round_up(max(t, 1), _SUBLANES)}
+  return space | {_heuristics(ba)}
 
 
 def _vmem_limit(bt: int, bd: int, width: int, itemsize: int) -> int:
