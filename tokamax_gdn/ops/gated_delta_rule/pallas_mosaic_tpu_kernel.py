@@ -24,9 +24,9 @@ reshapes of [B, T, H, D]), so a block of `block_heads` value heads is a lane
 slab (C, hb*V) and GVA is the index map (key block = value block, holding
 hb / (Hv/Hk) key heads): no repeated q/k in HBM, no transposes. On a TPU K and
 V are padded to multiples of 128 by the wrapper so these slabs are lane-aligned.
-Per-token scalars travel as a column pack [B, Hv, T, 3] (G, β, s) and a row
-pack [B, Hv, NC, 2, C] (G, s): Mosaic gets both orientations without an
-in-kernel transpose of a vector.
+Per-token scalars travel as one row pack [B, Hv, NC, 8, C] f32 (rows G, β, s;
+T in lanes, so HBM padding stays 2x at most) and are transposed in VMEM to get
+the column orientation; the backward returns dG and dβ the same way.
 """
 
 import functools
@@ -91,6 +91,15 @@ def _chunk_terms(k, v, gcol, bcol, scol, grow, srow, mm):
               kk=kk, tm=tm, kb=kb, vb=vb, w=w, u=u, kd=kf * ed)
 
 
+_PACK = 8  # sublane rows of the scalar packs: G, beta, s, then zeros
+
+
+def _unpack(rowp):
+  """(8, C) pack -> gcol, bcol, scol (C,1) and grow, srow (1,C)."""
+  colp = rowp.T
+  return colp[:, 0:1], colp[:, 1:2], colp[:, 2:3], rowp[0:1, :], rowp[2:3, :]
+
+
 def _split_heads(block_heads, group):
   """Static (value head i in block) -> key head index in the key slab."""
   return [i // group for i in range(block_heads)]
@@ -101,12 +110,13 @@ def _split_heads(block_heads, group):
 # --------------------------------------------------------------------------
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, col_ref, row_ref, h0_ref,
-                o_ref, hT_ref, *rest, scale, group, dk, dv, mm, emit_states):
-  if emit_states:
-    states_ref, s_ref = rest
-  else:
-    (s_ref,) = rest
+def _fwd_kernel(q_ref, k_ref, v_ref, row_ref, h0_ref, *rest, scale, group, dk,
+                dv, mm, emit_states, write_out):
+  rest = list(rest)
+  o_ref = rest.pop(0) if write_out else None
+  hT_ref = rest.pop(0)
+  states_ref = rest.pop(0) if emit_states else None
+  (s_ref,) = rest
   c_idx = pl.program_id(2)
   hb = s_ref.shape[0]
 
@@ -118,19 +128,17 @@ def _fwd_kernel(q_ref, k_ref, v_ref, col_ref, row_ref, h0_ref,
     q = q_ref[:, j * dk:(j + 1) * dk]
     k = k_ref[:, j * dk:(j + 1) * dk]
     v = v_ref[:, i * dv:(i + 1) * dv]
-    colp = col_ref[i]
-    rowp = row_ref[i]
-    gcol, bcol, scol = colp[:, 0:1], colp[:, 1:2], colp[:, 2:3]
-    grow, srow = rowp[0:1, :], rowp[1:2, :]
+    gcol, bcol, scol, grow, srow = _unpack(row_ref[i])
     s = s_ref[i]
     if emit_states:
       states_ref[i] = s
     t = _chunk_terms(k, v, gcol, bcol, scol, grow, srow, mm)
     vp = t["u"] - _dot(t["w"], s, dtype=mm)
-    qk = _dot(q, k, tb=True, dtype=mm)
-    qg = q.astype(_F32) * t["eg"]
-    o = _dot(qg, s, dtype=mm) + _dot(qk * t["gamma"], vp, dtype=mm)
-    o_ref[:, i * dv:(i + 1) * dv] = (scale * o).astype(o_ref.dtype)
+    if write_out:
+      qk = _dot(q, k, tb=True, dtype=mm)
+      qg = q.astype(_F32) * t["eg"]
+      o = _dot(qg, s, dtype=mm) + _dot(qk * t["gamma"], vp, dtype=mm)
+      o_ref[:, i * dv:(i + 1) * dv] = (scale * o).astype(o_ref.dtype)
     s_new = t["decay_all"] * s + _dot(t["kd"], vp, ta=True, dtype=mm)
     s_ref[i] = s_new
 
@@ -140,7 +148,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, col_ref, row_ref, h0_ref,
 
 
 def _pack_scalars(log_decay, beta, segment_ids, chunk):
-  """Pads T to a chunk multiple; returns (col [B,Hv,Tp,3], row [B,Hv,NC,2,C])."""
+  """Pads T to a chunk multiple; returns the row pack [B, Hv, NC, 8, C] f32."""
   b, t, hv = log_decay.shape
   nc = -(-t // chunk)
   pad = nc * chunk - t
@@ -156,10 +164,9 @@ def _pack_scalars(log_decay, beta, segment_ids, chunk):
   sc = jnp.cumsum(starts.reshape(b, nc, chunk), axis=2)              # B NC C
   sc = jnp.broadcast_to(sc[..., None], gc.shape)
   bc = bt.reshape(b, nc, chunk, hv)
-  col = jnp.stack([gc, bc, sc], axis=-1)                             # B NC C Hv 3
-  col = col.transpose(0, 3, 1, 2, 4).reshape(b, hv, nc * chunk, 3)
-  row = jnp.stack([gc, sc], axis=-1).transpose(0, 3, 1, 4, 2)       # B Hv NC 2 C
-  return col, row
+  zero = jnp.zeros_like(gc)
+  rows = [gc, bc, sc] + [zero] * (_PACK - 3)
+  return jnp.stack(rows, axis=-1).transpose(0, 3, 1, 4, 2)          # B Hv NC 8 C
 
 
 def _flat(x, t_pad, d_pad):
@@ -197,10 +204,10 @@ def gdn_fwd(q, k, v, log_decay, beta, *, scale, initial_state, segment_ids,
             vmem_limit_bytes=None, write_out=True):
   """Chunked GDN forward.
 
-  Returns (out [B,T,Hv,V] in v.dtype, final_state [B,Hv,K,V] f32,
-  states [B,Hv,NC,Kp,Vp] f32 chunk-entry states or None).
+  Returns (out [B,T,Hv,V] in v.dtype or None without `write_out`,
+  final_state [B,Hv,K,V] f32, states [B,Hv,NC,Kp,Vp] f32 chunk-entry states
+  or None).
   """
-  del write_out
   b, t, hk, hv, dk, dv, nc, dk_p, dv_p = _prepare(q, k, v, chunk, lane_pad)
   group = hv // hk
   hb = block_heads
@@ -209,7 +216,7 @@ def gdn_fwd(q, k, v, log_decay, beta, *, scale, initial_state, segment_ids,
   mm = q.dtype
   q2, k2 = _flat(q, tp, dk_p), _flat(k, tp, dk_p)
   v2 = _flat(v, tp, dv_p)
-  col, row = _pack_scalars(log_decay, beta, segment_ids, chunk)
+  row = _pack_scalars(log_decay, beta, segment_ids, chunk)
   h0 = (jnp.zeros((b, hv, dk_p, dv_p), _F32) if initial_state is None
         else _pad_state(initial_state.astype(_F32), dk_p, dv_p))
 
@@ -217,25 +224,21 @@ def gdn_fwd(q, k, v, log_decay, beta, *, scale, initial_state, segment_ids,
       pl.BlockSpec((None, chunk, kb * dk_p), lambda bi, h, c: (bi, c, h)),
       pl.BlockSpec((None, chunk, kb * dk_p), lambda bi, h, c: (bi, c, h)),
       pl.BlockSpec((None, chunk, hb * dv_p), lambda bi, h, c: (bi, c, h)),
-      pl.BlockSpec((None, hb, chunk, 3), lambda bi, h, c: (bi, h, c, 0)),
-      pl.BlockSpec((None, hb, None, 2, chunk), lambda bi, h, c: (bi, h, c, 0, 0)),
+      pl.BlockSpec((None, hb, None, _PACK, chunk), lambda bi, h, c: (bi, h, c, 0, 0)),
       pl.BlockSpec((None, hb, dk_p, dv_p), lambda bi, h, c: (bi, h, 0, 0)),
   ]
-  out_specs = [
-      pl.BlockSpec((None, chunk, hb * dv_p), lambda bi, h, c: (bi, c, h)),
-      pl.BlockSpec((None, hb, dk_p, dv_p), lambda bi, h, c: (bi, h, 0, 0)),
-  ]
-  out_shape = [
-      jax.ShapeDtypeStruct((b, tp, hv * dv_p), v.dtype),
-      jax.ShapeDtypeStruct((b, hv, dk_p, dv_p), _F32),
-  ]
+  out_specs = [pl.BlockSpec((None, hb, dk_p, dv_p), lambda bi, h, c: (bi, h, 0, 0))]
+  out_shape = [jax.ShapeDtypeStruct((b, hv, dk_p, dv_p), _F32)]
+  if write_out:
+    out_specs.insert(0, pl.BlockSpec((None, chunk, hb * dv_p), lambda bi, h, c: (bi, c, h)))
+    out_shape.insert(0, jax.ShapeDtypeStruct((b, tp, hv * dv_p), v.dtype))
   if emit_states:
     out_specs.append(
         pl.BlockSpec((None, hb, None, dk_p, dv_p), lambda bi, h, c: (bi, h, c, 0, 0)))
     out_shape.append(jax.ShapeDtypeStruct((b, hv, nc, dk_p, dv_p), _F32))
   kernel = functools.partial(
       _fwd_kernel, scale=scale, group=group, dk=dk_p, dv=dv_p, mm=mm,
-      emit_states=emit_states)
+      emit_states=emit_states, write_out=write_out)
   res = pl.pallas_call(
       kernel,
       grid=(b, hv // hb, nc),
@@ -246,10 +249,11 @@ def gdn_fwd(q, k, v, log_decay, beta, *, scale, initial_state, segment_ids,
       compiler_params=_compiler_params(vmem_limit_bytes),
       interpret=interpret,
       name="gdn_fwd",
-  )(q2, k2, v2, col, row, h0)
-  out = res[0].reshape(b, tp, hv, dv_p)[:, :t, :, :dv]
-  final = res[1][:, :, :dk, :dv]
-  states = res[2] if emit_states else None
+  )(q2, k2, v2, row, h0)
+  res = list(res)
+  out = res.pop(0).reshape(b, tp, hv, dv_p)[:, :t, :, :dv] if write_out else None
+  final = res.pop(0)[:, :, :dk, :dv]
+  states = res.pop(0) if emit_states else None
   return out, final, states
 
 
@@ -258,8 +262,8 @@ def gdn_fwd(q, k, v, log_decay, beta, *, scale, initial_state, segment_ids,
 # --------------------------------------------------------------------------
 
 
-def _bwd_kernel(q_ref, k_ref, v_ref, col_ref, row_ref, st_ref, do_ref, dht_ref,
-                dq_ref, dk_ref, dv_ref, dcol_ref, drow_ref, dh0_ref,
+def _bwd_kernel(q_ref, k_ref, v_ref, row_ref, st_ref, do_ref, dht_ref,
+                dq_ref, dk_ref, dv_ref, dpack_ref, dh0_ref,
                 ds_ref, *, scale, group, dk, dv, mm):
   c_idx = pl.program_id(2)
   hb = ds_ref.shape[0]
@@ -276,10 +280,7 @@ def _bwd_kernel(q_ref, k_ref, v_ref, col_ref, row_ref, st_ref, do_ref, dht_ref,
     q = q_ref[:, j * dk:(j + 1) * dk]
     k = k_ref[:, j * dk:(j + 1) * dk]
     v = v_ref[:, i * dv:(i + 1) * dv]
-    colp = col_ref[i]
-    rowp = row_ref[i]
-    gcol, bcol, scol = colp[:, 0:1], colp[:, 1:2], colp[:, 2:3]
-    grow, srow = rowp[0:1, :], rowp[1:2, :]
+    gcol, bcol, scol, grow, srow = _unpack(row_ref[i])
     s = st_ref[i]
     dsn = ds_ref[i]
     t = _chunk_terms(k, v, gcol, bcol, scol, grow, srow, mm)
@@ -326,8 +327,10 @@ def _bwd_kernel(q_ref, k_ref, v_ref, col_ref, row_ref, st_ref, do_ref, dht_ref,
         jnp.sum(dsn * s, axis=1, keepdims=True), axis=0, keepdims=True)
     last = lax.broadcasted_iota(jnp.int32, (1, chunk), 1) == chunk - 1
     dg_row = -jnp.sum(e, axis=0, keepdims=True) + jnp.where(last, dg_last, 0.0)
-    dcol_ref[i] = jnp.concatenate([dg_col, dbeta], axis=1)
-    drow_ref[i] = dg_row
+    lane = lax.broadcasted_iota(jnp.int32, (chunk, _PACK), 1)
+    dcols = jnp.where(lane == 0, dg_col, jnp.where(lane == 1, dbeta, 0.0))
+    sub = lax.broadcasted_iota(jnp.int32, (_PACK, chunk), 0)
+    dpack_ref[i] = dcols.T + jnp.where(sub == 0, dg_row, 0.0)
     ds_ref[i] = ds_acc
     dq_acc[i // group] = dq_acc[i // group] + dq_h
     dk_acc[i // group] = dk_acc[i // group] + dk_h
@@ -361,38 +364,36 @@ def gdn_bwd(q, k, v, log_decay, beta, d_out, d_final, states, *, scale,
         q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
         segment_ids=segment_ids, chunk=chunk, block_heads=block_heads,
         emit_states=True, lane_pad=lane_pad, interpret=interpret,
-        vmem_limit_bytes=vmem_limit_bytes)
+        vmem_limit_bytes=vmem_limit_bytes, write_out=False)
   q2, k2 = _flat(q, tp, dk_p), _flat(k, tp, dk_p)
   v2 = _flat(v, tp, dv_p)
   do2 = _flat(d_out, tp, dv_p)
-  col, row = _pack_scalars(log_decay, beta, segment_ids, chunk)
+  row = _pack_scalars(log_decay, beta, segment_ids, chunk)
   dht = (jnp.zeros((b, hv, dk_p, dv_p), _F32) if d_final is None
          else _pad_state(d_final.astype(_F32), dk_p, dv_p))
 
   rev = lambda c: nc - 1 - c
   key_spec = pl.BlockSpec((None, chunk, kb * dk_p), lambda bi, h, c: (bi, rev(c), h))
   val_spec = pl.BlockSpec((None, chunk, hb * dv_p), lambda bi, h, c: (bi, rev(c), h))
-  col_spec = lambda w: pl.BlockSpec((None, hb, chunk, w), lambda bi, h, c: (bi, h, rev(c), 0))
-  row_spec = lambda w: pl.BlockSpec(
-      (None, hb, None, w, chunk), lambda bi, h, c: (bi, h, rev(c), 0, 0))
+  row_spec = pl.BlockSpec(
+      (None, hb, None, _PACK, chunk), lambda bi, h, c: (bi, h, rev(c), 0, 0))
   state_spec = pl.BlockSpec((None, hb, dk_p, dv_p), lambda bi, h, c: (bi, h, 0, 0))
   in_specs = [
-      key_spec, key_spec, val_spec, col_spec(3), row_spec(2),
+      key_spec, key_spec, val_spec, row_spec,
       pl.BlockSpec((None, hb, None, dk_p, dv_p), lambda bi, h, c: (bi, h, rev(c), 0, 0)),
       val_spec, state_spec,
   ]
-  out_specs = [key_spec, key_spec, val_spec, col_spec(2), row_spec(1), state_spec]
+  out_specs = [key_spec, key_spec, val_spec, row_spec, state_spec]
   out_shape = [
       jax.ShapeDtypeStruct((b, tp, hk * dk_p), q.dtype),
       jax.ShapeDtypeStruct((b, tp, hk * dk_p), k.dtype),
       jax.ShapeDtypeStruct((b, tp, hv * dv_p), v.dtype),
-      jax.ShapeDtypeStruct((b, hv, tp, 2), _F32),
-      jax.ShapeDtypeStruct((b, hv, nc, 1, chunk), _F32),
+      jax.ShapeDtypeStruct((b, hv, nc, _PACK, chunk), _F32),
       jax.ShapeDtypeStruct((b, hv, dk_p, dv_p), _F32),
   ]
   kernel = functools.partial(_bwd_kernel, scale=scale, group=group, dk=dk_p,
                              dv=dv_p, mm=mm)
-  dq2, dk2, dv2, dcol, drow, dh0 = pl.pallas_call(
+  dq2, dk2, dv2, dpack, dh0 = pl.pallas_call(
       kernel,
       grid=(b, hv // hb, nc),
       in_specs=in_specs,
@@ -402,15 +403,14 @@ def gdn_bwd(q, k, v, log_decay, beta, d_out, d_final, states, *, scale,
       compiler_params=_compiler_params(vmem_limit_bytes),
       interpret=interpret,
       name="gdn_bwd",
-  )(q2, k2, v2, col, row, states, do2, dht)
+  )(q2, k2, v2, row, states, do2, dht)
 
   dq = dq2.reshape(b, tp, hk, dk_p)[:, :t, :, :dk]
   dkey = dk2.reshape(b, tp, hk, dk_p)[:, :t, :, :dk]
   dval = dv2.reshape(b, tp, hv, dv_p)[:, :t, :, :dv]
-  d_gcum = dcol[..., 0] + drow.reshape(b, hv, tp)                   # B Hv Tp
-  d_gcum = d_gcum.reshape(b, hv, nc, chunk)
+  d_gcum = dpack[:, :, :, 0, :]                                     # B Hv NC C
   d_g = jnp.flip(jnp.cumsum(jnp.flip(d_gcum, -1), axis=-1), -1)     # undo cumsum
   d_g = d_g.reshape(b, hv, tp)[:, :, :t].transpose(0, 2, 1)
-  dbeta = dcol[..., 1][:, :, :t].transpose(0, 2, 1)
+  dbeta = dpack[:, :, :, 1, :].reshape(b, hv, tp)[:, :, :t].transpose(0, 2, 1)
   dh0 = dh0[:, :, :dk, :dv]
   return dq, dkey, dval, d_g, dbeta, dh0
