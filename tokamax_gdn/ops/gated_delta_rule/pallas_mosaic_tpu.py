@@ -24,7 +24,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float  # pylint: disable=g-multiple-import,g-importing-member
+from jaxtyping import Array, Float, Int  # pylint: disable=g-multiple-import,g-importing-member
 import pydantic
 from tokamax._src.ops import op
 from typing_extensions import override
@@ -202,6 +202,36 @@ class PallasMosaicTpuGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, None]):
   def supported_on(self, device: jax.Device) -> bool:
     # Interpret mode runs the same kernels on any backend.
     return device.platform == "tpu" or gdn_config.interpret_enabled()
+
+  # Same as the base `_fwd`, with `residuals` annotated by its concrete type:
+  # tokamax serialises bound arguments through pydantic, which can't serialise
+  # array leaves of a dataclass typed `Any`.
+  def _fwd(
+      self,
+      residuals: Residuals,
+      out: base.Output,
+      dout: base.Output,
+      query: Float[Array, "B T Hk K"],
+      key: Float[Array, "B T Hk K"],
+      value: Float[Array, "B T Hv V"],
+      g: Float[Array, "B T Hv"],
+      beta: Float[Array, "B T Hv"],
+      *,
+      scale: float,
+      initial_state: Float[Array, "B Hv K V"] | None,
+      output_final_state: bool,
+      use_qk_l2norm: bool,
+      a_log: Float[Array, "Hv"] | None,
+      dt_bias: Float[Array, "Hv"] | None,
+      segment_ids: Int[Array, "B T"] | None,
+      return_residuals: bool,
+      config: Config,
+  ) -> tuple[dict[str, jax.Array], None]:
+    return super()._fwd(
+        residuals, out, dout, query, key, value, g, beta, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
+        segment_ids=segment_ids, return_residuals=return_residuals, config=config)
 
   def _core_bwd(self, residuals: Any, q, k, v, log_decay, beta, d_out, d_final, *,
                 scale, initial_state, segment_ids, config: Config):
