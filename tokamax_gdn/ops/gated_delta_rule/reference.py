@@ -33,13 +33,17 @@ class ReferenceGatedDeltaRule(base.GatedDeltaRule[Any, Any]):
     if starts is None:
       starts = jnp.zeros((b, t), bool)
 
+    # HIGHEST: on TPU the default matmul precision rounds f32 operands to bf16,
+    # which an oracle cannot afford.
+    einsum = lambda *a: jnp.einsum(*a, precision=jax.lax.Precision.HIGHEST)
+
     def step(s, xs):
       q_t, k_t, v_t, g_t, beta_t, start_t = xs        # [B,Hv,K] ... [B]
       s = jnp.where(start_t[:, None, None, None], 0.0, s)
       s = jnp.exp(g_t)[..., None, None] * s
-      pred = jnp.einsum("bhk,bhkv->bhv", k_t, s)
-      s = s + jnp.einsum("bhk,bhv->bhkv", beta_t[..., None] * k_t, v_t - pred)
-      o_t = scale * jnp.einsum("bhkv,bhk->bhv", s, q_t)
+      pred = einsum("bhk,bhkv->bhv", k_t, s)
+      s = s + einsum("bhk,bhv->bhkv", beta_t[..., None] * k_t, v_t - pred)
+      o_t = scale * einsum("bhkv,bhk->bhv", s, q_t)
       return s, o_t
 
     time_major = lambda x: jnp.moveaxis(x, 1, 0)
