@@ -250,6 +250,24 @@ def test_bad_group_sizes_opt_in_check(op_name, sizes):
       err.throw()
 
 
+def _gmm_impl_cases():
+  return [pytest.param(op, name, id=f"{op}-{name}")
+          for op in ("gmm", "tgmm") for name in registry.implementations(op)]
+
+
+@pytest.mark.parametrize("sizes", [[-1, 4], [5, 6], [-3, 20]],
+                         ids=["negative", "sum_gt_M", "both"])
+@pytest.mark.parametrize("op_name,impl_name", _gmm_impl_cases())
+def test_invalid_group_sizes_do_not_crash(op_name, impl_name, sizes):
+  """Without a check, invalid sizes are garbage in, but must not crash, hang or
+  read out of bounds into NaN: a finite result of the right shape."""
+  args, kw = GOOD[op_name]()
+  args["group_sizes"] = jnp.array(sizes, i32)
+  out = np.asarray(_call(op_name, impl_name, args, kw))
+  assert out.shape == ((M, N) if op_name == "gmm" else (G, K, N))
+  assert np.isfinite(out).all()
+
+
 # ------------------------------------------------------------------ NaN / inf
 def _poison(op_name, which, value):
   args, kw = GOOD[op_name]()
