@@ -80,19 +80,30 @@ def canonical_group_sizes(group_sizes) -> Any:
 
 
 def canonical_out_dtype(lhs, rhs, preferred_element_type) -> jnp.dtype:
-  """`preferred_element_type`, else the operands' result type (as `jax.lax.ragged_dot`)."""
+  """`preferred_element_type`, else the operands' result type (as `jax.lax.ragged_dot`;
+  for fp8 beside a wider float, which JAX does not promote, that float)."""
   if preferred_element_type is not None:
     return jnp.dtype(preferred_element_type)
-  return jnp.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
+  try:
+    return jnp.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
+  except (TypeError, ValueError):  # fp8 has no implicit promotion: fp8 x bf16 -> bf16.
+    return compute_dtype(lhs.dtype, rhs.dtype)
 
 
 def compute_dtype(lhs_dtype, rhs_dtype) -> jnp.dtype:
-  """The dtype both operands are converted to before the matmul.
+  """The dtype both operands are converted to before the matmul (f32 accumulation).
 
-  int8 / fp8 beside a wider float become that float (exact: every int8 and fp8
-  value is representable in bf16); two 8-bit operands meet in bf16.
+  - int8 / fp8 beside a wider float become that float (exact: every int8 and
+    fp8 value is representable in bf16); two 8-bit operands meet in bf16.
+  - Floats of different widths (bf16 with f32) meet in the *narrower* one: the
+    MXU runs at bf16 rate and the result is as accurate as the bf16 operand
+    allows anyway (the bf16 tolerance of the numerical contract applies), as
+    XLA's default TPU precision does for such a product.
+  - f16 with bf16: f32.
   """
   lhs_dtype, rhs_dtype = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype)
+  if lhs_dtype == rhs_dtype and lhs_dtype.itemsize > 1:
+    return lhs_dtype
   narrow = lambda d: d.itemsize == 1
   if narrow(lhs_dtype) and narrow(rhs_dtype):
     return jnp.dtype(jnp.bfloat16)
@@ -100,7 +111,9 @@ def compute_dtype(lhs_dtype, rhs_dtype) -> jnp.dtype:
     return rhs_dtype
   if narrow(rhs_dtype):
     return lhs_dtype
-  return jnp.dtype(jnp.promote_types(lhs_dtype, rhs_dtype))
+  if lhs_dtype.itemsize != rhs_dtype.itemsize:
+    return min(lhs_dtype, rhs_dtype, key=lambda d: d.itemsize)
+  return jnp.dtype(jnp.float32)
 
 
 def check_compat_kwargs(
@@ -174,6 +187,15 @@ class Gmm[C, K](op.Op[Any, jax.Array, Residuals, C, K]):
         transpose_rhs=bool(transpose_rhs),
         return_residuals=return_residuals,
     )
+
+  # `tokamax.ragged_dot(..., implementation=x)` iterates over `x` unless it is
+  # a string; acting as a one-element sequence of itself lets a gmm Op be
+  # passed there directly, not only as `[op]`.
+  def __iter__(self):
+    yield self
+
+  def __len__(self) -> int:
+    return 1
 
   def _fwd(
       self,

@@ -11,8 +11,9 @@ unused trailing steps are "idle": they keep the previous block indices (so no
 DMA is issued) and do nothing.
 
 Accumulation is in a float32 VMEM scratch over the k steps. Each operand is
-converted to a common compute dtype inside the kernel (int8 / fp8 beside bf16
-become bf16, bf16 beside f32 becomes f32), so mixed-dtype operands are DMA'd
+converted to a common compute dtype inside the kernel (`base.compute_dtype`:
+int8 / fp8 beside bf16 become bf16, f32 beside bf16 becomes bf16; f32 with f32
+runs at HIGHEST precision), so mixed-dtype operands are DMA'd
 in their own dtype and each block only has to respect its own dtype's native
 (sublane, lane) tiling: 8/16/32 sublanes for 32/16/8-bit (see `block_size`).
 

@@ -1,0 +1,143 @@
+"""The pallas_mosaic_tpu gmm in Pallas TPU interpret mode (CPU), plus its tiling logic.
+
+Lowering for real chips is covered by `aot_test.py`.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tokamax
+
+from tokamax_gdn import config
+from tokamax_gdn import registry
+from tokamax_gdn.ops.gmm import pallas_mosaic_tpu as pallas
+from tokamax_gdn.ops.gmm import pallas_mosaic_tpu_kernel as kernel
+from tokamax_gdn.ops.gmm.api import gmm
+
+from .cases import BF16, CASES, F32, I8, SMALL, Case, check_forward, check_vjp, expected, inputs
+
+IMPL = "pallas_mosaic_tpu"
+
+
+@pytest.fixture(autouse=True)
+def _interpret():
+  with config.interpret_mode(True):
+    yield
+
+
+def _with_config(**tiles):
+  return registry.get("gmm", IMPL).replace(config=pallas.Config(**tiles))
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_forward(case):
+  check_forward(IMPL, case)
+
+
+# Several row tiles with groups straddling them, a K tail (200 = 128 + 72,
+# masked), partial last M and N blocks, and each dtype's sublane tiling.
+TILED = [
+    (Case("f32_tiled", 70, 200, 130, (0, 33, 20, 0)), dict(tm=8, tk=128, tn=128)),
+    (Case("bf16_tiled_transposed", 70, 200, 130, (9, 0, 40, 21), BF16, transpose_rhs=True),
+     dict(tm=16, tk=128, tn=128)),
+    (Case("int8_x_bf16_tiled", 100, 136, 128, (31, 2, 0, 60), I8, BF16),
+     dict(tm=32, tk=128, tn=128)),
+]
+
+
+@pytest.mark.parametrize("case,tiles", TILED, ids=[c.name for c, _ in TILED])
+def test_forward_tiled(case, tiles):
+  check_forward(_with_config(**tiles), case)
+
+
+@pytest.mark.parametrize("name", ["f32_zeros_sum_lt_m", "bf16_x_f32", "f32_transposed"])
+def test_vjp(name):
+  check_vjp(IMPL, SMALL[name])
+
+
+def test_tokamax_ragged_dot_accepts_the_op():
+  lhs, rhs, gs = inputs(SMALL["f32_zeros_sum_lt_m"])
+  op = registry.get("gmm", IMPL)
+  got = tokamax.ragged_dot(lhs, rhs, gs, implementation=op)
+  np.testing.assert_allclose(got, gmm(lhs, rhs, gs, implementation=IMPL), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(got, expected(lhs, rhs, gs, False), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(tokamax.ragged_dot(lhs, rhs, gs, implementation=[op]), got)
+  trans = tokamax.ragged_dot_general(
+      lhs, jnp.swapaxes(rhs, 1, 2), gs, implementation=op,
+      ragged_dot_dimension_numbers=jax.lax.RaggedDotDimensionNumbers(
+          dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+          rhs_group_dimensions=[0]))
+  np.testing.assert_allclose(trans, got, rtol=1e-6, atol=1e-6)
+  grad = jax.grad(lambda w: jnp.sum(tokamax.ragged_dot(lhs, w, gs, implementation=op) ** 2))(rhs)
+  want = jax.grad(lambda w: jnp.sum(expected(lhs, w, gs, False) ** 2))(rhs)
+  np.testing.assert_allclose(grad, want, rtol=1e-3, atol=1e-3)
+
+
+def test_off_tpu_without_interpret_is_not_implemented():
+  lhs, rhs, gs = inputs(SMALL["f32_one_group"])
+  with config.interpret_mode(False):
+    with pytest.raises(NotImplementedError):
+      registry.get("gmm", IMPL)(lhs, rhs, gs)
+    # The registry falls through to the next implementation.
+    out = gmm(lhs, rhs, gs, implementation=[IMPL, "xla"])
+  assert out.shape == (lhs.shape[0], rhs.shape[2])
+
+
+def test_block_sizes_respect_each_operands_own_tiling():
+  # M is the sublane axis of lhs and out only: an int8 rhs must not force the
+  # 32-row int8 tiling on it (a "common sublane" would), bf16 needs 16.
+  t = kernel.gmm_tiles(100, 256, 256, BF16, I8, BF16, tm=48, tk=128, tn=128,
+                       transpose_rhs=False)
+  assert (t.tm, t.tk, t.tn) == (48, 128, 128)
+  assert kernel.gmm_tiles(100, 256, 256, I8, BF16, BF16, tm=48, tk=128, tn=128,
+                          transpose_rhs=False).tm == 32
+  assert kernel.gmm_tiles(100, 256, 256, F32, F32, F32, tm=40, tk=128, tn=128,
+                          transpose_rhs=False).tm == 40
+  # A small axis is taken whole (always a legal block), whatever its size.
+  assert kernel.gmm_tiles(37, 24, 20, BF16, F32, F32, tm=256, tk=512, tn=512,
+                          transpose_rhs=True) == kernel.Tiles(37, 24, 20)
+  assert [kernel.sublane_tiling(d) for d in (F32, BF16, I8, jnp.float8_e5m2)] == [8, 16, 32, 32]
+
+
+def test_schedule_visits_each_tile_group_pair_once():
+  s = kernel.gmm_schedule(jnp.asarray([5, 0, 20, 3], jnp.int32), m=40, tm=8)
+  mode, tile, group = (np.asarray(s[k]) for k in ("mode", "tile", "group"))
+  assert len(mode) == 5 + 4 - 1
+  pairs = [(int(t), int(g)) for t, g, md in zip(tile, group, mode) if md == kernel.COMPUTE]
+  assert pairs == [(0, 0), (0, 2), (1, 2), (2, 2), (3, 2), (3, 3)]
+  assert tile[mode == kernel.ZERO].tolist() == [4]
+  assert (mode == kernel.IDLE).sum() == 1
+  # Outside COMPUTE steps the input blocks stay put (no DMA).
+  in_tile = np.asarray(s["in_tile"])
+  assert in_tile[mode != kernel.COMPUTE].tolist() == [3, 3]
+
+
+QWEN = [(8192, 2048, 1024, 8), (8192, 2048, 512, 128), (8192, 512, 2048, 128)]
+DTYPES = [(BF16, BF16), (BF16, F32), (F32, BF16), (I8, BF16)]
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+def test_heuristics_fit_vmem_and_are_in_the_autotuning_space(chip):
+  op = registry.get("gmm", IMPL)
+  config.set_target_chip(chip)
+  try:
+    budget = pallas.vmem_budget()
+    for m, k, n, g in QWEN:
+      for ld, rd in DTYPES:
+        for transpose in (False, True):
+          rshape = (g, n, k) if transpose else (g, k, n)
+          ba = op.bind(jax.ShapeDtypeStruct((m, k), ld), jax.ShapeDtypeStruct(rshape, rd),
+                       jax.ShapeDtypeStruct((g,), jnp.int32), transpose_rhs=transpose)
+          h = ba.heuristics_config
+          space = op._get_autotuning_configs(ba)  # pylint: disable=protected-access
+          assert h in space
+          assert all(pallas.gmm_vmem(m, k, n, ld, rd, ba.kwargs["preferred_element_type"],
+                                     transpose, c) <= budget for c in space)
+    ba = op.bind(jax.ShapeDtypeStruct((8192, 2048), BF16),
+                 jax.ShapeDtypeStruct((8, 2048, 1024), BF16),
+                 jax.ShapeDtypeStruct((8,), jnp.int32))
+    # Whole [K, N] weight of a group per block: each expert's weights read once.
+    assert ba.heuristics_config == pallas.Config(tm=256, tk=2048, tn=1024)
+  finally:
+    config.set_target_chip(None)

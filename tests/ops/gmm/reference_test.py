@@ -1,0 +1,15 @@
+"""The reference gmm (masked per-group loop) against jax.lax.ragged_dot."""
+
+import pytest
+
+from .cases import CASES, check_forward, check_vjp
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_forward(case):
+  check_forward("reference", case)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_vjp(case):
+  check_vjp("reference", case)
