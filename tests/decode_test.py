@@ -161,3 +161,21 @@ def test_conv_decode_bf16_state_is_exact_copy_of_inputs(impl):
   np.testing.assert_array_equal(np.asarray(s[:, -1], np.float32),
                                 np.asarray(x[:, -1], np.float32))
   assert rel_rms(jnp.concatenate(ys, axis=1), full_y) <= tolerance(jnp.bfloat16, grad=False)
+
+
+# ------------------------------------------------------------- empty chunks
+@pytest.mark.parametrize("impl", _params("gated_delta_rule"))
+def test_gdn_zero_tokens_passes_state_through(impl):
+  """T=0 (an empty prefill or decode step): empty output, state unchanged."""
+  args, s0, kw = _gdn_inputs(6, b=1, t=0, hk=1, hv=2, dk=8, dv=8)
+  out, state = _gdn_call(impl, args, s0, kw)
+  assert out.shape == (1, 0, 2, 8)
+  np.testing.assert_array_equal(np.asarray(state), np.asarray(s0))
+
+
+@pytest.mark.parametrize("impl", _params("causal_conv1d"))
+def test_conv_zero_tokens_passes_state_through(impl):
+  x, weight, bias, s0 = _conv_inputs(7, t=0)
+  y, state = _conv_call(impl, x, weight, bias, s0)
+  assert y.shape == (2, 0, 6)
+  np.testing.assert_array_equal(np.asarray(state), np.asarray(s0))
