@@ -190,6 +190,25 @@ def test_correlated_keys_slow_decay(impl):
   _assert_match(got, want, jnp.float32, f"{impl} correlated keys")
 
 
+@pytest.mark.parametrize("big", [-80.0, -1e4], ids=["g-80", "g-1e4"])
+@pytest.mark.parametrize("impl", _impls(128))
+def test_sparse_very_negative_gates_keep_accuracy(impl, big):
+  """Slow decay with 10% of tokens at a very negative gate (a forget), as
+  -exp(a_log) * softplus(raw + dt_bias) gives for a large raw gate. A chunked
+  cumsum of the gate then holds large values whose differences cancel: the
+  small decays after a forget must not be lost to rounding."""
+  t = 128
+  args, kw = _inputs(9, t=t, hk=1, hv=1, dk=16, dv=16)
+  r = np.random.default_rng(10)
+  small = -np.logaddexp(0, r.standard_normal((1, t, 1))) * 0.05
+  args["g"] = jnp.asarray(np.where(r.uniform(size=(1, t, 1)) < 0.1, big, small), jnp.float32)
+  args["beta"] = jnp.asarray(r.uniform(0.0, 1.0, (1, t, 1)), jnp.float32)
+  got = fwd_bwd(impl, args, kw)
+  _assert_finite(got, impl)
+  want = fwd_bwd("reference", args, kw)
+  _assert_match(got, want, jnp.float32, f"{impl} sparse g={big}")
+
+
 # ---------------------------------------------------------------- beta 0 / 1
 @pytest.mark.parametrize("beta_kind", ["zero", "one", "mixed_0_1"])
 @pytest.mark.parametrize("impl", _impls(80))
