@@ -1,0 +1,84 @@
+"""The pallas_mosaic_tpu tgmm in Pallas TPU interpret mode (CPU), plus its tiling logic."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tokamax_gdn import config
+from tokamax_gdn import registry
+from tokamax_gdn.ops.gmm import pallas_mosaic_tpu as gmm_pallas
+from tokamax_gdn.ops.tgmm import pallas_mosaic_tpu as pallas
+from tokamax_gdn.ops.tgmm import pallas_mosaic_tpu_kernel as kernel
+
+from .cases import BF16, CASES, F32, I8, SMALL, Case, check_forward, check_vjp
+
+IMPL = "pallas_mosaic_tpu"
+
+
+@pytest.fixture(autouse=True)
+def _interpret():
+  with config.interpret_mode(True):
+    yield
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_forward(case):
+  # inf/NaN rows past sum(group_sizes) must not reach the output.
+  check_forward(IMPL, case, garbage_tail=True)
+
+
+TILED = [
+    (Case("f32_tiled", 70, 200, 130, (0, 33, 20, 0)), dict(tm=8, tk=128, tn=128)),
+    (Case("bf16_tiled", 70, 136, 200, (9, 0, 40, 17), BF16), dict(tm=16, tk=128, tn=128)),
+    (Case("int8_x_bf16_tiled", 100, 136, 128, (31, 2, 0, 60), I8, BF16),
+     dict(tm=32, tk=128, tn=128)),
+]
+
+
+@pytest.mark.parametrize("case,tiles", TILED, ids=[c.name for c, _ in TILED])
+def test_forward_tiled(case, tiles):
+  op = registry.get("tgmm", IMPL).replace(config=pallas.Config(**tiles))
+  check_forward(op, case)
+
+
+@pytest.mark.parametrize("name", ["f32_zeros_sum_lt_m", "bf16_x_f32"])
+def test_vjp(name):
+  check_vjp(IMPL, SMALL[name])
+
+
+def test_block_sizes_respect_each_operands_own_tiling():
+  # M is the sublane axis of both inputs: bf16 lhs with f32 rhs needs 16 rows,
+  # not the 32 of int8, nor an f32 8 that would break the bf16 operand.
+  assert kernel.tgmm_tiles(100, 256, 256, BF16, F32, F32, tm=40, tk=128, tn=128).tm == 32
+  assert kernel.tgmm_tiles(100, 256, 256, F32, F32, F32, tm=40, tk=128, tn=128).tm == 40
+  assert kernel.tgmm_tiles(100, 256, 256, I8, BF16, BF16, tm=48, tk=128, tn=128).tm == 32
+
+
+def test_schedule_gives_empty_groups_one_zero_step():
+  s = kernel.tgmm_schedule(jnp.asarray([5, 0, 20, 3], jnp.int32), m=40, tm=8)
+  mode, tile, group = (np.asarray(s[k]) for k in ("mode", "tile", "group"))
+  assert len(mode) == 5 + 4 - 1
+  compute = [(int(t), int(g)) for t, g, md in zip(tile, group, mode) if md == kernel.COMPUTE]
+  assert compute == [(0, 0), (0, 2), (1, 2), (2, 2), (3, 2), (3, 3)]
+  assert group[mode == kernel.ZERO].tolist() == [1]
+  assert (mode == kernel.IDLE).sum() == 1 and group[-1] == 3
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+def test_heuristics_fit_vmem_and_are_in_the_autotuning_space(chip):
+  op = registry.get("tgmm", IMPL)
+  config.set_target_chip(chip)
+  try:
+    budget = gmm_pallas.vmem_budget()
+    for m, k, n, g in [(8192, 2048, 1024, 8), (8192, 2048, 512, 128), (8192, 512, 2048, 128)]:
+      for ld, rd in [(BF16, BF16), (BF16, F32), (I8, BF16)]:
+        ba = op.bind(jax.ShapeDtypeStruct((m, k), ld), jax.ShapeDtypeStruct((m, n), rd),
+                     jax.ShapeDtypeStruct((g,), jnp.int32))
+        h = ba.heuristics_config
+        space = op._get_autotuning_configs(ba)  # pylint: disable=protected-access
+        assert h in space
+        od = ba.kwargs["preferred_element_type"]
+        assert all(pallas.tgmm_vmem(m, k, n, ld, rd, od, c) <= budget for c in space)
+  finally:
+    config.set_target_chip(None)

@@ -1,0 +1,15 @@
+"""The xla tgmm (ragged_dot_general) against float32 ragged_dot_general; VJP via xla gmm."""
+
+import pytest
+
+from .cases import CASES, check_forward, check_vjp
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_forward(case):
+  check_forward("xla", case, garbage_tail=False)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_vjp(case):
+  check_vjp("xla", case)
