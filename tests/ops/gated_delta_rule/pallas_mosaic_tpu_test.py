@@ -51,7 +51,7 @@ CASES = [
     ("gva2_T63_zeros_seg", 1, 63, 1, 2, 16, jnp.float32, "zeros", False, True, True, True, 32, 2),
     ("gva4_T64_minus80_gate", 1, 64, 1, 4, 16, jnp.float32, "minus80", True, False, False, True, 32, 4),
     ("gva2_T65_nol2_2heads", 2, 65, 2, 4, 16, jnp.float32, "plain", False, True, True, False, 32, 4),
-    ("gva1_T200_c64_seg", 1, 200, 1, 1, 32, jnp.float32, "zeros", True, True, True, True, 64, 1),
+    ("gva1_T200_c128_seg", 1, 200, 1, 1, 32, jnp.float32, "zeros", True, True, True, True, 128, 1),
     ("bf16_gva2_T65", 1, 65, 1, 2, 32, jnp.bfloat16, "zeros", True, True, True, True, 32, 2),
 ]
 

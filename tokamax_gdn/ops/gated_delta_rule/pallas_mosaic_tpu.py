@@ -12,10 +12,11 @@ Residuals for the backward, per token and value head, beyond the op inputs
 tokamax keeps anyway:
   - `save_states=False` (heuristic default): 0 bytes; the backward recomputes
     the chunk-entry states with one extra forward-kernel pass (transient
-    K·V·4/C bytes per token per head, 1 KiB at K=V=128, C=64, live only
-    during the backward).
+    K·V·4/C bytes per token per head, 0.5 KiB at K=V=128 and the default
+    C=128, live only during the backward).
   - `save_states=True`: the float32 chunk-entry states, K·V·4/C bytes
-    (1 KiB/token/head at K=V=128, C=64), kept from forward to backward.
+    (0.5 KiB/token/head at K=V=128 and the default C=128; 1 KiB at C=64),
+    kept from forward to backward.
 """
 
 import dataclasses
@@ -44,11 +45,11 @@ class Config:
   block_heads: value heads per grid step (a multiple of Hv/Hk dividing Hv);
     amortises per-step overhead and lets the backward sum dq/dk over a GVA
     group inside the kernel.
-  save_states: keep the f32 chunk-entry states from the forward (1 KiB per
-    token·head at K=V=128, C=64) instead of recomputing them in the backward.
+  save_states: keep the f32 chunk-entry states from the forward (K·V·4/C bytes
+    per token·head) instead of recomputing them in the backward.
   """
 
-  chunk_size: Literal[32, 64, 128] = 64
+  chunk_size: Literal[32, 64, 128] = 128
   block_heads: Annotated[int, pydantic.Field(gt=0)] = 2
   save_states: bool = False
 
@@ -109,7 +110,10 @@ def _heuristics(ba: op.BoundArguments) -> Config:
   # Two value heads per step (or one GVA group, if larger) keeps the unrolled
   # body small and leaves B·Hv/hb parallel steps for both TensorCores.
   hb = _effective_block_heads(2, hv, hk)
-  chunk = 64
+  # Static cycle estimates (T=256, Hv=2, bf16, K=V=128): C=128 beats C=64 on
+  # v5e (fwd 18.6k vs ~23k cycles) and v6e (17.7k vs 23.5k; bwd 23.9k vs 33.8k):
+  # per-grid-step overhead dominates at these sizes; it also halves saved states.
+  chunk = 128
   budget = gen.vmem_bytes // 2
   while hb > hv // hk and vmem_estimate(chunk=chunk, block_heads=hb, group=hv // hk,
                                          dk=dk, dv=dv, itemsize=isz) > budget:
