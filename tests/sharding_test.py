@@ -59,6 +59,8 @@ def _assert(results, name):
   r = results[name]
   if r["ok"] and str(r["detail"]).startswith("SKIP:"):
     pytest.skip(r["detail"][5:].strip())
+  if r["ok"] and str(r["detail"]).startswith("XFAIL:"):
+    pytest.xfail(r["detail"][6:].strip())
   assert r["ok"], r["detail"]
   print(name, r["detail"], f"({r['seconds']} s)")
 
