@@ -9,6 +9,11 @@ tokens: the final state (base.py) and the initial-state gradient.
 The op is memory-bound (2·W flops per input element): tiles only need to be
 big enough to amortise the per-step overhead and the halo (8 / block_t extra
 reads); residuals are none (the backward recomputes the pre-activation).
+
+Static cycle estimates (v6e, T=4096, D=8192, bf16, 512x256 tiles): forward
+289 k, backward 762 k cycles, vs about 140 k / 210 k for the HBM traffic
+alone (2 / 3 passes over 64 MiB): the shifted (unaligned-sublane) reads and
+the SiLU's exp keep the VPU the bottleneck, not HBM.
 """
 
 import dataclasses
@@ -54,7 +59,9 @@ def _heuristics(ba: op.BoundArguments) -> Config:
   t, d = x.shape[1], x.shape[2]
   dp = _round_up(d, _LANES)
   block_d = next(c for c in (512, 256, 128) if dp % c == 0)
-  return Config(block_d=block_d, block_t=min(512, _round_up(max(t, 1), _SUBLANES)))
+  # v6e static estimates at T=4096, D=8192 bf16 (fwd / bwd kcycles): 512x256
+  # 289 / 762, 512x512 298 / 779, 1024x256 301 / -, 1024x512 - / 817.
+  return Config(block_d=block_d, block_t=min(256, _round_up(max(t, 1), _SUBLANES)))
 
 
 def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
