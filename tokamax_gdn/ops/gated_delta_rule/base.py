@@ -36,6 +36,14 @@ Residuals: TypeAlias = Any
 
 L2NORM_EPS = 1e-6
 
+# Chunked implementations add log-decays into an in-chunk cumsum G and take
+# exp(G_i - G_j). A very negative gate (a "forget": -1e4 from a large raw gate)
+# makes |G| large, and float32 cancellation in G_i - G_j then loses the small
+# decays after it. Flooring the log-decay at -30 bounds |G| and changes the
+# result by at most exp(-30) ~ 1e-13 relative (the state is multiplied by
+# ~0 either way); the floored tokens get a zero gate gradient (true: < 1e-13).
+CHUNKED_LOG_DECAY_FLOOR = -30.0
+
 
 def _name_shape(name: str, x) -> str:
   return f"`{name}` (shape {tuple(x.shape)}, dtype {jnp.dtype(x.dtype).name})"
@@ -84,16 +92,20 @@ def prologue(
     dt_bias: jax.Array | None,
     *,
     use_qk_l2norm: bool,
+    log_decay_floor: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per-token preparation shared by every backend: (q, k, log_decay).
 
   q and k keep the input dtype (normalised in float32 first); the log-decay is
-  float32.
+  float32, floored at `log_decay_floor` when given.
   """
   if use_qk_l2norm:
     query = l2norm(query).astype(query.dtype)
     key = l2norm(key).astype(key.dtype)
-  return query, key, gate_log_decay(g, a_log, dt_bias)
+  log_decay = gate_log_decay(g, a_log, dt_bias)
+  if log_decay_floor is not None:
+    log_decay = jnp.maximum(log_decay, log_decay_floor)
+  return query, key, log_decay
 
 
 def segment_starts(segment_ids: jax.Array | None, t: int) -> jax.Array | None:
@@ -109,6 +121,8 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
 
   # K or V above this: NotImplementedError, so `implementation=` falls through.
   max_head_dim: ClassVar[int | None] = None
+  # Chunked backends set CHUNKED_LOG_DECAY_FLOOR (see there).
+  log_decay_floor: ClassVar[float | None] = None
 
   def bind(
       self,
@@ -199,7 +213,8 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
       config: C,
   ) -> tuple[Output, Residuals]:
     q, k, log_decay = prologue(
-        query, key, g, a_log, dt_bias, use_qk_l2norm=use_qk_l2norm
+        query, key, g, a_log, dt_bias, use_qk_l2norm=use_qk_l2norm,
+        log_decay_floor=self.log_decay_floor,
     )
     out, final_state, residuals = self._core_fwd(
         q, k, value, log_decay, beta,
@@ -232,6 +247,9 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
 class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, jax.Array], None, C, K]):
   """Analytical VJP plumbing: prologue by autodiff, `_core_bwd` by hand."""
 
+  # Must equal the forward Op's `log_decay_floor`.
+  log_decay_floor: ClassVar[float | None] = None
+
   def _fwd(
       self,
       residuals: Residuals,
@@ -254,7 +272,8 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
       config: C,
   ) -> tuple[dict[str, jax.Array], None]:
     del out, return_residuals
-    pro = functools.partial(prologue, use_qk_l2norm=use_qk_l2norm)
+    pro = functools.partial(prologue, use_qk_l2norm=use_qk_l2norm,
+                            log_decay_floor=self.log_decay_floor)
     (q, k, log_decay), pro_vjp = jax.vjp(pro, query, key, g, a_log, dt_bias)
     d_out, d_final = dout
     if not output_final_state or d_final is None:

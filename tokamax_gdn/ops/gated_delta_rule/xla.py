@@ -373,6 +373,7 @@ class XlaGatedDeltaRule(base.GatedDeltaRule[Config, Any]):
   """Chunked WY/UT gated delta rule lowered by XLA; analytical backward."""
 
   config_cls: ClassVar[type[Config]] = Config
+  log_decay_floor: ClassVar[float | None] = base.CHUNKED_LOG_DECAY_FLOOR
 
   def __post_init__(self):
     if self.vjp is None:
@@ -401,6 +402,7 @@ class XlaGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, Any]):
   """Analytical backward of `XlaGatedDeltaRule` (recomputes, saves nothing)."""
 
   config_cls: ClassVar[type[Config]] = Config
+  log_decay_floor: ClassVar[float | None] = base.CHUNKED_LOG_DECAY_FLOOR
 
   @override
   def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
