@@ -5,7 +5,8 @@
 No TPU is needed: every kernel is compiled for `--target` through libtpu and
 the compiler's static cycle estimate is read back (`tokamax_gdn.aot`). One
 table, same shape and dtype for every row:
-- ours: `pallas_mosaic_tpu` gmm with its heuristics config (and `--tiles`);
+- ours: `pallas_mosaic_tpu` gmm with its heuristics config (and `--tiles`),
+  and the two backward products (dX: gmm with transposed rhs; dW: tgmm);
 - tokamax v1: `tokamax.ragged_dot(implementation="mosaic_tpu")` (its own
   heuristics config);
 - dense: a plain Pallas matmul of the same M, K, N (no groups), best of a
@@ -119,6 +120,29 @@ def run(target: str, m: int, k: int, n: int, g: int, dtype, tiles=None) -> list[
     rows.append(dict(kernel=label, config=f"tm={cfg.tm} tk={min(cfg.tk, k)} tn={min(cfg.tn, n)}",
                      grid_steps=steps, cycles=_cycles(rep, "tokamax_gdn_gmm"),
                      hbm_bytes=nbytes))
+
+  # The backward's two products, ours with heuristics: dX = gmm(dY, W, transposed)
+  # and dW = tgmm(X, dY).
+  with aot.on_target(mesh):
+    dx_cfg = ours.bind(jax.ShapeDtypeStruct((m, n), dtype), jax.ShapeDtypeStruct((g, k, n), dtype),
+                       jax.ShapeDtypeStruct((g,), jnp.int32), transpose_rhs=True
+                       ).heuristics_config
+    tg = registry.get("tgmm", "pallas_mosaic_tpu")
+    dw_cfg = tg.bind(jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((m, n), dtype),
+                     jax.ShapeDtypeStruct((g,), jnp.int32)).heuristics_config
+  rep = _compile(target, lambda dy, w, gs: ours(dy, w, gs, transpose_rhs=True),
+                 ((m, n), dtype), ((g, k, n), dtype), ((g,), jnp.int32))
+  steps, nbytes = _traffic(m, n, k, g, dx_cfg.tm, min(dx_cfg.tk, n), min(dx_cfg.tn, k), itemsize)
+  rows.append(dict(kernel="ours dX = gmm(dY, W^T)",
+                   config=f"tm={dx_cfg.tm} tk={min(dx_cfg.tk, n)} tn={min(dx_cfg.tn, k)}",
+                   grid_steps=steps, cycles=_cycles(rep, "tokamax_gdn_gmm"), hbm_bytes=nbytes))
+  rep = _compile(target, tg, ((m, k), dtype), ((m, n), dtype), ((g,), jnp.int32))
+  tk_, tn_ = min(dw_cfg.tk, k), min(dw_cfg.tn, n)
+  steps = (-(-k // tk_)) * (-(-n // tn_)) * (-(-m // dw_cfg.tm) + g - 1)
+  nbytes = (m * k * (-(-n // tn_)) + m * n * (-(-k // tk_)) + g * k * n) * itemsize
+  rows.append(dict(kernel="ours dW = tgmm(X, dY)",
+                   config=f"tm={dw_cfg.tm} tk={tk_} tn={tn_}",
+                   grid_steps=steps, cycles=_cycles(rep, "tokamax_gdn_tgmm"), hbm_bytes=nbytes))
 
   def tokamax_v1(x, w, gs):
     return tokamax.ragged_dot(x, w, gs, implementation="mosaic_tpu")
