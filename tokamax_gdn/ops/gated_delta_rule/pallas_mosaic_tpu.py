@@ -42,9 +42,10 @@ class Config:
   """Tiling of the Mosaic TPU GDN kernels.
 
   chunk_size: tokens per chunk C (the WY block; the inverse costs O(C) per token).
-  block_heads: value heads per grid step (a multiple of Hv/Hk dividing Hv);
-    amortises per-step overhead and lets the backward sum dq/dk over a GVA
-    group inside the kernel.
+  block_heads: value heads per grid step (a multiple of Hv/Hk dividing Hv; on
+    TPU also the whole head axis or a multiple of the sublane tiling, see
+    `valid_block_heads`; other values are rounded up to a valid one). Lets the
+    backward sum dq/dk over a GVA group inside the kernel.
   save_states: keep the f32 chunk-entry states from the forward (K·V·4/C bytes
     per token·head) instead of recomputing them in the backward.
   """
@@ -67,14 +68,24 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def valid_block_heads(hv: int, hk: int) -> list[int]:
-  """Value-head tiles the kernels accept: multiples of the GVA group dividing Hv."""
+def valid_block_heads(hv: int, hk: int, itemsize: int = 4, tpu: bool = True) -> list[int]:
+  """Value-head tiles the kernels accept.
+
+  A multiple of the GVA group dividing Hv; on a TPU the head axis of a block is
+  the sublane axis of the (C, heads, D) tile, so both the value-head tile and
+  its key-head tile must be the whole axis or a multiple of the dtype's
+  sublane tiling (8 rows of 32-bit, 16 of 16-bit).
+  """
   group = hv // hk
-  return [h for h in range(group, hv + 1, group) if hv % h == 0]
+  sub = 32 // itemsize
+  ok = lambda n, full: n == full or n % sub == 0
+  return [h for h in range(group, hv + 1, group) if hv % h == 0
+          and (not tpu or (ok(h, hv) and ok(h // group, hk)))]
 
 
-def _effective_block_heads(requested: int, hv: int, hk: int) -> int:
-  valid = valid_block_heads(hv, hk)
+def _effective_block_heads(requested: int, hv: int, hk: int, itemsize: int = 4,
+                           tpu: bool = True) -> int:
+  valid = valid_block_heads(hv, hk, itemsize, tpu)
   at_least = [h for h in valid if h >= requested]
   return at_least[0] if at_least else valid[-1]
 
@@ -109,15 +120,22 @@ def _heuristics(ba: op.BoundArguments) -> Config:
   gen = gdn_config.target_generation()
   # Two value heads per step (or one GVA group, if larger) keeps the unrolled
   # body small and leaves B·Hv/hb parallel steps for both TensorCores.
-  hb = _effective_block_heads(2, hv, hk)
+  tpu = not gdn_config.interpret_enabled()
+  hb = _effective_block_heads(2, hv, hk, isz, tpu)
   # Static cycle estimates (T=256, Hv=2, bf16, K=V=128): C=128 beats C=64 on
   # v5e (fwd 18.6k vs ~23k cycles) and v6e (17.7k vs 23.5k; bwd 23.9k vs 33.8k):
   # per-grid-step overhead dominates at these sizes; it also halves saved states.
   chunk = 128
   budget = gen.vmem_bytes // 2
-  while hb > hv // hk and vmem_estimate(chunk=chunk, block_heads=hb, group=hv // hk,
-                                         dk=dk, dv=dv, itemsize=isz) > budget:
-    hb = max(h for h in valid_block_heads(hv, hk) if h < hb)
+  while vmem_estimate(chunk=chunk, block_heads=hb, group=hv // hk, dk=dk, dv=dv,
+                      itemsize=isz) > budget:
+    smaller = [h for h in valid_block_heads(hv, hk, isz, tpu) if h < hb]
+    if smaller:
+      hb = smaller[-1]
+    elif chunk > 32:
+      chunk //= 2
+    else:
+      break
   return Config(chunk_size=chunk, block_heads=hb, save_states=False)
 
 
@@ -126,8 +144,9 @@ def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
   gen = gdn_config.target_generation()
   budget = gen.vmem_bytes // 2
   configs = {_heuristics(ba)}
+  tpu = not gdn_config.interpret_enabled()
   for chunk in (32, 64, 128):
-    for hb in valid_block_heads(hv, hk)[:4]:
+    for hb in valid_block_heads(hv, hk, isz, tpu)[:4]:
       est = vmem_estimate(chunk=chunk, block_heads=hb, group=hv // hk, dk=dk, dv=dv,
                           itemsize=isz)
       if est <= budget:
@@ -176,7 +195,7 @@ class PallasMosaicTpuGatedDeltaRule(base.GatedDeltaRule[Config, None]):
                 segment_ids, config: Config):
     interpret = _check_supported(q, v)
     hk, hv = q.shape[2], v.shape[2]
-    hb = _effective_block_heads(config.block_heads, hv, hk)
+    hb = _effective_block_heads(config.block_heads, hv, hk, q.dtype.itemsize, not interpret)
     gen = gdn_config.target_generation()
     est = vmem_estimate(chunk=config.chunk_size, block_heads=hb, group=hv // hk,
                         dk=q.shape[3], dv=v.shape[3], itemsize=q.dtype.itemsize)
@@ -241,7 +260,7 @@ class PallasMosaicTpuGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, None]):
                 scale, initial_state, segment_ids, config: Config):
     interpret = _check_supported(q, v)
     hk, hv, t = q.shape[2], v.shape[2], q.shape[1]
-    hb = _effective_block_heads(config.block_heads, hv, hk)
+    hb = _effective_block_heads(config.block_heads, hv, hk, q.dtype.itemsize, not interpret)
     states = getattr(residuals, "states", None)
     # States saved under another chunk size can't be reused: recompute.
     if states is not None and states.shape[2] != -(-t // config.chunk_size):

@@ -19,11 +19,12 @@ recomputes Γ, Tm, V' from the chunk-entry states, and emits per-chunk dG as a
 column part and a row part; the wrapper adds them and undoes the in-chunk
 cumsum (reverse cumsum) to get dg per token.
 
-Layout: q, k are viewed as [B, T, Hk*K] and v, o as [B, T, Hv*V] (free
-reshapes of [B, T, H, D]), so a block of `block_heads` value heads is a lane
-slab (C, hb*V) and GVA is the index map (key block = value block, holding
-hb / (Hv/Hk) key heads): no repeated q/k in HBM, no transposes. On a TPU K and
-V are padded to multiples of 128 by the wrapper so these slabs are lane-aligned.
+Layout: q, k, v, o stay [B, T, H, D] in HBM; a grid step reads the 4D block
+(C, hb, D) of `block_heads` value heads and (C, hb / (Hv/Hk), K) of key heads
+(GVA is the index map: no repeated q/k in HBM) and picks one head with
+`ref[:, h, :]`. Any reshape to [B, T, H*D] would be a relayout copy on TPU
+(the (H, D) tile differs from the (T, H*D) one), costing HBM temp and XLA time.
+On a TPU K and V are padded to multiples of 128 by the wrapper (no-op for 128).
 Per-token scalars travel as one row pack [B, Hv, NC, 8, C] f32 (rows G, β, s;
 T in lanes, so HBM padding stays 2x at most) and are transposed in VMEM to get
 the column orientation; the backward returns dG and dβ the same way.
@@ -125,9 +126,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, row_ref, h0_ref, *rest, scale, group, dk,
     s_ref[...] = h0_ref[...].astype(_F32)
 
   for i, j in enumerate(_split_heads(hb, group)):
-    q = q_ref[:, j * dk:(j + 1) * dk]
-    k = k_ref[:, j * dk:(j + 1) * dk]
-    v = v_ref[:, i * dv:(i + 1) * dv]
+    q = q_ref[:, j, :]
+    k = k_ref[:, j, :]
+    v = v_ref[:, i, :]
     gcol, bcol, scol, grow, srow = _unpack(row_ref[i])
     s = s_ref[i]
     if emit_states:
@@ -138,7 +139,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, row_ref, h0_ref, *rest, scale, group, dk,
       qk = _dot(q, k, tb=True, dtype=mm)
       qg = q.astype(_F32) * t["eg"]
       o = _dot(qg, s, dtype=mm) + _dot(qk * t["gamma"], vp, dtype=mm)
-      o_ref[:, i * dv:(i + 1) * dv] = (scale * o).astype(o_ref.dtype)
+      o_ref[:, i, :] = (scale * o).astype(o_ref.dtype)
     s_new = t["decay_all"] * s + _dot(t["kd"], vp, ta=True, dtype=mm)
     s_ref[i] = s_new
 
@@ -170,10 +171,11 @@ def _pack_scalars(log_decay, beta, segment_ids, chunk):
 
 
 def _flat(x, t_pad, d_pad):
-  """[B, T, H, D] -> [B, Tp, H*Dp] (zero padding)."""
+  """[B, T, H, D] -> [B, Tp, H, Dp] (zero padding; no copy when aligned)."""
   b, t, h, d = x.shape
-  x = jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, d_pad - d)))
-  return x.reshape(b, t_pad, h * d_pad)
+  if (t_pad, d_pad) == (t, d):
+    return x
+  return jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, d_pad - d)))
 
 
 def _pad_state(s, dk_pad, dv_pad):
@@ -221,17 +223,17 @@ def gdn_fwd(q, k, v, log_decay, beta, *, scale, initial_state, segment_ids,
         else _pad_state(initial_state.astype(_F32), dk_p, dv_p))
 
   in_specs = [
-      pl.BlockSpec((None, chunk, kb * dk_p), lambda bi, h, c: (bi, c, h)),
-      pl.BlockSpec((None, chunk, kb * dk_p), lambda bi, h, c: (bi, c, h)),
-      pl.BlockSpec((None, chunk, hb * dv_p), lambda bi, h, c: (bi, c, h)),
+      pl.BlockSpec((None, chunk, kb, dk_p), lambda bi, h, c: (bi, c, h, 0)),
+      pl.BlockSpec((None, chunk, kb, dk_p), lambda bi, h, c: (bi, c, h, 0)),
+      pl.BlockSpec((None, chunk, hb, dv_p), lambda bi, h, c: (bi, c, h, 0)),
       pl.BlockSpec((None, hb, None, _PACK, chunk), lambda bi, h, c: (bi, h, c, 0, 0)),
       pl.BlockSpec((None, hb, dk_p, dv_p), lambda bi, h, c: (bi, h, 0, 0)),
   ]
   out_specs = [pl.BlockSpec((None, hb, dk_p, dv_p), lambda bi, h, c: (bi, h, 0, 0))]
   out_shape = [jax.ShapeDtypeStruct((b, hv, dk_p, dv_p), _F32)]
   if write_out:
-    out_specs.insert(0, pl.BlockSpec((None, chunk, hb * dv_p), lambda bi, h, c: (bi, c, h)))
-    out_shape.insert(0, jax.ShapeDtypeStruct((b, tp, hv * dv_p), v.dtype))
+    out_specs.insert(0, pl.BlockSpec((None, chunk, hb, dv_p), lambda bi, h, c: (bi, c, h, 0)))
+    out_shape.insert(0, jax.ShapeDtypeStruct((b, tp, hv, dv_p), v.dtype))
   if emit_states:
     out_specs.append(
         pl.BlockSpec((None, hb, None, dk_p, dv_p), lambda bi, h, c: (bi, h, c, 0, 0)))
@@ -251,7 +253,7 @@ def gdn_fwd(q, k, v, log_decay, beta, *, scale, initial_state, segment_ids,
       name="gdn_fwd",
   )(q2, k2, v2, row, h0)
   res = list(res)
-  out = res.pop(0).reshape(b, tp, hv, dv_p)[:, :t, :, :dv] if write_out else None
+  out = res.pop(0)[:, :t, :, :dv] if write_out else None
   final = res.pop(0)[:, :, :dk, :dv]
   states = res.pop(0) if emit_states else None
   return out, final, states
@@ -277,9 +279,9 @@ def _bwd_kernel(q_ref, k_ref, v_ref, row_ref, st_ref, do_ref, dht_ref,
   dq_acc = [jnp.zeros((chunk, dk), _F32) for _ in range(kb)]
   dk_acc = [jnp.zeros((chunk, dk), _F32) for _ in range(kb)]
   for i, j in enumerate(_split_heads(hb, group)):
-    q = q_ref[:, j * dk:(j + 1) * dk]
-    k = k_ref[:, j * dk:(j + 1) * dk]
-    v = v_ref[:, i * dv:(i + 1) * dv]
+    q = q_ref[:, j, :]
+    k = k_ref[:, j, :]
+    v = v_ref[:, i, :]
     gcol, bcol, scol, grow, srow = _unpack(row_ref[i])
     s = st_ref[i]
     dsn = ds_ref[i]
@@ -290,7 +292,7 @@ def _bwd_kernel(q_ref, k_ref, v_ref, row_ref, st_ref, do_ref, dht_ref,
     p = qk * gamma
     qf, kf, vf = q.astype(_F32), k.astype(_F32), v.astype(_F32)
     qg = qf * eg
-    dos = scale * do_ref[:, i * dv:(i + 1) * dv].astype(_F32)
+    dos = scale * do_ref[:, i, :].astype(_F32)
 
     dqg = _dot(dos, s, tb=True, dtype=mm)                 # C×K
     ds_acc = _dot(qg, dos, ta=True, dtype=mm)            # K×V
@@ -316,7 +318,7 @@ def _bwd_kernel(q_ref, k_ref, v_ref, row_ref, st_ref, do_ref, dht_ref,
     dq_h = _dot(dqk, k, dtype=mm) + dqg * eg
     dk_h = (_dot(dkk, k, dtype=mm) + _dot(dkk, k, ta=True, dtype=mm)
             + _dot(dqk, q, ta=True, dtype=mm) + dkb * (bcol * eg) + dkd * t["ed"])
-    dv_ref[:, i * dv:(i + 1) * dv] = (dvb * bcol).astype(dv_ref.dtype)
+    dv_ref[:, i, :] = (dvb * bcol).astype(dv_ref.dtype)
 
     e = dgam * gamma
     r = jnp.sum(dkd * t["kd"], axis=1, keepdims=True)     # (C,1)
@@ -336,8 +338,8 @@ def _bwd_kernel(q_ref, k_ref, v_ref, row_ref, st_ref, do_ref, dht_ref,
     dk_acc[i // group] = dk_acc[i // group] + dk_h
 
   for j in range(kb):
-    dq_ref[:, j * dk:(j + 1) * dk] = dq_acc[j].astype(dq_ref.dtype)
-    dk_ref[:, j * dk:(j + 1) * dk] = dk_acc[j].astype(dk_ref.dtype)
+    dq_ref[:, j, :] = dq_acc[j].astype(dq_ref.dtype)
+    dk_ref[:, j, :] = dk_acc[j].astype(dk_ref.dtype)
 
   @pl.when(c_idx == pl.num_programs(2) - 1)
   def _final():
@@ -373,8 +375,8 @@ def gdn_bwd(q, k, v, log_decay, beta, d_out, d_final, states, *, scale,
          else _pad_state(d_final.astype(_F32), dk_p, dv_p))
 
   rev = lambda c: nc - 1 - c
-  key_spec = pl.BlockSpec((None, chunk, kb * dk_p), lambda bi, h, c: (bi, rev(c), h))
-  val_spec = pl.BlockSpec((None, chunk, hb * dv_p), lambda bi, h, c: (bi, rev(c), h))
+  key_spec = pl.BlockSpec((None, chunk, kb, dk_p), lambda bi, h, c: (bi, rev(c), h, 0))
+  val_spec = pl.BlockSpec((None, chunk, hb, dv_p), lambda bi, h, c: (bi, rev(c), h, 0))
   row_spec = pl.BlockSpec(
       (None, hb, None, _PACK, chunk), lambda bi, h, c: (bi, h, rev(c), 0, 0))
   state_spec = pl.BlockSpec((None, hb, dk_p, dv_p), lambda bi, h, c: (bi, h, 0, 0))
@@ -385,9 +387,9 @@ def gdn_bwd(q, k, v, log_decay, beta, d_out, d_final, states, *, scale,
   ]
   out_specs = [key_spec, key_spec, val_spec, row_spec, state_spec]
   out_shape = [
-      jax.ShapeDtypeStruct((b, tp, hk * dk_p), q.dtype),
-      jax.ShapeDtypeStruct((b, tp, hk * dk_p), k.dtype),
-      jax.ShapeDtypeStruct((b, tp, hv * dv_p), v.dtype),
+      jax.ShapeDtypeStruct((b, tp, hk, dk_p), q.dtype),
+      jax.ShapeDtypeStruct((b, tp, hk, dk_p), k.dtype),
+      jax.ShapeDtypeStruct((b, tp, hv, dv_p), v.dtype),
       jax.ShapeDtypeStruct((b, hv, nc, _PACK, chunk), _F32),
       jax.ShapeDtypeStruct((b, hv, dk_p, dv_p), _F32),
   ]
@@ -405,9 +407,9 @@ def gdn_bwd(q, k, v, log_decay, beta, d_out, d_final, states, *, scale,
       name="gdn_bwd",
   )(q2, k2, v2, row, states, do2, dht)
 
-  dq = dq2.reshape(b, tp, hk, dk_p)[:, :t, :, :dk]
-  dkey = dk2.reshape(b, tp, hk, dk_p)[:, :t, :, :dk]
-  dval = dv2.reshape(b, tp, hv, dv_p)[:, :t, :, :dv]
+  dq = dq2[:, :t, :, :dk]
+  dkey = dk2[:, :t, :, :dk]
+  dval = dv2[:, :t, :, :dv]
   d_gcum = dpack[:, :, :, 0, :]                                     # B Hv NC C
   d_g = jnp.flip(jnp.cumsum(jnp.flip(d_gcum, -1), axis=-1), -1)     # undo cumsum
   d_g = d_g.reshape(b, hv, tp)[:, :, :t].transpose(0, 2, 1)
