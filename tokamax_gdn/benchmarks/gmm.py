@@ -153,7 +153,7 @@ def run(target: str, m: int, k: int, n: int, g: int, dtype, tiles=None) -> list[
                    grid_steps=steps, cycles=_cycles(rep, None), hbm_bytes=nbytes))
 
   best = None
-  for tm, tk, tn in DENSE_TILES:
+  for tm, tk, tn in dict.fromkeys((min(a, m), min(b, k), min(c, n)) for a, b, c in DENSE_TILES):
     if m % tm or k % tk or n % tn:
       continue
     fn = functools.partial(_dense_matmul, tm=tm, tk=tk, tn=tn)
