@@ -167,6 +167,11 @@ def test_from_hf_config():
   assert nested == dataclasses.replace(cfg, variant="qwen3_5")
   with pytest.raises(ValueError, match="variant"):
     GatedDeltaNetConfig.from_hf_config(hf, variant="mamba")
+  with pytest.raises(ValueError, match="variant"):
+    GatedDeltaNetConfig.from_hf_config(hf)      # no model_type to go by
+  assert GatedDeltaNetConfig.from_hf_config(dict(hf, model_type="qwen3_next")) == cfg
+  assert GatedDeltaNetConfig.from_hf_config(
+      {"model_type": "qwen3_5_moe", "text_config": hf}).variant == "qwen3_5"
   with pytest.raises(ValueError, match="num_v_heads"):
     GatedDeltaNetConfig(hidden_size=8, num_k_heads=3, num_v_heads=4)
 

@@ -80,13 +80,24 @@ class GatedDeltaNetConfig:
     return self.conv_dim + self.value_dim + 2 * self.num_v_heads
 
   @classmethod
-  def from_hf_config(cls, d: dict[str, Any] | Any, variant: str = "qwen3_5",
+  def from_hf_config(cls, d: dict[str, Any] | Any, variant: str | None = None,
                      **overrides) -> "GatedDeltaNetConfig":
-    """From an HF `config.json` dict (or config object; `text_config` is followed)."""
+    """From an HF `config.json` dict (or config object; `text_config` is followed).
+
+    `variant` defaults to what `model_type` says ("qwen3_next*" or "qwen3_5*").
+    """
     if not isinstance(d, dict):
       d = d.to_dict() if hasattr(d, "to_dict") else vars(d)
+    model_type = str(d.get("model_type", ""))
     if "text_config" in d and "hidden_size" not in d:
       d = d["text_config"]
+      model_type = model_type or str(d.get("model_type", ""))
+    if variant is None:
+      variant = next((v for v in VARIANTS if model_type.startswith(v)), None)
+      if variant is None:
+        raise ValueError(
+            f"Cannot tell the variant from model_type={model_type!r}; pass"
+            f" `variant=` one of {VARIANTS}.")
     kw = dict(
         hidden_size=int(d["hidden_size"]),
         num_k_heads=int(d["linear_num_key_heads"]),

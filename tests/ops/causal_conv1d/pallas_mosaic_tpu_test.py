@@ -29,6 +29,7 @@ def _interpret():
 class TestPallasInterpret(ConvTestBase):
   IMPL = "pallas_mosaic_tpu"
   SPEC_TAG = "interpret"
+  CUTS = (2,)          # interpret mode is slow; 2 < W-1 still spans state and x
 
   def context(self):
     return _interpret()
@@ -38,7 +39,7 @@ class TestPallasInterpret(ConvTestBase):
 SMALL_TILES = pallas.IMPLEMENTATION.replace(config=pallas.Config(block_d=128, block_t=16))
 
 
-@pytest.mark.parametrize("t,d,w,segments", [(37, 200, 4, 3), (24, 130, 2, 0), (21, 130, 9, 2)])
+@pytest.mark.parametrize("t,d,w,segments", [(37, 200, 4, 3), (21, 130, 9, 2)])
 def test_multi_tile_vs_reference(t, d, w, segments):
   args, kwargs = arg_specs.random_inputs(jax.random.key(t), b=2, t=t, d=d, w=w,
                                          segments=segments)

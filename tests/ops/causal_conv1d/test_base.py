@@ -63,6 +63,7 @@ class ConvTestBase:
 
   IMPL = "reference"
   SPEC_TAG = "conformance"
+  CUTS = (1, 2, 7)     # split points for the state-continuation test
 
   def context(self):
     import contextlib  # pylint: disable=g-import-not-at-top
@@ -122,7 +123,7 @@ class ConvTestBase:
     x, weight, bias = args
     s0 = kwargs["initial_state"]
     y, fs = self.call(x, weight, bias, initial_state=s0, output_final_state=True)
-    for cut in (1, 2, 7):
+    for cut in self.CUTS:
       y1, f1 = self.call(x[:, :cut], weight, bias, initial_state=s0, output_final_state=True)
       y2, f2 = self.call(x[:, cut:], weight, bias, initial_state=f1, output_final_state=True)
       np.testing.assert_allclose(jnp.concatenate([y1, y2], 1), y, rtol=1e-5, atol=1e-5)

@@ -36,6 +36,6 @@ def test_aot_qwen_shape(target):
     y, _ = api.causal_conv1d(x, w, implementation="xla")
     return jnp.sum(y.astype(jnp.float32))
 
-  rep = aot.compile_for(target, jax.grad(loss, argnums=(0, 1)),
+  rep = aot.compile_for(target, jax.value_and_grad(loss, argnums=(0, 1)),
                         ((1, 4096, 8192), jnp.bfloat16), ((8192, 4), jnp.bfloat16))
   assert rep.temp_bytes < 1 << 30
