@@ -65,7 +65,7 @@ def test_schedule_gives_empty_groups_one_zero_step():
   assert (mode == kernel.IDLE).sum() == 1 and group[-1] == 3
 
 
-@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "v5p", "tpu7x"])
 def test_heuristics_fit_vmem_and_are_in_the_autotuning_space(chip):
   op = registry.get("tgmm", IMPL)
   config.set_target_chip(chip)

@@ -70,6 +70,20 @@ def _sizes(full: int) -> list[int]:
   return [full] + [c for c in _TKN_CHOICES if c < full]
 
 
+def parallel_sizes(full: int) -> list[int]:
+  """`_sizes` for the kernel's "parallel" grid axis.
+
+  On a megacore chip (v5p: two TensorCores behind one device) that axis is
+  what the cores split, so the whole axis in one block would idle a core:
+  start from half of it there.
+  """
+  sizes = _sizes(full)
+  if gdn_config.target_generation().name == "v5p":
+    halves = [c for c in sizes if c <= full // 2 and c % 128 == 0]
+    return halves or sizes
+  return sizes
+
+
 def _gmm_dims(ba: op.BoundArguments):
   lhs, rhs = ba.args
   transpose_rhs = ba.kwargs["transpose_rhs"]
@@ -113,8 +127,9 @@ class PallasMosaicTpuGmm(base.Gmm[Config, None]):
   def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
     m, k, n, ld, rd, od, tr = _gmm_dims(ba)
     budget = vmem_budget()
+    ns = parallel_sizes(n)
     for tk, tn in itertools.chain(
-        ((k, tn) for tn in _sizes(n)), ((tk, tn) for tk in _sizes(k)[1:] for tn in _sizes(n))):
+        ((k, tn) for tn in ns), ((tk, tn) for tk in _sizes(k)[1:] for tn in ns)):
       cfg = Config(tm=256, tk=tk, tn=tn)
       if gmm_vmem(m, k, n, ld, rd, od, tr, cfg) <= budget:
         return cfg

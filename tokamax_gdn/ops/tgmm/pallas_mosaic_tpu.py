@@ -66,8 +66,10 @@ class PallasMosaicTpuTgmm(base.Tgmm[Config, None]):
     m, k, n, ld, rd, od = _dims(ba)
     budget = gmm_pallas.vmem_budget()
     sizes = gmm_pallas._sizes  # pylint: disable=protected-access
+    # k is the first "parallel" axis: on v5p it is split across the two cores.
+    ks = gmm_pallas.parallel_sizes(k)
     for tk, tn in itertools.chain(
-        ((k, tn) for tn in sizes(n)), ((tk, tn) for tk in sizes(k)[1:] for tn in sizes(n))):
+        ((ks[0], tn) for tn in sizes(n)), ((tk, tn) for tk in ks[1:] for tn in sizes(n))):
       cfg = Config(tm=512, tk=tk, tn=tn)
       if tgmm_vmem(m, k, n, ld, rd, od, cfg) <= budget:
         return cfg
