@@ -166,8 +166,8 @@ def init_params(key: jax.Array, cfg: GatedDeltaNetConfig, dtype=jnp.float32) -> 
   return dict(
       in_proj=(0.02 * jax.random.normal(k_in, (cfg.hidden_size, cfg.in_proj_dim))).astype(dtype),
       conv_weight=jax.random.uniform(k_conv, (cfg.conv_dim, w), dtype, -conv_bound, conv_bound),
-      dt_bias=jnp.ones((cfg.num_v_heads,), dtype),
-      a_log=jnp.log(jax.random.uniform(k_a, (cfg.num_v_heads,), jnp.float32, 0.01, 16.0)).astype(dtype),
+      dt_bias=jnp.ones((cfg.num_v_heads,), jnp.float32),     # gate params: always f32
+      a_log=jnp.log(jax.random.uniform(k_a, (cfg.num_v_heads,), jnp.float32, 0.01, 16.0)),
       norm_weight=jnp.ones((cfg.head_v_dim,), dtype),
       out_proj=(0.02 * jax.random.normal(k_out, (cfg.value_dim, cfg.hidden_size))).astype(dtype),
   )
@@ -179,12 +179,17 @@ def _split_in_proj(w, cfg: GatedDeltaNetConfig):
   return w[..., :c], w[..., c:c + v], w[..., c + v:c + v + hv], w[..., c + v + hv:]
 
 
+_F32_PARAMS = ("a_log", "dt_bias")
+
+
 def params_from_hf(state_dict: dict[str, Any], cfg: GatedDeltaNetConfig,
                    dtype=None) -> Params:
   """HF `linear_attn` tensors (names without the layer prefix) -> params.
 
-  Accepts NumPy arrays (or anything `np.asarray` takes, e.g. CPU torch tensors).
-  A full-model state dict prefix like `model.layers.0.linear_attn.` is stripped.
+  Accepts NumPy arrays (or anything `np.asarray` takes: jax arrays, CPU torch
+  tensors). A prefix like `model.layers.0.linear_attn.` is stripped, so pass
+  one layer's tensors only. `dtype` (default: as stored) applies to all but
+  `a_log` / `dt_bias`, which are kept float32.
   """
   sd = {k.rsplit("linear_attn.", 1)[-1]: np.asarray(v) for k, v in state_dict.items()}
   hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
@@ -224,7 +229,10 @@ def params_from_hf(state_dict: dict[str, Any], cfg: GatedDeltaNetConfig,
   )
   if "conv1d.bias" in sd:
     raise ValueError("HF `conv1d.bias` is present; Qwen3-Next / Qwen3.5 convs have no bias.")
-  return {k: jnp.asarray(v, dtype or v.dtype) for k, v in params.items()}
+  # The gate parameters stay float32 whatever `dtype` (HF computes the gate in
+  # float32 too: exp(A_log) in bf16 would be off by up to 0.4 %).
+  return {k: jnp.asarray(v, jnp.float32 if k in _F32_PARAMS else (dtype or v.dtype))
+          for k, v in params.items()}
 
 
 def params_to_hf(params: Params, cfg: GatedDeltaNetConfig) -> dict[str, np.ndarray]:
