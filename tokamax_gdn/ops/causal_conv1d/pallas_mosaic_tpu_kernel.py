@@ -6,6 +6,10 @@ H = 8 >= W-1 inputs before it; those come as a small precomputed "halo"
 ([B, nT, 8, D], built in XLA from x and the initial state) rather than from
 the previous grid step, so every grid axis is parallel (megacore splits any).
 
+Shifted reads are `pltpu.roll`s of the whole f32 window along sublanes
+followed by aligned slices (the XLU rotates; unaligned ref slices cost ~45 %
+more VPU/load work in the static estimate).
+
 Forward, per row r of the tile (xb = [halo_prev; x_tile] in a float32 scratch):
   pre[r] = bias + sum_w weight[w] * xb[8 + r - s] * (s <= reach[r]);  y = silu(pre)
 
@@ -51,9 +55,11 @@ def _fwd_kernel(*refs, width, activation, has_bias, has_reach):
   if has_bias:
     acc = acc + b_ref[...].astype(jnp.float32)
   reach = reach_ref[:, :1] if has_reach else None             # [bt, 1]
+  full = xb[...]
   for tap in range(width):
     s = width - 1 - tap
-    term = xb[HALO - s:HALO - s + bt, :] * w[tap:tap + 1, :]
+    shifted = pltpu.roll(full, s, 0)[HALO:] if s else full[HALO:]
+    term = shifted * w[tap:tap + 1, :]
     if has_reach and s:
       term = jnp.where(s <= reach, term, 0.0)
     acc = acc + term
@@ -70,50 +76,53 @@ def _bwd_kernel(*refs, width, activation, has_bias, has_reach):
   dx_ref, dw_ref, db_ref, xb, db = (next(it) for _ in range(5))
   rb = next(it) if has_reach else None
   bt = x_ref.shape[0]
+  n_ext = bt + HALO                       # the tile's rows and the 8 after it
   xb[:HALO, :] = prev_ref[...].astype(jnp.float32)
   xb[HALO:HALO + bt, :] = x_ref[...].astype(jnp.float32)
   xb[HALO + bt:, :] = next_ref[...].astype(jnp.float32)
+  db[:bt, :] = dy_ref[...].astype(jnp.float32)
+  db[bt:, :] = dy_next_ref[...].astype(jnp.float32)
   w = w_ref[...].astype(jnp.float32)
-  bias = b_ref[...].astype(jnp.float32) if has_bias else 0.0
-
-  def dpre(lo, n, dy, reach):
-    """d pre for rows [lo, lo + n) of the tile (xb row HALO + lo + r)."""
-    acc = jnp.zeros((n, xb.shape[1]), jnp.float32) + bias
-    for tap in range(width):
-      s = width - 1 - tap
-      term = xb[HALO + lo - s:HALO + lo - s + n, :] * w[tap:tap + 1, :]
-      if has_reach and s:
-        term = jnp.where(s <= reach, term, 0.0)
-      acc = acc + term
-    dy = dy.astype(jnp.float32)
-    return dy * _silu_and_grad(acc)[1] if activation == "silu" else dy
-
-  reach = reach_next = None
+  reach = None
   if has_reach:
     rb[:bt, :] = reach_ref[...]
     rb[bt:, :] = reach_next_ref[...]
-    reach, reach_next = rb[:bt, :1], rb[bt:, :1]
-  db[:bt, :] = dpre(0, bt, dy_ref[...], reach)
-  db[bt:, :] = dpre(bt, HALO, dy_next_ref[...], reach_next)
+    reach = rb[...][:, :1]                # [n_ext, 1]
 
-  # dweight / dbias partials over this tile's own rows.
-  d_main = db[:bt, :]
+  # Input s tokens back for every extended row (aligned slices of rolled values).
+  full = xb[...]
+  shifted = [pltpu.roll(full, s, 0)[HALO:HALO + n_ext] if s else full[HALO:HALO + n_ext]
+             for s in range(width)]
+  acc = jnp.zeros((n_ext, xb.shape[1]), jnp.float32)
+  if has_bias:
+    acc = acc + b_ref[...].astype(jnp.float32)
   for tap in range(width):
     s = width - 1 - tap
-    term = d_main * xb[HALO - s:HALO - s + bt, :]
+    term = shifted[s] * w[tap:tap + 1, :]
     if has_reach and s:
       term = jnp.where(s <= reach, term, 0.0)
-    dw_ref[tap:tap + 1, :] = jnp.sum(term, axis=0, keepdims=True)
-  db_ref[...] = jnp.sum(d_main, axis=0, keepdims=True)
+    acc = acc + term
+  dy = db[...]
+  g = dy * _silu_and_grad(acc)[1] if activation == "silu" else dy      # d pre, [n_ext, bd]
 
-  # dx: each row gathers the taps that read it, from rows r + s.
+  # dweight / dbias partials over this tile's own rows.
+  g_main = g[:bt]
+  for tap in range(width):
+    s = width - 1 - tap
+    term = g_main * shifted[s][:bt]
+    if has_reach and s:
+      term = jnp.where(s <= reach[:bt], term, 0.0)
+    dw_ref[tap:tap + 1, :] = jnp.sum(term, axis=0, keepdims=True)
+  db_ref[...] = jnp.sum(g_main, axis=0, keepdims=True)
+
+  # dx: row r gathers the taps that read it, from rows r + s (roll by -s).
   dx = jnp.zeros(dx_ref.shape, jnp.float32)
   for tap in range(width):
     s = width - 1 - tap
-    term = db[s:s + bt, :] * w[tap:tap + 1, :]
-    if has_reach and s:
-      term = jnp.where(s <= rb[s:s + bt, :1], term, 0.0)
-    dx = dx + term
+    gs = jnp.where(s <= reach, g, 0.0) if has_reach and s else g
+    if s:
+      gs = pltpu.roll(gs, n_ext - s, 0)
+    dx = dx + gs[:bt] * w[tap:tap + 1, :]
   dx_ref[...] = dx.astype(dx_ref.dtype)
 
 
