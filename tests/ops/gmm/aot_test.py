@@ -72,3 +72,20 @@ def test_many_groups_and_transposed_rhs_compile_on_v6e():
   _compile("v6e", _tgmm, ((M, K), BF16), ((M, n), BF16), gs)
   _compile("v6e", lambda x, w, s: _gmm_vjp(x, w, s, True), ((M, K), BF16), ((G, N, K), BF16),
            ((G,), jnp.int32))
+
+
+@pytest.mark.parametrize("lhs_dtype,rhs_dtype", [(BF16, BF16), (I8, BF16), (BF16, F32)],
+                         ids=["bf16", "int8_x_bf16", "bf16_x_f32"])
+def test_irregular_shapes_with_k_tail_compile_on_v6e(lhs_dtype, rhs_dtype):
+  """M, K, N not multiples of 128 with tiles that leave partial M/N blocks and a masked K tail."""
+  from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.ops.gmm.pallas_mosaic_tpu import Config  # pylint: disable=g-import-not-at-top
+  m, k, n, g = 1000, 1000, 300, 5
+  cfg = Config(tm=256, tk=512, tn=256)
+  gmm_op = registry.get("gmm", IMPL).replace(config=cfg)
+  tgmm_op = registry.get("tgmm", IMPL).replace(config=cfg)
+  gs = ((g,), jnp.int32)
+  _compile("v6e", gmm_op, ((m, k), lhs_dtype), ((g, k, n), rhs_dtype), gs)
+  _compile("v6e", lambda x, w, s: gmm_op(x, w, s, transpose_rhs=True),
+           ((m, k), lhs_dtype), ((g, n, k), rhs_dtype), gs)
+  _compile("v6e", tgmm_op, ((m, k), lhs_dtype), ((m, n), rhs_dtype), gs)
