@@ -101,19 +101,27 @@ def tgmm(
     def _():
       acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(mode[i] == COMPUTE)
-    def _():
-      row0 = tile[i] * tm
-      lo, hi = offsets[g], offsets[g + 1]
-      x_rows = row0 + lax.broadcasted_iota(jnp.int32, (tm, tk), 0)
-      y_rows = row0 + lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
+    row0 = tile[i] * tm
+    lo, hi = offsets[g], offsets[g + 1]
+    compute = mode[i] == COMPUTE
+    # Tiles wholly inside the group (most of them) skip the masking; a tile
+    # also holding other rows (or the garbage past M) masks both operands.
+    interior = (row0 >= lo) & (row0 + tm <= hi)
+
+    def accumulate(masked: bool):
       x = lhs_ref[...].astype(ct)
       y = rhs_ref[...].astype(ct)
-      x = jnp.where((x_rows >= lo) & (x_rows < hi), x, jnp.zeros_like(x))
-      y = jnp.where((y_rows >= lo) & (y_rows < hi), y, jnp.zeros_like(y))
+      if masked:
+        x_rows = row0 + lax.broadcasted_iota(jnp.int32, (tm, tk), 0)
+        y_rows = row0 + lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
+        x = jnp.where((x_rows >= lo) & (x_rows < hi), x, jnp.zeros_like(x))
+        y = jnp.where((y_rows >= lo) & (y_rows < hi), y, jnp.zeros_like(y))
       acc_ref[...] += lax.dot_general(
           x, y, (((0,), (0,)), ((), ())),
           preferred_element_type=jnp.float32, precision=precision)
+
+    pl.when(compute & interior)(lambda: accumulate(False))
+    pl.when(compute & ~interior)(lambda: accumulate(True))
 
     @pl.when(last)
     def _():
