@@ -4,6 +4,7 @@ Looked up in `$TOKAMAX_GDN_MODELS_DIR`, then the repository's `configs/models/`
 (editable installs), then `tokamax_gdn/data/models/` (wheels).
 """
 
+import dataclasses
 import os
 import pathlib
 
@@ -37,6 +38,5 @@ def load_preset(name: str, **overrides) -> GatedDeltaNetConfig:
   """`load_preset("qwen3.5-tiny")`; keyword overrides replace fields."""
   cfg = GatedDeltaNetConfig.from_yaml(preset_path(name))
   if overrides:
-    import dataclasses  # pylint: disable=g-import-not-at-top
     cfg = dataclasses.replace(cfg, **overrides)
   return cfg

@@ -73,9 +73,6 @@ class ConvTestBase:
     with self.context():
       return api.causal_conv1d(*args, implementation=self.IMPL, **kwargs)
 
-  def specs(self):
-    return arg_specs.ARG_SPECS
-
   @pytest.mark.parametrize("name", [s.name for s in arg_specs.ARG_SPECS if "conformance" in s.tags])
   def test_forward_vs_numpy(self, name):
     spec = next(s for s in arg_specs.ARG_SPECS if s.name == name)
