@@ -101,6 +101,17 @@ def _unpack(rowp):
   return colp[:, 0:1], colp[:, 1:2], colp[:, 2:3], rowp[0:1, :], rowp[2:3, :]
 
 
+def _load_heads(*refs):
+  """Whole (C, heads, D) blocks, as f32 values.
+
+  Per-head `ref[:, h, :]` loads/stores of 16-bit blocks compile, but crash
+  libtpu's static cycle estimator (LLO type check on packed bf16 vectors, same
+  as tokamax KDA's backward); whole-block f32 values, sliced per head, and one
+  whole-block store avoid that and cost about the same.
+  """
+  return [r[...].astype(_F32) for r in refs]
+
+
 def _split_heads(block_heads, group):
   """Static (value head i in block) -> key head index in the key slab."""
   return [i // group for i in range(block_heads)]
@@ -125,10 +136,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, row_ref, h0_ref, *rest, scale, group, dk,
   def _init():
     s_ref[...] = h0_ref[...].astype(_F32)
 
+  q_all, k_all, v_all = _load_heads(q_ref, k_ref, v_ref)
+  outs = []
   for i, j in enumerate(_split_heads(hb, group)):
-    q = q_ref[:, j, :]
-    k = k_ref[:, j, :]
-    v = v_ref[:, i, :]
+    q, k, v = q_all[:, j, :], k_all[:, j, :], v_all[:, i, :]
     gcol, bcol, scol, grow, srow = _unpack(row_ref[i])
     s = s_ref[i]
     if emit_states:
@@ -139,9 +150,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, row_ref, h0_ref, *rest, scale, group, dk,
       qk = _dot(q, k, tb=True, dtype=mm)
       qg = q.astype(_F32) * t["eg"]
       o = _dot(qg, s, dtype=mm) + _dot(qk * t["gamma"], vp, dtype=mm)
-      o_ref[:, i, :] = (scale * o).astype(o_ref.dtype)
+      outs.append(scale * o)
     s_new = t["decay_all"] * s + _dot(t["kd"], vp, ta=True, dtype=mm)
     s_ref[i] = s_new
+
+  if write_out:
+    o_ref[...] = jnp.stack(outs, axis=1).astype(o_ref.dtype)
 
   @pl.when(c_idx == pl.num_programs(2) - 1)
   def _final():
@@ -278,10 +292,10 @@ def _bwd_kernel(q_ref, k_ref, v_ref, row_ref, st_ref, do_ref, dht_ref,
 
   dq_acc = [jnp.zeros((chunk, dk), _F32) for _ in range(kb)]
   dk_acc = [jnp.zeros((chunk, dk), _F32) for _ in range(kb)]
+  dv_out = []
+  q_all, k_all, v_all, do_all = _load_heads(q_ref, k_ref, v_ref, do_ref)
   for i, j in enumerate(_split_heads(hb, group)):
-    q = q_ref[:, j, :]
-    k = k_ref[:, j, :]
-    v = v_ref[:, i, :]
+    q, k, v = q_all[:, j, :], k_all[:, j, :], v_all[:, i, :]
     gcol, bcol, scol, grow, srow = _unpack(row_ref[i])
     s = st_ref[i]
     dsn = ds_ref[i]
@@ -292,7 +306,7 @@ def _bwd_kernel(q_ref, k_ref, v_ref, row_ref, st_ref, do_ref, dht_ref,
     p = qk * gamma
     qf, kf, vf = q.astype(_F32), k.astype(_F32), v.astype(_F32)
     qg = qf * eg
-    dos = scale * do_ref[:, i, :].astype(_F32)
+    dos = scale * do_all[:, i, :]
 
     dqg = _dot(dos, s, tb=True, dtype=mm)                 # C×K
     ds_acc = _dot(qg, dos, ta=True, dtype=mm)            # K×V
@@ -318,7 +332,7 @@ def _bwd_kernel(q_ref, k_ref, v_ref, row_ref, st_ref, do_ref, dht_ref,
     dq_h = _dot(dqk, k, dtype=mm) + dqg * eg
     dk_h = (_dot(dkk, k, dtype=mm) + _dot(dkk, k, ta=True, dtype=mm)
             + _dot(dqk, q, ta=True, dtype=mm) + dkb * (bcol * eg) + dkd * t["ed"])
-    dv_ref[:, i, :] = (dvb * bcol).astype(dv_ref.dtype)
+    dv_out.append(dvb * bcol)
 
     e = dgam * gamma
     r = jnp.sum(dkd * t["kd"], axis=1, keepdims=True)     # (C,1)
@@ -337,9 +351,9 @@ def _bwd_kernel(q_ref, k_ref, v_ref, row_ref, st_ref, do_ref, dht_ref,
     dq_acc[i // group] = dq_acc[i // group] + dq_h
     dk_acc[i // group] = dk_acc[i // group] + dk_h
 
-  for j in range(kb):
-    dq_ref[:, j, :] = dq_acc[j].astype(dq_ref.dtype)
-    dk_ref[:, j, :] = dk_acc[j].astype(dk_ref.dtype)
+  dq_ref[...] = jnp.stack(dq_acc, axis=1).astype(dq_ref.dtype)
+  dk_ref[...] = jnp.stack(dk_acc, axis=1).astype(dk_ref.dtype)
+  dv_ref[...] = jnp.stack(dv_out, axis=1).astype(dv_ref.dtype)
 
   @pl.when(c_idx == pl.num_programs(2) - 1)
   def _final():
