@@ -145,3 +145,215 @@ def clear_cycle_dumps() -> None:
   if _cycle_dir and os.path.isdir(_cycle_dir):
     shutil.rmtree(_cycle_dir)
     os.makedirs(_cycle_dir)
+
+
+# --------------------------------------------------------------------------
+# `tokamax-gdn aot`: gated delta rule report (GDN pallas_mosaic_tpu vs KDA).
+# --------------------------------------------------------------------------
+
+_GDN_IMPL = "pallas_mosaic_tpu"
+
+
+def _gdn_fns(hk: int, hv: int):
+  """(forward, forward+backward) of GDN through the public API, on prepared args."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import tokamax_gdn  # pylint: disable=g-import-not-at-top
+
+  def fwd(q, k, v, g, beta):
+    out, _ = tokamax_gdn.gated_delta_rule(q, k, v, g, beta, implementation=_GDN_IMPL)
+    return out
+
+  def fwd_bwd(q, k, v, g, beta):
+    def loss(q, k, v, g, beta):
+      out, _ = tokamax_gdn.gated_delta_rule(q, k, v, g, beta, implementation=_GDN_IMPL)
+      return jnp.sum(out.astype(jnp.float32) ** 2)
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+
+  del hk, hv
+  return fwd, fwd_bwd
+
+
+def _kda_fns(k_dim: int):
+  """tokamax KDA (mosaic) with the scalar gate broadcast over K, [H, B, T, D] layout."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from tokamax._src.ops.kda import api as kda_api  # pylint: disable=g-import-not-at-top
+
+  def call(q, k, v, g, beta):
+    gate = jnp.broadcast_to(g[..., None], g.shape + (k_dim,))
+    out, _ = kda_api.kimi_delta_attention(q, k, v, gate, beta, implementation="mosaic")
+    return out
+
+  def fwd_bwd(q, k, v, g, beta):
+    loss = lambda *a: jnp.sum(call(*a).astype(jnp.float32) ** 2)
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+
+  return call, fwd_bwd
+
+
+def gdn_report(target: str, *, batch: int, seq_len: int, hk: int, hv: int, k: int,
+               v: int, dtype="bfloat16", kda: bool = True,
+               gdn: bool = True) -> list[dict[str, Any]]:
+  """Compiles GDN (and tokamax KDA) forward and fwd+bwd for `target`.
+
+  One row per (implementation, pass, kernel): compiled or the error, temp /
+  argument / output bytes of the whole compiled function, and the kernel's
+  static cycle estimate (total and per token). KDA runs with H = hv heads,
+  q/k repeated to hv heads (it has no GVA) and the gate broadcast over K.
+  """
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  dtype = jnp.dtype(dtype)
+  f32 = jnp.float32
+  tokens = batch * seq_len
+  mesh = target_mesh(target)
+  cases = []
+  gdn_specs = [spec(mesh, (batch, seq_len, hk, k), dtype), spec(mesh, (batch, seq_len, hk, k), dtype),
+               spec(mesh, (batch, seq_len, hv, v), dtype), spec(mesh, (batch, seq_len, hv), f32),
+               spec(mesh, (batch, seq_len, hv), dtype)]
+  g_fwd, g_fb = _gdn_fns(hk, hv)
+  if gdn:
+    cases += [("gdn " + _GDN_IMPL, "fwd", g_fwd, gdn_specs),
+              ("gdn " + _GDN_IMPL, "fwd+bwd", g_fb, gdn_specs)]
+  if kda:
+    kda_specs = [spec(mesh, (hv, batch, seq_len, k), dtype), spec(mesh, (hv, batch, seq_len, k), dtype),
+                 spec(mesh, (hv, batch, seq_len, v), dtype), spec(mesh, (hv, batch, seq_len), f32),
+                 spec(mesh, (hv, batch, seq_len), dtype)]
+    k_fwd, k_fb = _kda_fns(k)
+    cases += [("tokamax kda mosaic_tpu", "fwd", k_fwd, kda_specs),
+              ("tokamax kda mosaic_tpu", "fwd+bwd", k_fb, kda_specs)]
+  rows = []
+  for impl, pass_, fn, specs_ in cases:
+    base_row = dict(target=target, impl=impl, pass_=pass_)
+    try:
+      rep = compile_for(target, fn, *specs_, mesh=mesh)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      rows.append(dict(base_row, kernel="-", compiled=f"FAIL: {str(e).splitlines()[0][:120]}",
+                       temp_mib="", arg_mib="", out_mib="", cycles="", cycles_per_token=""))
+      continue
+    mem = dict(compiled="ok", temp_mib=round(rep.temp_bytes / 2**20, 1),
+               arg_mib=round(rep.argument_bytes / 2**20, 1),
+               out_mib=round(rep.output_bytes / 2**20, 1))
+    kernels = rep.kernel_cycles or {"(no cycle estimates)": None}
+    for name, cyc in sorted(kernels.items()):
+      rows.append(dict(base_row, kernel=name, **mem,
+                       cycles="" if cyc is None else cyc,
+                       cycles_per_token="" if not cyc else round(cyc / tokens, 1)))
+  return [{("pass" if key == "pass_" else key): val for key, val in r.items()} for r in rows]
+
+
+def _load_model_yml(path: str) -> dict[str, Any]:
+  import yaml  # pylint: disable=g-import-not-at-top
+  if not os.path.exists(path):
+    alt = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "configs", "models", path if path.endswith(".yml") else path + ".yml")
+    path = alt
+  with open(path) as f:
+    return yaml.safe_load(f)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """`tokamax-gdn aot --target v6e --model configs/models/x.yml --seq-len 4096 [--json]`."""
+  import argparse  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  p = argparse.ArgumentParser(prog="tokamax-gdn aot", description=main.__doc__)
+  p.add_argument("--target", choices=sorted(config.TPU_GENERATIONS), default="v6e")
+  p.add_argument("--model", help="model .yml (hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim)")
+  p.add_argument("--seq-len", type=int, default=4096)
+  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--hk", type=int)
+  p.add_argument("--hv", type=int)
+  p.add_argument("--k", type=int)
+  p.add_argument("--v", type=int)
+  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--no-kda", action="store_true", help="skip the tokamax KDA comparison")
+  p.add_argument("--cycles-seq-len", type=int, default=256,
+                 help="sequence length of the separate cycle-estimate compile (the"
+                      " estimator's compile time grows with the grid); cycles are"
+                      " scaled to --seq-len; 0 skips cycle estimates")
+  p.add_argument("--json", action="store_true")
+  p.add_argument("--_cycles_only", choices=("gdn", "kda"), help=argparse.SUPPRESS)
+  args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+  dims = dict(hk=args.hk, hv=args.hv, k=args.k, v=args.v)
+  if args.model:
+    m = _load_model_yml(args.model)
+    from_model = dict(hk=m["num_k_heads"], hv=m["num_v_heads"], k=m["head_k_dim"],
+                      v=m["head_v_dim"])
+    dims = {n: dims[n] if dims[n] is not None else from_model[n] for n in dims}
+  missing = [n for n, x in dims.items() if x is None]
+  if missing:
+    p.error(f"give --model or all of --hk --hv --k --v (missing {missing})")
+  if args._cycles_only:  # pylint: disable=protected-access
+    enable_cycle_estimates()
+    which = args._cycles_only  # pylint: disable=protected-access
+    rows = gdn_report(args.target, batch=args.batch, seq_len=args.seq_len, dtype=args.dtype,
+                      kda=which == "kda", gdn=which == "gdn", **dims)
+    print("GDN_CYCLES_JSON " + json.dumps(rows))
+    return 0
+  rows = gdn_report(args.target, batch=args.batch, seq_len=args.seq_len, dtype=args.dtype,
+                    kda=not args.no_kda, **dims)
+  if args.cycles_seq_len:
+    cyc_rows = []
+    for which in ("gdn",) + (() if args.no_kda else ("kda",)):
+      cyc_rows += _cycle_rows(args, dims, which)
+    rows = _merge_cycles(rows, cyc_rows, args.batch * args.seq_len,
+                         args.seq_len / args.cycles_seq_len)
+  if args.json:
+    print(json.dumps(rows, indent=1))
+  else:
+    cols = list(rows[0])
+    cells = [[str(r[c]) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+    for vals in [cols, ["-" * w for w in widths]] + cells:
+      print("  ".join(x.ljust(w) for x, w in zip(vals, widths)).rstrip())
+  return 0 if all(r["compiled"] == "ok" for r in rows) else 1
+
+
+def _cycle_rows(args, dims, which: str) -> list[dict[str, Any]]:
+  """Cycle estimates from a subprocess at --cycles-seq-len (libtpu reads its
+  dump flag once per process, and this process compiled without it)."""
+  import json  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  cmd = [sys.executable, "-m", "tokamax_gdn.aot", "--_cycles_only", which, "--target", args.target,
+         "--seq-len", str(args.cycles_seq_len), "--batch", str(args.batch),
+         "--dtype", args.dtype] + [f"--{n}={x}" for n, x in dims.items()]
+  env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
+  env.pop("LIBTPU_INIT_ARGS", None)
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+  for line in proc.stdout.splitlines():
+    if line.startswith("GDN_CYCLES_JSON "):
+      return json.loads(line[len("GDN_CYCLES_JSON "):])
+  # libtpu aborts the process on some compiles with the cycle dump on (seen
+  # for tokamax KDA's backward): report that instead of failing the table.
+  crash = [ln for ln in proc.stderr.splitlines() if "Check failed" in ln][:1]
+  print(f"[aot] cycle estimates for {which} unavailable (libtpu exit {proc.returncode}):"
+        f" {crash[0][:200] if crash else proc.stderr[-300:]}", file=sys.stderr)
+  return []
+
+
+def _merge_cycles(rows, cyc_rows, tokens: int, scale: float) -> list[dict[str, Any]]:
+  """Memory rows at the real length + per-kernel cycles scaled from the short run."""
+  def kernel_name(name: str) -> str:
+    return re.sub(r"_TPU.*$", "", name)
+  out = []
+  for r in rows:
+    kernels = [c for c in cyc_rows if (c["impl"], c["pass"]) == (r["impl"], r["pass"])
+               and c["cycles"] not in ("", None)]
+    # Pallas kernels first (name prefixes), XLA glue summed into one row.
+    pallas = [c for c in kernels if kernel_name(c["kernel"]).split(".")[0] in (
+        "gdn_fwd", "gdn_bwd") or "kda" in c["kernel"].lower() or "chunk" in c["kernel"].lower()]
+    glue = sum(int(c["cycles"]) for c in kernels if c not in pallas)
+    entries = [(kernel_name(c["kernel"]), int(c["cycles"])) for c in pallas]
+    entries.append(("(xla glue, summed)", glue))
+    if not kernels:
+      out.append(r)
+      continue
+    for name, cyc in entries:
+      total = int(cyc * scale)
+      out.append(dict(r, kernel=name, cycles=total, cycles_per_token=round(total / tokens, 1)))
+  return out
+
+
+if __name__ == "__main__":
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.exit(main())
