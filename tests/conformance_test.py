@@ -61,10 +61,10 @@ def test_jit_vmap_config_and_serialisation(case):
   op_name, impl_name, spec = case
   impl = registry.get(op_name, impl_name)
   args, kwargs = spec.make(jax.random.key(1))
-  conf.check_heuristics_in_space(impl, args, kwargs)
-  conf.check_bound_args_roundtrip(impl, args, kwargs)
   tol = specs_lib.tolerance(conf.lowest_float_dtype(args, kwargs), grad=False)
   with conf.execution_context(impl_name):
+    conf.check_heuristics_in_space(impl, args, kwargs)
+    conf.check_bound_args_roundtrip(impl, args, kwargs)
     eager = impl(*args, **kwargs)
     kw_arrays = {k: v for k, v in kwargs.items() if hasattr(v, "shape")}
     kw_static = {k: v for k, v in kwargs.items() if not hasattr(v, "shape")}
