@@ -245,9 +245,15 @@ def test_bad_group_sizes_opt_in_check(op_name, sizes):
     args, _ = GOOD[op_name]()
     args["group_sizes"] = jnp.array(sizes, i32)
     fn = jax.jit(checkify.checkify(lambda a: impl(a["lhs"], a["rhs"], a["group_sizes"])))
-    err, _ = fn(args)
-    with pytest.raises(checkify.JaxRuntimeError):
+    with conf.execution_context(name):
+      err, _ = fn(args)
+    with pytest.raises(checkify.JaxRuntimeError, match="group_sizes"):
       err.throw()
+    # Valid sizes pass the same check.
+    args["group_sizes"] = jnp.array([1, 2], i32)
+    with conf.execution_context(name):
+      err, _ = fn(args)
+    err.throw()
 
 
 def _gmm_impl_cases():

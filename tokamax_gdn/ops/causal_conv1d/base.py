@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int  # pylint: disable=g-multiple-import,g-importing-member
 from tokamax._src.ops import op
 
+from tokamax_gdn.autotuning import ShippedAutotuningCacheMixin
+
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
 Output: TypeAlias = tuple[jax.Array, jax.Array | None]
 Residuals: TypeAlias = Any
@@ -101,7 +103,7 @@ def final_state(x: jax.Array, initial_state: jax.Array | None,
   return state.astype(x.dtype)
 
 
-class CausalConv1d[C, K](op.Op[Any, Output, Residuals, C, K]):
+class CausalConv1d[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Residuals, C, K]):
   """Causal depthwise conv1d. Subclasses implement `_conv`."""
 
   # W above this: NotImplementedError, so `implementation=` falls through.

@@ -15,13 +15,17 @@ accepts the keyword arguments `tokamax.ragged_dot` passes to an Op instance
 `tokamax.ragged_dot(..., implementation=op)`.
 """
 
+import dataclasses
 from typing import Any
 
 import jax
+from jax.experimental import checkify
 import jax.numpy as jnp
 from jaxtyping import Array, Integer, Shaped  # pylint: disable=g-multiple-import,g-importing-member
 from tokamax._src.ops import op
 from tokamax._src.ops.ragged_dot import base as ragged_dot_base
+
+from tokamax_gdn.autotuning import ShippedAutotuningCacheMixin
 
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
 Residuals = None
@@ -116,6 +120,12 @@ def compute_dtype(lhs_dtype, rhs_dtype) -> jnp.dtype:
   return jnp.dtype(jnp.float32)
 
 
+def checkify_group_sizes(group_sizes: jax.Array, m: int) -> None:
+  """Opt-in value checks (see `Gmm`): active under `checkify.checkify`."""
+  checkify.debug_check(jnp.all(group_sizes >= 0), "`group_sizes` has a negative entry.")
+  checkify.debug_check(jnp.sum(group_sizes) <= m, "sum(`group_sizes`) exceeds the M rows.")
+
+
 def check_compat_kwargs(
     *, ragged_dot_dimension_numbers, activation, group_offset, allowed_dims
 ) -> jax.lax.RaggedDotDimensionNumbers | None:
@@ -132,8 +142,18 @@ def check_compat_kwargs(
   return ragged_dot_dimension_numbers
 
 
-class Gmm[C, K](op.Op[Any, jax.Array, Residuals, C, K]):
-  """Grouped matmul. Subclasses implement `_gmm` (and set a `vjp`)."""
+@dataclasses.dataclass(frozen=True)
+class Gmm[C, K](ShippedAutotuningCacheMixin, op.Op[Any, jax.Array, Residuals, C, K]):
+  """Grouped matmul. Subclasses implement `_gmm` (and set a `vjp`).
+
+  Group sizes with a negative entry or a sum over M give undefined results
+  (implementations differ). `checkify_group_sizes=True` adds checks that
+  report them under `jax.experimental.checkify.checkify`, as tokamax's
+  ragged_dot does.
+  """
+
+  _: dataclasses.KW_ONLY
+  checkify_group_sizes: bool = False
 
   def bind(
       self,
@@ -178,6 +198,8 @@ class Gmm[C, K](op.Op[Any, jax.Array, Residuals, C, K]):
           f" got {rhs.shape[k_axis]} in rhs layout {layout}."
       )
     check_group_sizes(group_sizes, rhs.shape[0])
+    if self.checkify_group_sizes:
+      checkify_group_sizes(group_sizes, lhs.shape[0])
     out_dtype = canonical_out_dtype(lhs, rhs, preferred_element_type)
     return super().bind(
         lhs,

@@ -14,6 +14,7 @@ VJP (out[g] = A_g^T B_g with A = lhs, B = rhs restricted to rows_g):
 Both give zeros past sum(group_sizes), as they should.
 """
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -22,6 +23,8 @@ from jaxtyping import Array, Integer, Shaped  # pylint: disable=g-multiple-impor
 from tokamax._src.ops import op
 from tokamax._src.ops.ragged_dot import base as ragged_dot_base
 
+from tokamax_gdn.autotuning import ShippedAutotuningCacheMixin
+
 from tokamax_gdn.ops.gmm import base as gmm_base
 
 AbstractArray = gmm_base.AbstractArray
@@ -29,8 +32,15 @@ Residuals = None
 DIMS = ragged_dot_base.RAGGED_CONTRACTING_DOT_DIM_NUMS
 
 
-class Tgmm[C, K](op.Op[Any, jax.Array, Residuals, C, K]):
-  """Transposed grouped matmul. Subclasses implement `_tgmm` (and set a `vjp`)."""
+@dataclasses.dataclass(frozen=True)
+class Tgmm[C, K](ShippedAutotuningCacheMixin, op.Op[Any, jax.Array, Residuals, C, K]):
+  """Transposed grouped matmul. Subclasses implement `_tgmm` (and set a `vjp`).
+
+  Invalid group sizes: as `gmm_base.Gmm` (`checkify_group_sizes=True`).
+  """
+
+  _: dataclasses.KW_ONLY
+  checkify_group_sizes: bool = False
 
   def bind(
       self,
@@ -67,6 +77,8 @@ class Tgmm[C, K](op.Op[Any, jax.Array, Residuals, C, K]):
           f" (the ragged contraction); got {rhs.shape[0]}."
       )
     gmm_base.check_group_sizes(group_sizes, None)
+    if self.checkify_group_sizes:
+      gmm_base.checkify_group_sizes(group_sizes, lhs.shape[0])
     out_dtype = gmm_base.canonical_out_dtype(lhs, rhs, preferred_element_type)
     return super().bind(
         lhs,
