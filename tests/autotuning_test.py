@@ -255,7 +255,9 @@ _CHECK_INSTALLED = textwrap.dedent("""
       rows.append(dict(pass_=label, op=type(ba.op).__name__, hit=data is not None,
                        config=None if data is None else data.fastest_config.chunk_size,
                        default=ba.default_config.chunk_size))
+    from tokamax_gdn.layers import presets
     print(json.dumps(dict(package=str(pkg),
+                          tiny_preset=str(presets.preset_path("qwen3.5-tiny")),
                           files=[p.relative_to(autotuning.package_dir()).as_posix()
                                  for p in autotuning.shipped_files()],
                           rows=rows)))
@@ -297,6 +299,8 @@ def test_wheel_install_ships_tuning_data(tmp_path):
   report = json.loads(proc.stdout.strip().splitlines()[-1])
   print(json.dumps(report, indent=1))
   assert pathlib.Path(report["package"]).is_relative_to(venv), report["package"]
+  # Model presets ship as package data too (tokamax_gdn/data/models -> configs/models).
+  assert pathlib.Path(report["tiny_preset"]).is_relative_to(venv), report["tiny_preset"]
   assert {"cpu/xla_gated_delta_rule.json", "cpu/xla_gated_delta_rule_vjp.json"} <= set(
       report["files"])
   assert [r["pass_"] for r in report["rows"]] == ["fwd", "fwd (in grad)", "vjp"]
