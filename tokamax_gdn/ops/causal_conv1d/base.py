@@ -31,26 +31,13 @@ from jaxtyping import Array, Float, Int  # pylint: disable=g-multiple-import,g-i
 from tokamax._src.ops import op
 
 from tokamax_gdn.autotuning import ShippedAutotuningCacheMixin
+from tokamax_gdn.ops import checks
 
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
 Output: TypeAlias = tuple[jax.Array, jax.Array | None]
 Residuals: TypeAlias = Any
 
 ACTIVATIONS = ("silu", None)
-
-
-def _name_shape(name: str, x) -> str:
-  return f"`{name}` (shape {tuple(x.shape)}, dtype {jnp.dtype(x.dtype).name})"
-
-
-def _require_float(name: str, x) -> None:
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"{_name_shape(name, x)} must be a floating-point array.")
-
-
-def _require_shape(name: str, x, expected: tuple[int, ...], what: str) -> None:
-  if tuple(x.shape) != tuple(expected):
-    raise ValueError(f"{_name_shape(name, x)}: expected shape {tuple(expected)} ({what}).")
 
 
 def canonical_activation(activation: str | None) -> str | None:
@@ -123,25 +110,25 @@ class CausalConv1d[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Residua
   ) -> op.BoundArguments:
     """Checks shapes and dtypes once for every backend."""
     if x.ndim != 3:
-      raise ValueError(f"{_name_shape('x', x)}: expected rank 3 ([batch, time, channels]).")
-    _require_float("x", x)
+      raise ValueError(f"{checks.describe('x', x)}: expected rank 3 ([batch, time, channels]).")
+    checks.require_float("x", x)
     b, t, d = x.shape
     if weight.ndim != 2 or weight.shape[0] != d or weight.shape[1] < 1:
       raise ValueError(
-          f"{_name_shape('weight', weight)}: expected shape ({d}, W) ([channels, width],"
+          f"{checks.describe('weight', weight)}: expected shape ({d}, W) ([channels, width],"
           f" channels from `x`).")
-    _require_float("weight", weight)
+    checks.require_float("weight", weight)
     width = weight.shape[1]
     if bias is not None:
-      _require_float("bias", bias)
-      _require_shape("bias", bias, (d,), "[D]")
+      checks.require_float("bias", bias)
+      checks.require_shape("bias", bias, (d,), "[D]")
     if initial_state is not None:
-      _require_float("initial_state", initial_state)
-      _require_shape("initial_state", initial_state, (b, width - 1, d), "[B, W-1, D]")
+      checks.require_float("initial_state", initial_state)
+      checks.require_shape("initial_state", initial_state, (b, width - 1, d), "[B, W-1, D]")
     if segment_ids is not None:
       if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-        raise TypeError(f"{_name_shape('segment_ids', segment_ids)} must be integer.")
-      _require_shape("segment_ids", segment_ids, (b, t), "[B, T]")
+        raise TypeError(f"{checks.describe('segment_ids', segment_ids)} must be integer.")
+      checks.require_shape("segment_ids", segment_ids, (b, t), "[B, T]")
     activation = canonical_activation(activation)
     if self.max_width is not None and width > self.max_width:
       raise NotImplementedError(

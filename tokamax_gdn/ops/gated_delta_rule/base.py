@@ -29,6 +29,7 @@ from jaxtyping import Array, Float, Int  # pylint: disable=g-multiple-import,g-i
 from tokamax._src.ops import op
 
 from tokamax_gdn.autotuning import ShippedAutotuningCacheMixin
+from tokamax_gdn.ops import checks
 
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
 Output: TypeAlias = tuple[jax.Array, jax.Array | None]
@@ -43,27 +44,6 @@ L2NORM_EPS = 1e-6
 # result by at most exp(-30) ~ 1e-13 relative (the state is multiplied by
 # ~0 either way); the floored tokens get a zero gate gradient (true: < 1e-13).
 CHUNKED_LOG_DECAY_FLOOR = -30.0
-
-
-def _name_shape(name: str, x) -> str:
-  return f"`{name}` (shape {tuple(x.shape)}, dtype {jnp.dtype(x.dtype).name})"
-
-
-def _require_float(name: str, x) -> None:
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"{_name_shape(name, x)} must be a floating-point array.")
-
-
-def _require_shape(name: str, x, expected: tuple[int, ...], what: str) -> None:
-  if tuple(x.shape) != tuple(expected):
-    raise ValueError(
-        f"{_name_shape(name, x)}: expected shape {tuple(expected)} ({what})."
-    )
-
-
-def _require_rank(name: str, x, rank: int, layout: str) -> None:
-  if x.ndim != rank:
-    raise ValueError(f"{_name_shape(name, x)}: expected rank {rank} ({layout}).")
 
 
 def l2norm(x: jax.Array) -> jax.Array:
@@ -143,38 +123,38 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
   ) -> op.BoundArguments:
     """Checks shapes and dtypes once for every backend; fills in `scale`."""
     for name, x in (("query", query), ("key", key), ("value", value)):
-      _require_rank(name, x, 4, "[batch, time, heads, head_dim]")
-      _require_float(name, x)
+      checks.require_rank(name, x, 4, "[batch, time, heads, head_dim]")
+      checks.require_float(name, x)
     b, t, hk, dk = query.shape
-    _require_shape("key", key, (b, t, hk, dk), "same as `query` [B, T, Hk, K]")
+    checks.require_shape("key", key, (b, t, hk, dk), "same as `query` [B, T, Hk, K]")
     if value.shape[:2] != (b, t):
       raise ValueError(
-          f"{_name_shape('value', value)}: batch and time must match `query`"
+          f"{checks.describe('value', value)}: batch and time must match `query`"
           f" {(b, t)}."
       )
     hv, dv = value.shape[2], value.shape[3]
     if hk == 0 or hv % hk:
       raise ValueError(
-          f"{_name_shape('value', value)}: value heads Hv={hv} must be a multiple"
+          f"{checks.describe('value', value)}: value heads Hv={hv} must be a multiple"
           f" of key heads Hk={hk} (from `query`/`key`)."
       )
     for name, x in (("g", g), ("beta", beta)):
-      _require_rank(name, x, 3, "[batch, time, value_heads]")
-      _require_float(name, x)
-      _require_shape(name, x, (b, t, hv), "[B, T, Hv]")
+      checks.require_rank(name, x, 3, "[batch, time, value_heads]")
+      checks.require_float(name, x)
+      checks.require_shape(name, x, (b, t, hv), "[B, T, Hv]")
     if initial_state is not None:
-      _require_float("initial_state", initial_state)
-      _require_shape("initial_state", initial_state, (b, hv, dk, dv), "[B, Hv, K, V]")
+      checks.require_float("initial_state", initial_state)
+      checks.require_shape("initial_state", initial_state, (b, hv, dk, dv), "[B, Hv, K, V]")
     if (a_log is None) != (dt_bias is None) and a_log is None:
       raise ValueError("`dt_bias` was given without `a_log`; pass both or neither.")
     for name, x in (("a_log", a_log), ("dt_bias", dt_bias)):
       if x is not None:
-        _require_float(name, x)
-        _require_shape(name, x, (hv,), "[Hv]")
+        checks.require_float(name, x)
+        checks.require_shape(name, x, (hv,), "[Hv]")
     if segment_ids is not None:
       if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-        raise TypeError(f"{_name_shape('segment_ids', segment_ids)} must be integer.")
-      _require_shape("segment_ids", segment_ids, (b, t), "[B, T]")
+        raise TypeError(f"{checks.describe('segment_ids', segment_ids)} must be integer.")
+      checks.require_shape("segment_ids", segment_ids, (b, t), "[B, T]")
     if scale is None:
       scale = dk**-0.5
     if self.max_head_dim is not None and max(dk, dv) > self.max_head_dim:

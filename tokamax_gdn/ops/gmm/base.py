@@ -26,16 +26,13 @@ from tokamax._src.ops import op
 from tokamax._src.ops.ragged_dot import base as ragged_dot_base
 
 from tokamax_gdn.autotuning import ShippedAutotuningCacheMixin
+from tokamax_gdn.ops.checks import describe, require_rank  # pylint: disable=g-importing-member
 
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
 Residuals = None
 
 _DIMS_PLAIN = ragged_dot_base.DEFAULT_RAGGED_DOT_DIM_NUMS
 _DIMS_TRANSPOSED_RHS = ragged_dot_base.TRANS_RHS_RAGGED_DOT_DIM_NUMS
-
-
-def describe(name: str, x) -> str:
-  return f"`{name}` (shape {tuple(x.shape)}, dtype {jnp.dtype(x.dtype).name})"
 
 
 def _is_fp8(dtype) -> bool:
@@ -50,11 +47,6 @@ def require_operand_dtype(name: str, x) -> None:
   raise TypeError(
       f"{describe(name, x)} must be a floating-point (incl. fp8) or int8 array."
   )
-
-
-def require_rank(name: str, x, rank: int, layout: str) -> None:
-  if x.ndim != rank:
-    raise ValueError(f"{describe(name, x)}: expected rank {rank} ({layout}).")
 
 
 def check_group_sizes(group_sizes, num_groups: int | None) -> None:

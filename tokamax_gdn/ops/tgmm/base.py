@@ -24,6 +24,7 @@ from tokamax._src.ops import op
 from tokamax._src.ops.ragged_dot import base as ragged_dot_base
 
 from tokamax_gdn.autotuning import ShippedAutotuningCacheMixin
+from tokamax_gdn.ops import checks
 
 from tokamax_gdn.ops.gmm import base as gmm_base
 
@@ -67,13 +68,13 @@ class Tgmm[C, K](ShippedAutotuningCacheMixin, op.Op[Any, jax.Array, Residuals, C
     if group_sizes is None:
       raise TypeError("tgmm() missing required argument `group_sizes`.")
     group_sizes = gmm_base.canonical_group_sizes(group_sizes)
-    gmm_base.require_rank("lhs", lhs, 2, "[M, K]")
-    gmm_base.require_rank("rhs", rhs, 2, "[M, N]")
+    checks.require_rank("lhs", lhs, 2, "[M, K]")
+    checks.require_rank("rhs", rhs, 2, "[M, N]")
     gmm_base.require_operand_dtype("lhs", lhs)
     gmm_base.require_operand_dtype("rhs", rhs)
     if rhs.shape[0] != lhs.shape[0]:
       raise ValueError(
-          f"{gmm_base.describe('rhs', rhs)}: rows M must match `lhs` M={lhs.shape[0]}"
+          f"{checks.describe('rhs', rhs)}: rows M must match `lhs` M={lhs.shape[0]}"
           f" (the ragged contraction); got {rhs.shape[0]}."
       )
     gmm_base.check_group_sizes(group_sizes, None)
