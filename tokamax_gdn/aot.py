@@ -192,7 +192,8 @@ def _kda_fns(k_dim: int):
 
 def gdn_report(target: str, *, batch: int, seq_len: int, hk: int, hv: int, k: int,
                v: int, dtype="bfloat16", kda: bool = True,
-               gdn: bool = True) -> list[dict[str, Any]]:
+               gdn: bool = True, passes: Sequence[str] = ("fwd", "fwd+bwd")
+               ) -> list[dict[str, Any]]:
   """Compiles GDN (and tokamax KDA) forward and fwd+bwd for `target`.
 
   One row per (implementation, pass, kernel): compiled or the error, temp /
@@ -221,6 +222,7 @@ def gdn_report(target: str, *, batch: int, seq_len: int, hk: int, hv: int, k: in
     cases += [("tokamax kda mosaic_tpu", "fwd", k_fwd, kda_specs),
               ("tokamax kda mosaic_tpu", "fwd+bwd", k_fb, kda_specs)]
   rows = []
+  cases = [c for c in cases if c[1] in passes]
   for impl, pass_, fn, specs_ in cases:
     base_row = dict(target=target, impl=impl, pass_=pass_)
     try:
@@ -271,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       " estimator's compile time grows with the grid); cycles are"
                       " scaled to --seq-len; 0 skips cycle estimates")
   p.add_argument("--json", action="store_true")
-  p.add_argument("--_cycles_only", choices=("gdn", "kda"), help=argparse.SUPPRESS)
+  p.add_argument("--_cycles_only", help=argparse.SUPPRESS)  # "gdn:fwd", "kda:fwd+bwd", ...
   args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
   dims = dict(hk=args.hk, hv=args.hv, k=args.k, v=args.v)
   if args.model:
@@ -284,17 +286,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.error(f"give --model or all of --hk --hv --k --v (missing {missing})")
   if args._cycles_only:  # pylint: disable=protected-access
     enable_cycle_estimates()
-    which = args._cycles_only  # pylint: disable=protected-access
+    which, pass_ = args._cycles_only.split(":")  # pylint: disable=protected-access
     rows = gdn_report(args.target, batch=args.batch, seq_len=args.seq_len, dtype=args.dtype,
-                      kda=which == "kda", gdn=which == "gdn", **dims)
+                      kda=which == "kda", gdn=which == "gdn", passes=(pass_,), **dims)
     print("GDN_CYCLES_JSON " + json.dumps(rows))
     return 0
   rows = gdn_report(args.target, batch=args.batch, seq_len=args.seq_len, dtype=args.dtype,
                     kda=not args.no_kda, **dims)
   if args.cycles_seq_len:
     cyc_rows = []
+    # One subprocess per (implementation, pass): a libtpu abort loses only that one.
     for which in ("gdn",) + (() if args.no_kda else ("kda",)):
-      cyc_rows += _cycle_rows(args, dims, which)
+      for pass_ in ("fwd", "fwd+bwd"):
+        cyc_rows += _cycle_rows(args, dims, f"{which}:{pass_}")
     rows = _merge_cycles(rows, cyc_rows, args.batch * args.seq_len,
                          args.seq_len / args.cycles_seq_len)
   if args.json:
