@@ -196,13 +196,20 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
         query, key, g, a_log, dt_bias, use_qk_l2norm=use_qk_l2norm,
         log_decay_floor=self.log_decay_floor,
     )
-    out, final_state, residuals = self._core_fwd(
-        q, k, value, log_decay, beta,
-        scale=scale,
-        initial_state=initial_state,
-        segment_ids=segment_ids,
-        config=config,
-    )
+    if query.shape[1] == 0:  # No tokens: the state passes through unchanged.
+      b, _, hv, dv = value.shape
+      out = jnp.zeros(value.shape, value.dtype)
+      final_state = (jnp.zeros((b, hv, query.shape[3], dv), jnp.float32)
+                     if initial_state is None else initial_state.astype(jnp.float32))
+      residuals = None
+    else:
+      out, final_state, residuals = self._core_fwd(
+          q, k, value, log_decay, beta,
+          scale=scale,
+          initial_state=initial_state,
+          segment_ids=segment_ids,
+          config=config,
+      )
     out = out.astype(value.dtype)
     final_state = final_state if output_final_state else None
     return (out, final_state), (residuals if return_residuals else None)
@@ -258,13 +265,19 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
     d_out, d_final = dout
     if not output_final_state or d_final is None:
       d_final = None
-    dq, dk, dv, d_log_decay, dbeta, d_initial = self._core_bwd(
-        residuals, q, k, value, log_decay, beta, d_out, d_final,
-        scale=scale,
-        initial_state=initial_state,
-        segment_ids=segment_ids,
-        config=config,
-    )
+    if query.shape[1] == 0:
+      dq, dk, dv, d_log_decay, dbeta = map(jnp.zeros_like, (q, k, value, log_decay, beta))
+      d_initial = d_final
+      if d_initial is None and initial_state is not None:
+        d_initial = jnp.zeros_like(initial_state, jnp.float32)
+    else:
+      dq, dk, dv, d_log_decay, dbeta, d_initial = self._core_bwd(
+          residuals, q, k, value, log_decay, beta, d_out, d_final,
+          scale=scale,
+          initial_state=initial_state,
+          segment_ids=segment_ids,
+          config=config,
+      )
     dquery, dkey, dg, da_log, ddt_bias = pro_vjp(
         (dq.astype(q.dtype), dk.astype(k.dtype), d_log_decay.astype(jnp.float32))
     )

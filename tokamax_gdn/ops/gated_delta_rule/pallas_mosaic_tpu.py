@@ -175,6 +175,7 @@ class PallasMosaicTpuGatedDeltaRule(base.GatedDeltaRule[Config, None]):
 
   config_cls: ClassVar[type[Config]] = Config
   max_head_dim: ClassVar[int | None] = 256
+  log_decay_floor: ClassVar[float | None] = base.CHUNKED_LOG_DECAY_FLOOR
 
   def __post_init__(self):
     if self.vjp is None:
@@ -214,6 +215,7 @@ class PallasMosaicTpuGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, None]):
   """Reverse-chunk analytical backward of the Mosaic TPU GDN kernels."""
 
   config_cls: ClassVar[type[Config]] = Config
+  log_decay_floor: ClassVar[float | None] = base.CHUNKED_LOG_DECAY_FLOOR
 
   @override
   def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
