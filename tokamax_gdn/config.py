@@ -117,3 +117,9 @@ def target_generation() -> TpuGeneration:
 def on_tpu() -> bool:
   """True when ops traced now target a TPU (a real one or an AOT topology)."""
   return generation_from_device_kind(current_device_kind()) is not None
+
+
+def pallas_tpu_supported(device: jax.Device) -> bool:
+  """`supported_on` of every `pallas_mosaic_tpu` Op: a TPU, or any device in
+  interpret mode (the same kernels then run in Pallas TPU interpret mode)."""
+  return device.platform == "tpu" or interpret_enabled()

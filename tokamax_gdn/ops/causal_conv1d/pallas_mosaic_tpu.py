@@ -148,7 +148,7 @@ class PallasMosaicTpuCausalConv1d(base.CausalConv1d[Config, None]):
 
   @override
   def supported_on(self, device: jax.Device) -> bool:
-    return device.platform == "tpu" or gdn_config.interpret_enabled()
+    return gdn_config.pallas_tpu_supported(device)
 
   def _conv(self, x, weight, bias, *, activation, initial_state, reach, config: Config):
     interpret = _check_supported(x, weight.shape[1])
@@ -179,7 +179,7 @@ class PallasMosaicTpuCausalConv1dVjp(op.Op):
 
   @override
   def supported_on(self, device: jax.Device) -> bool:
-    return device.platform == "tpu" or gdn_config.interpret_enabled()
+    return gdn_config.pallas_tpu_supported(device)
 
   def _fwd(
       self,

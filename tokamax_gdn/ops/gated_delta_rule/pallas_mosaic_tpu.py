@@ -191,8 +191,7 @@ class PallasMosaicTpuGatedDeltaRule(base.GatedDeltaRule[Config, None]):
 
   @override
   def supported_on(self, device: jax.Device) -> bool:
-    # Interpret mode runs the same kernels on any backend.
-    return device.platform == "tpu" or gdn_config.interpret_enabled()
+    return gdn_config.pallas_tpu_supported(device)
 
   def _core_fwd(self, q, k, v, log_decay, beta, *, scale, initial_state,
                 segment_ids, config: Config):
@@ -227,8 +226,7 @@ class PallasMosaicTpuGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, None]):
 
   @override
   def supported_on(self, device: jax.Device) -> bool:
-    # Interpret mode runs the same kernels on any backend.
-    return device.platform == "tpu" or gdn_config.interpret_enabled()
+    return gdn_config.pallas_tpu_supported(device)
 
   # Same as the base `_fwd`, with `residuals` annotated by its concrete type:
   # tokamax serialises bound arguments through pydantic, which can't serialise

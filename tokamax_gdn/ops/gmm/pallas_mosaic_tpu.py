@@ -146,7 +146,7 @@ class PallasMosaicTpuGmm(base.Gmm[Config, None]):
     return {c for c in configs if gmm_vmem(m, k, n, ld, rd, od, tr, c) <= budget}
 
   def supported_on(self, device: jax.Device) -> bool:
-    return device.platform == "tpu" or gdn_config.interpret_enabled()
+    return gdn_config.pallas_tpu_supported(device)
 
 
 IMPLEMENTATION = PallasMosaicTpuGmm()

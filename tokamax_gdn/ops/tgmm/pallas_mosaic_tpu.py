@@ -88,7 +88,7 @@ class PallasMosaicTpuTgmm(base.Tgmm[Config, None]):
     return {c for c in configs if tgmm_vmem(m, k, n, ld, rd, od, c) <= budget}
 
   def supported_on(self, device: jax.Device) -> bool:
-    return device.platform == "tpu" or gdn_config.interpret_enabled()
+    return gdn_config.pallas_tpu_supported(device)
 
 
 IMPLEMENTATION = PallasMosaicTpuTgmm()
