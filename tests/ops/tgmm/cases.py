@@ -1,7 +1,5 @@
 """Shared tgmm test cases and checks against `jax.lax.ragged_dot_general` (float32)."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,33 +9,12 @@ from tokamax_gdn.ops.tgmm.api import tgmm
 from tokamax_gdn.ops.tgmm.base import DIMS
 from tokamax_gdn.testing.specs import rel_rms, tolerance
 
-F32, BF16, I8, FP8 = jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn
+from ..gmm import cases as gmm_cases
+from ..gmm.cases import BF16, F32, FP8, I8, Case  # pylint: disable=unused-import
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-  name: str
-  m: int
-  k: int
-  n: int
-  group_sizes: tuple[int, ...]
-  lhs_dtype: object = F32
-  rhs_dtype: object = None
-
-  def __str__(self):
-    return self.name
-
-
-CASES = [
-    Case("f32_zeros_sum_lt_m", 64, 48, 40, (10, 0, 25, 15)),
-    Case("bf16", 96, 128, 136, (0, 40, 0, 30, 26), BF16),
-    Case("f32_one_group", 40, 24, 24, (0, 40, 0)),
-    Case("f32_all_empty", 24, 16, 16, (0, 0)),
-    Case("bf16_x_f32", 48, 64, 32, (5, 20, 0, 23), BF16, F32),
-    Case("f32_x_bf16", 48, 64, 32, (17, 0, 21, 3), F32, BF16),
-    Case("int8_x_bf16", 64, 32, 48, (30, 10, 20), I8, BF16),
-    Case("fp8_x_bf16", 64, 32, 48, (12, 0, 40), FP8, BF16),
-]
+# The gmm cases without a transposed rhs (tgmm has no such layout).
+CASES = [c for c in gmm_cases.CASES if not c.transpose_rhs]
 SMALL = {c.name: c for c in CASES}
 
 
