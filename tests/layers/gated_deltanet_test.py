@@ -212,7 +212,7 @@ def test_presets():
   tiny = load_preset("qwen3.5-tiny")
   assert (tiny.hidden_size, tiny.num_k_heads, tiny.num_v_heads, tiny.head_k_dim,
           tiny.head_v_dim, tiny.conv_kernel_size, tiny.chunk_size, tiny.use_gdn_kernel) == (
-              1024, 16, 32, 128, 128, 4, 64, True)
+              1024, 16, 32, 128, 128, 4, None, True)
   assert load_preset("qwen3.5-397b-a17b").num_v_heads == 64
   assert load_preset("qwen3-next-80b-a3b").variant == "qwen3_next"
   with pytest.raises(ValueError, match="qwen3.5-tiny"):

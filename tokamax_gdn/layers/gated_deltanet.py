@@ -49,7 +49,8 @@ class GatedDeltaNetConfig:
   head_v_dim: int = 128
   conv_kernel_size: int = 4
   rms_norm_eps: float = 1e-6
-  chunk_size: int = 64          # performance knob of the chunked GDN only
+  # Pins the xla GDN's chunk size; None: the op's tuned or heuristic config.
+  chunk_size: int | None = None
   use_gdn_kernel: bool = True   # prefer the Pallas TPU kernels when available
   variant: str = "qwen3_5"      # HF weight layout: "qwen3_next" or "qwen3_5"
 
@@ -279,7 +280,7 @@ def _implementations(op_name: str, implementation, cfg: GatedDeltaNetConfig):
     available = registry.implementations(op_name)
     wanted = ("pallas_mosaic_tpu", "xla") if cfg.use_gdn_kernel else ("xla",)
     names = tuple(n for n in wanted if n in available) or registry.default_order(op_name)
-  if op_name == "gated_delta_rule":
+  if op_name == "gated_delta_rule" and cfg.chunk_size is not None:
     names = tuple(_with_chunk_size(n, cfg.chunk_size) for n in names)
   return names
 
