@@ -20,6 +20,7 @@ Split of work:
   q, k (input dtype, normalised), v, log-decay (float32) and beta.
 """
 
+import dataclasses
 import functools
 from typing import Any, ClassVar, TypeAlias
 
@@ -33,7 +34,19 @@ from tokamax_gdn.ops import checks
 
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
 Output: TypeAlias = tuple[jax.Array, jax.Array | None]
-Residuals: TypeAlias = Any
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["states"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Residuals:
+  """What a forward hands its analytical backward besides the op inputs.
+
+  states: float32 states saved at N points of the sequence (chunk or block
+    entries; which ones is the implementation's business), or None.
+  """
+
+  states: Float[Array, "B Hv N K V"] | None = None
 
 L2NORM_EPS = 1e-6
 
@@ -226,7 +239,7 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
       initial_state: jax.Array | None,
       segment_ids: jax.Array | None,
       config: C,
-  ) -> tuple[jax.Array, jax.Array, Residuals]:
+  ) -> tuple[jax.Array, jax.Array, Residuals | None]:
     """Returns (out [B,T,Hv,V], final_state [B,Hv,K,V] f32, residuals)."""
     raise NotImplementedError
 
@@ -237,9 +250,21 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
   # Must equal the forward Op's `log_decay_floor`.
   log_decay_floor: ClassVar[float | None] = None
 
+  def _get_autotuning_cache_key(self, ba: op.BoundArguments) -> Any:
+    """tokamax's key with `residuals` as None.
+
+    The residuals' shapes follow the forward's config (how many states it
+    saved), which autotuning the forward changes; the fastest backward tiling
+    depends on the shapes of the inputs. Without this, tuning the forward
+    would orphan every tuned VJP entry. A backward whose config doesn't fit the
+    saved residuals recomputes what it needs.
+    """
+    key = super()._get_autotuning_cache_key(ba)
+    return type(key)({**key, "residuals": None})
+
   def _fwd(
       self,
-      residuals: Residuals,
+      residuals: Residuals | None,
       out: Output,
       dout: Output,
       query: Float[Array, "B T Hk K"],
@@ -298,7 +323,7 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
 
   def _core_bwd(
       self,
-      residuals: Residuals,
+      residuals: Residuals | None,
       q: jax.Array,
       k: jax.Array,
       v: jax.Array,

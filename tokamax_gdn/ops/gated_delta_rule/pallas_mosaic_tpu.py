@@ -55,15 +55,6 @@ class Config:
   save_states: bool = False
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["states"], meta_fields=[])
-@dataclasses.dataclass(frozen=True)
-class Residuals:
-  """What the forward hands the backward (besides the op inputs)."""
-
-  states: Float[Array, "B Hv NC K V"] | None = None
-
-
 def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
@@ -206,7 +197,7 @@ class PallasMosaicTpuGatedDeltaRule(base.GatedDeltaRule[Config, None]):
         segment_ids=segment_ids, chunk=config.chunk_size, block_heads=hb,
         emit_states=config.save_states, lane_pad=not interpret,
         interpret=interpret, vmem_limit_bytes=_vmem_limit(gen, est))
-    return out, final, Residuals(states=states)
+    return out, final, base.Residuals(states=states)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -228,37 +219,7 @@ class PallasMosaicTpuGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, None]):
   def supported_on(self, device: jax.Device) -> bool:
     return gdn_config.pallas_tpu_supported(device)
 
-  # Same as the base `_fwd`, with `residuals` annotated by its concrete type:
-  # tokamax serialises bound arguments through pydantic, which can't serialise
-  # array leaves of a dataclass typed `Any`.
-  def _fwd(
-      self,
-      residuals: Residuals,
-      out: base.Output,
-      dout: base.Output,
-      query: Float[Array, "B T Hk K"],
-      key: Float[Array, "B T Hk K"],
-      value: Float[Array, "B T Hv V"],
-      g: Float[Array, "B T Hv"],
-      beta: Float[Array, "B T Hv"],
-      *,
-      scale: float,
-      initial_state: Float[Array, "B Hv K V"] | None,
-      output_final_state: bool,
-      use_qk_l2norm: bool,
-      a_log: Float[Array, "Hv"] | None,
-      dt_bias: Float[Array, "Hv"] | None,
-      segment_ids: Int[Array, "B T"] | None,
-      return_residuals: bool,
-      config: Config,
-  ) -> tuple[dict[str, jax.Array], None]:
-    return super()._fwd(
-        residuals, out, dout, query, key, value, g, beta, scale=scale,
-        initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
-        segment_ids=segment_ids, return_residuals=return_residuals, config=config)
-
-  def _core_bwd(self, residuals: Any, q, k, v, log_decay, beta, d_out, d_final, *,
+  def _core_bwd(self, residuals: base.Residuals | None, q, k, v, log_decay, beta, d_out, d_final, *,
                 scale, initial_state, segment_ids, config: Config):
     interpret = _check_supported(q, v)
     hk, hv, t = q.shape[2], v.shape[2], q.shape[1]
