@@ -17,11 +17,13 @@ import jax.numpy as jnp
 import pytest
 import tokamax
 from tokamax._src import benchmarking
+from tokamax._src import hlo_utils
 from tokamax._src.autotuning import autotuner
 from tokamax._src.ops import op as op_lib
 
 import tokamax_gdn
 from tokamax_gdn import autotuning
+from tokamax_gdn import layers
 from tokamax_gdn import registry
 from tokamax_gdn import tuning
 
@@ -92,7 +94,8 @@ def test_autotune_discovers_forward_op():
   assert [type(ba.op).__name__ for ba, _ in result.data] == ["XlaGatedDeltaRule"]
   (ba, data), = result.data
   assert not ba.arguments["return_residuals"]
-  assert set(data) == ba.autotuning_configs == {_xla_config(c) for c in (16, 32, 64, 128)}
+  assert set(data) == ba.autotuning_configs
+  assert {c.chunk_size for c in data} == {16, 32, 64, 128}
   assert data.fastest_config in ba.autotuning_configs
 
 
@@ -311,3 +314,48 @@ def test_wheel_install_ships_tuning_data(tmp_path):
     assert r["config"] == expected.chunk_size, r
     if DEVICE_KIND == "cpu":
       assert r["default"] == r["config"], r
+
+
+def test_layer_looks_up_the_keys_autotune_tunes():
+  """`GatedDeltaNet` makes exactly the GDN calls `tokamax-gdn autotune` tunes and,
+  with chunk_size=None, leaves the config to the cache; a chunk size pins it."""
+  cfg = layers.GatedDeltaNetConfig(hidden_size=32, num_k_heads=1, num_v_heads=2,
+                                  head_k_dim=16, head_v_dim=16, use_gdn_kernel=False)
+  params = layers.init_params(jax.random.PRNGKey(0), cfg, jnp.bfloat16)
+  x = jnp.ones((1, 40, 32), jnp.bfloat16)
+
+  def gdn_bound(cfg):
+    fwd = lambda p, x: layers.gated_deltanet(p, x, cfg, implementation="xla")
+    grad = jax.grad(lambda p, x: jnp.sum(fwd(p, x).astype(jnp.float32)))
+    found = [*hlo_utils.get_bound_args(fwd, params, x),
+             *hlo_utils.get_bound_args(grad, params, x)]
+    return [ba for ba in found if "GatedDeltaRule" in type(ba.op).__name__]
+
+  shapes = tuning.Shapes(b=1, t=40, hk=1, hv=2, k=16, v=16, dtype=jnp.bfloat16)
+  tuned = {ba.autotuning_cache_key for _, ba in tuning.bound_args("gated_delta_rule", "xla", shapes)}
+  used = gdn_bound(cfg)
+  assert {ba.autotuning_cache_key for ba in used} == tuned
+  # (get_bound_args drops configs, so look at what the layer passes the op.)
+  from tokamax_gdn.layers.gated_deltanet import _implementations  # pylint: disable=g-import-not-at-top,protected-access
+  assert _implementations("gated_delta_rule", "xla", cfg) == ("xla",)
+  (pinned,) = _implementations("gated_delta_rule", "xla",
+                               dataclasses.replace(cfg, chunk_size=32))
+  assert pinned.config.chunk_size == 32 and pinned.vjp.config.chunk_size == 32
+
+
+def test_vjp_cache_key_ignores_how_the_forward_tiled():
+  """Tuning the forward (which changes the saved residuals) keeps the VJP's entries."""
+  xla_op = registry.get("gated_delta_rule", "xla")
+  args = _inputs(dataclasses.replace(TINY, t=700))
+  keys = []
+  for block in (256, 512, 2048):
+    cfg = type(_xla_config(32))(chunk_size=32, block_size=block)
+    op = xla_op.replace(config=cfg)
+    fn = jax.grad(lambda *xs: jnp.sum(op(*xs[:5], a_log=xs[5], dt_bias=xs[6],
+                                         use_qk_l2norm=True)[0]), argnums=range(7))
+    (vjp_ba,) = [ba for ba in hlo_utils.get_bound_args(fn, *args)
+                 if type(ba.op).__name__.endswith("Vjp")]
+    states = vjp_ba.arguments["residuals"].states
+    assert (states is None) == (block == 2048)
+    keys.append(vjp_ba.autotuning_cache_key)
+  assert keys[0] == keys[1] == keys[2]

@@ -86,9 +86,13 @@ def assert_close(impl, args, kw, dtype=jnp.float32, **run_kw):
   return out, fin, grads
 
 
-def xla_op(chunk_size):
-  return registry.get("gated_delta_rule", "xla").replace(
-      config=xla.Config(chunk_size=chunk_size))
+def xla_op(chunk_size, block_size=2048, vjp_block_size=None):
+  """The xla Op with its forward (and VJP) config fixed."""
+  op = registry.get("gated_delta_rule", "xla")
+  vjp_cfg = xla.Config(chunk_size=chunk_size,
+                       block_size=vjp_block_size or block_size)
+  return op.replace(config=xla.Config(chunk_size=chunk_size, block_size=block_size),
+                    vjp=op.vjp.replace(config=vjp_cfg))
 
 
 @pytest.mark.parametrize(
@@ -212,6 +216,8 @@ def test_long_sequence_alternating_gates_is_finite():
 def test_config():
   with pytest.raises(pydantic.ValidationError):
     xla.Config(chunk_size=48)
+  with pytest.raises(pydantic.ValidationError):
+    xla.Config(block_size=1000)
   op = registry.get("gated_delta_rule", "xla")
   assert isinstance(op, xla.XlaGatedDeltaRule)
   assert isinstance(op.vjp, xla.XlaGatedDeltaRuleVjp)
@@ -220,46 +226,118 @@ def test_config():
     ba = op.bind(*args, **kw)
     configs = op._get_autotuning_configs(ba)  # pylint: disable=protected-access
     assert {c.chunk_size for c in configs} == {16, 32, 64, 128}
-    assert op._get_heuristics_config(ba) in configs  # pylint: disable=protected-access
+    heuristic = op._get_heuristics_config(ba)  # pylint: disable=protected-access
+    assert heuristic in configs
+    # Block sizes of 2T or more run as one block like T's own: not explored.
+    blocks = {c.block_size for c in configs} - {heuristic.block_size}
+    assert all(b < 2 * t for b in blocks), blocks
+    if t == 5000:
+      assert blocks | {heuristic.block_size} == {256, 512, 1024, 2048, 4096, 8192}
 
 
-def test_no_residuals_saved():
-  args, kw = make_inputs(12, t=20)
-  op = registry.get("gated_delta_rule", "xla")
-  _, res = jax.eval_shape(
-      functools.partial(op, **kw, return_residuals=True), *args)
-  assert res is None
+@pytest.mark.parametrize(
+    "t,hk,hv,chunk,block,vjp_block,gate,segment_starts",
+    [
+        # 3 blocks, the last one partial; a segment starts exactly at the
+        # second block's first token and another inside the third block.
+        (600, 1, 2, 64, 256, None, True, (256, 530)),
+        # A segment crossing a block boundary; GVA 1:4; chunk 32.
+        (520, 1, 4, 32, 256, None, False, (200,)),
+        # The VJP's config names other blocks than the forward's: it follows
+        # the forward's (whose entry states it gets).
+        (700, 2, 2, 16, 256, 512, False, ()),
+        (700, 1, 2, 64, 512, 256, True, (512,)),
+    ],
+)
+def test_multiple_blocks_match_reference(t, hk, hv, chunk, block, vjp_block,
+                                         gate, segment_starts):
+  seg = _segments(t, segment_starts) if segment_starts else None
+  args, kw = make_inputs(t + block, t=t, hk=hk, hv=hv, gate_params=gate,
+                         segments=seg)
+  assert_close(xla_op(chunk, block, vjp_block), args, kw)
+
+
+def test_residuals_are_block_entry_states():
+  """One block: nothing saved. Several: the f32 state entering each block,
+  which equals the reference's final state over the tokens before it."""
+  op = xla_op(32, 256)
+  args, kw = make_inputs(12, t=200, hk=1, hv=2)
+  _, res = op(*args, **kw, return_residuals=True)
+  assert isinstance(res, xla.base.Residuals) and res.states is None
+
+  t = 600
+  args, kw = make_inputs(16, t=t, hk=1, hv=2)
+  _, res = op(*args, **kw, return_residuals=True)
+  b, _, hv, dv = args[2].shape
+  assert res.states.shape == (b, hv, 3, args[0].shape[3], dv)
+  assert res.states.dtype == jnp.float32
+  for i, start in enumerate((0, 256, 512)):
+    if start == 0:
+      expected = kw["initial_state"]
+    else:
+      _, expected = tokamax_gdn.gated_delta_rule(
+          *(x[:, :start] for x in args), **kw, implementation="reference")
+    assert rel_rms(res.states[:, :, i], expected) <= 1e-5, i
 
 
 @functools.cache
-def _autodiff_grads(t, chunk):
+def _autodiff_grads(t, chunk, block=2048):
   """Autodiff through `chunked_forward` (a second, independent backward)."""
   args, kw = make_inputs(13, t=t, hk=1, hv=2)
   q, k, v, g, beta = args
   s0 = kw["initial_state"]
 
   def loss(q, k, v, g, beta, s0):
-    out, fin = xla.chunked_forward(q, k, v, g, beta, scale=0.25,
-                                   initial_state=s0, segment_ids=None,
-                                   chunk_size=chunk)
+    out, fin, _ = xla.chunked_forward(q, k, v, g, beta, scale=0.25,
+                                      initial_state=s0, segment_ids=None,
+                                      chunk_size=chunk, block_size=block)
     return jnp.sum(jnp.sin(out)) + jnp.sum(fin * fin)
 
   auto = jax.jit(jax.grad(loss, argnums=range(6)))(q, k, v, g, beta, s0)
 
   @jax.jit
   def manual(q, k, v, g, beta, s0):
-    out, fin = xla.chunked_forward(q, k, v, g, beta, scale=0.25,
-                                   initial_state=s0, segment_ids=None,
-                                   chunk_size=chunk)
+    out, fin, entries = xla.chunked_forward(
+        q, k, v, g, beta, scale=0.25, initial_state=s0, segment_ids=None,
+        chunk_size=chunk, block_size=block)
     return xla.chunked_backward(q, k, v, g, beta, jnp.cos(out), 2 * fin,
                                 scale=0.25, initial_state=s0, segment_ids=None,
-                                chunk_size=chunk)
+                                chunk_size=chunk, block_size=block,
+                                block_entries=entries)
 
   return auto, manual(q, k, v, g, beta, s0)
 
 
-def test_analytical_backward_matches_autodiff_of_chunked_forward():
-  auto, manual = _autodiff_grads(50, 16)
+def test_backward_without_matching_block_states_recomputes_them():
+  """`chunked_backward` given no block states, or another tiling's, recomputes
+  the ones it needs instead of misreading them."""
+  args, kw = make_inputs(17, t=700, hk=1, hv=2)
+  q, k, v, g, beta = args
+  common = dict(scale=0.25, initial_state=kw["initial_state"], segment_ids=None)
+  out, fin, at_256 = xla.chunked_forward(q, k, v, g, beta, chunk_size=32,
+                                         block_size=256, **common)
+  _, _, at_512 = xla.chunked_forward(q, k, v, g, beta, chunk_size=32,
+                                     block_size=512, **common)
+  assert at_256.shape[2] == 3 and at_512.shape[2] == 2
+  bwd = lambda block, entries: xla.chunked_backward(
+      q, k, v, g, beta, jnp.cos(out), fin, chunk_size=32, block_size=block,
+      block_entries=entries, **common)
+  expected = bwd(256, at_256)
+  for got in (bwd(256, None), bwd(256, at_512), bwd(512, at_256)):
+    for a, e in zip(got, expected):
+      assert rel_rms(a, e) <= 1e-5
+
+
+def test_vjp_follows_the_forward_blocks():
+  for t, states_blocks, expected in ((700, None, 704), (700, 3, 256), (700, 2, 512),
+                                     (5000, 3, 2048), (8192, 16, 512)):
+    states = None if states_blocks is None else jnp.zeros((1, 1, states_blocks, 1, 1))
+    assert xla._forward_block_size(t, 64, states) == expected  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("t,chunk,block", [(50, 16, 2048), (300, 16, 256)])
+def test_analytical_backward_matches_autodiff_of_chunked_forward(t, chunk, block):
+  auto, manual = _autodiff_grads(t, chunk, block)
   for a, m in zip(auto, manual):
     assert rel_rms(m, a) <= 1e-5
 

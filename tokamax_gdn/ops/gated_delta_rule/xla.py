@@ -19,13 +19,22 @@ in the chunk at positions <= i:
   s_next  = e_gc * s + k^T (dec * delta)
 
 `t` comes from forward substitution on 16x16 diagonal blocks plus block
-back-substitution by matmul. The state recurrence over chunks is a float32
-`lax.scan` that only carries s; everything else is batched over all chunks.
-T is padded internally to a multiple of C (beta = 0, g = 0, k = 0 on the tail).
-GVA: k-side products are computed once per key head, value heads are laid out
-as [Hk, group] and broadcast.
+back-substitution by matmul. GVA: k-side products are computed once per key
+head, value heads are laid out as [Hk, group] and broadcast.
 
-Backward (reverse scan over chunks carrying ds = dL/ds_next):
+Two levels of scan keep the cost linear in T. The sequence is cut into blocks
+of `Config.block_size` tokens (L, a multiple of C; one block when T <= L); an
+outer float32 `lax.scan` over blocks carries s. Within a block, everything
+that does not depend on s is batched over the block's L / C chunks, and an
+inner `lax.scan` over chunks carries s. So temporaries are O(L C) per head
+rather than O(T C), and they stay in cache on CPU. T is padded internally to
+a multiple of L (beta = 0, g = 0, k = 0 on the tail: the state passes
+through unchanged). A segment start at a block's first token is an ordinary
+in-chunk start (e_g = e_gc = 0), so nothing leaks across it either way.
+
+Backward: an outer reverse scan over blocks carrying ds, each block started
+from its saved entry state; within a block a reverse scan over chunks carrying
+ds = dL/ds_next:
   d_delta  = p^T dout + dec * (k ds)
   ds_prev  = scale q^T (e_g * dout) + e_gc ds - w^T d_delta
 then, batched over chunks: dp = dout delta^T, dw = -d_delta s^T, du = d_delta,
@@ -35,15 +44,21 @@ forming dt), and the log-decay gradient per token from e_g, gamma (row sums
 minus column sums of dp*p + da*a), dec and e_gc, followed by a reverse cumsum
 within the chunk to undo gcum.
 
-Saved vs recomputed: the op's own residuals are `None`, i.e. 0 bytes per token
-per head; tokamax keeps the inputs and the outputs for every op anyway (for
-`out` that is V * itemsize bytes per token per head, 512 B at V = 128 f32).
-The backward recomputes a, t, w, u and the chunk-entry states (one extra
-forward state scan, O(N K V) temporaries) instead of keeping the states
-(K V 4 / C bytes per token per head, 1 KiB at K = V = 128, C = 64).
+Saved vs recomputed: the op's own residuals are the float32 states entering
+each block, `base.Residuals.states` [B, Hv, T / L, K, V] (None for a single
+block): K V 4 / L bytes per token per value head, 32 B at K = V = 128 and
+L = 2048 (128 B at L = 512). tokamax keeps the inputs and the outputs for
+every op anyway (for `out` that is V * itemsize bytes per token per head,
+512 B at V = 128 f32). The backward recomputes a, t, w, u and the chunk-entry
+states of one block at a time (O(L K V) temporaries) instead of keeping the
+chunk-entry states (K V 4 / C bytes per token per head, 1 KiB at K = V = 128,
+C = 64). States saved under another block size are not reused: the backward
+then recomputes the block entries with a state-only forward pass.
 """
 
 import dataclasses
+import functools
+import typing
 from typing import Any, ClassVar, Literal
 
 import jax
@@ -58,22 +73,53 @@ _F32 = jnp.float32
 _SUB_BLOCK = 16
 
 
+BlockSize = Literal[256, 512, 1024, 2048, 4096, 8192, 16384]
+_DEFAULT_BLOCK = 2048
+
+
 @pydantic.dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Config:
-  """Chunk length of the WY/UT decomposition (tokens per chunk)."""
+  """Tiling of the chunked computation.
+
+  chunk_size: tokens per chunk of the WY/UT decomposition (C x C matrices).
+  block_size: tokens per block of the outer scan. Chunk-parallel work
+    (the C x C matrices, WY factors) is batched over one block's chunks at a
+    time, so temporaries are O(block_size) instead of O(T) and the cost stays
+    linear in T; the forward saves the f32 state entering each block
+    (K V 4 / block_size bytes per token and value head) for the backward.
+  """
 
   chunk_size: Literal[16, 32, 64, 128] = 64
+  block_size: BlockSize = _DEFAULT_BLOCK
 
 
 def _heuristics(t: int) -> Config:
+  """C=64 (16/32 for shorter sequences); blocks of 512 tokens on CPU, 2048
+  elsewhere.
+
+  On the 2-core CPU (f32, K=V=128, fwd+bwd) blocks of 512 tokens kept the
+  per-block temporaries in cache: T=8192 Hv=4: 333 ms vs 429 ms at 2048;
+  T=4096 Hv=16: 578 ms vs 755 ms. Accelerators get longer blocks, since
+  each block is a sequential step and its chunks are the parallel width.
+  """
+  block = 512 if jax.default_backend() == "cpu" else _DEFAULT_BLOCK
   for c in (16, 32):
     if t <= c:
-      return Config(chunk_size=c)
-  return Config(chunk_size=64)
+      return Config(chunk_size=c, block_size=block)
+  return Config(chunk_size=64, block_size=block)
 
 
-def _autotuning_configs() -> set[Config]:
-  return {Config(chunk_size=c) for c in (16, 32, 64, 128)}
+def _autotuning_configs(t: int) -> set[Config]:
+  """Chunk sizes at the heuristic block, block sizes at C=64.
+
+  Block sizes of T or more all run as one block; only the smallest is kept.
+  """
+  block = _heuristics(t).block_size
+  configs = {Config(chunk_size=c, block_size=block) for c in (16, 32, 64, 128)}
+  for blk in typing.get_args(BlockSize):
+    if blk // 2 < t:
+      configs.add(Config(chunk_size=64, block_size=blk))
+  return configs
 
 
 # ----------------------------------------------------------------------------
@@ -194,22 +240,21 @@ class _Chunks:
 
 
 def _prepare(q, k, v, log_decay, beta, starts, *, c, scale, precision):
-  """Pads, chunks and computes everything that does not depend on the state."""
-  _, t_len, hk, _ = q.shape
-  tp = -(-t_len // c) * c
-  pad = lambda x: _pad_time(x, tp)
-  qc = _key_side(pad(q), c)
-  kc = _key_side(pad(k), c)
-  vc = _value_side(pad(v).astype(_F32), c, hk)
-  gc = _gate_side(pad(log_decay.astype(_F32)), c, hk)
-  bc = _gate_side(pad(beta.astype(_F32)), c, hk)
+  """Chunks one block ([B, L, ...], L a multiple of C) and computes everything
+  that does not depend on the state."""
+  hk = q.shape[2]
+  qc = _key_side(q, c)
+  kc = _key_side(k, c)
+  vc = _value_side(v.astype(_F32), c, hk)
+  gc = _gate_side(log_decay.astype(_F32), c, hk)
+  bc = _gate_side(beta.astype(_F32), c, hk)
   gcum = jnp.cumsum(gc, axis=-1)
   causal = jnp.tril(jnp.ones((c, c), bool))
   if starts is None:
     mask = jnp.broadcast_to(causal, (1, 1, 1, 1, c, c))
     first = last = jnp.ones((1, 1, 1, 1, c), bool)
   else:
-    seg = jnp.cumsum(_to_chunks(pad(starts).astype(jnp.int32), c), axis=-1)
+    seg = jnp.cumsum(_to_chunks(starts.astype(jnp.int32), c), axis=-1)
     seg = seg[:, :, None, None, :]                       # [N, B, 1, 1, C]
     mask = causal & (seg[..., :, None] == seg[..., None, :])
     first = seg == 0
@@ -264,46 +309,97 @@ def _initial(initial_state, b, hk, grp, dk, dv):
   return initial_state.astype(_F32).reshape(b, hk, grp, dk, dv)
 
 
-def chunked_forward(q, k, v, log_decay, beta, *, scale, initial_state,
-                    segment_ids, chunk_size):
-  """Chunked forward: (out [B, T, Hv, V] f32, final_state [B, Hv, K, V] f32)."""
-  b, t_len, hk, dk = q.shape
-  hv, dv = v.shape[2:]
-  precision = _precision(q.dtype)
-  starts = base.segment_starts(segment_ids, t_len)
-  ch = _prepare(q, k, v, log_decay, beta, starts, c=chunk_size, scale=scale,
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _layout(t_len: int, chunk_size: int, block_size: int) -> tuple[int, int]:
+  """(block length L, number of blocks): L = min(block_size, T rounded up to C)."""
+  if block_size % chunk_size:
+    raise ValueError(f"block_size={block_size} is not a multiple of chunk_size={chunk_size}.")
+  length = min(block_size, _round_up(t_len, chunk_size))
+  return length, -(-t_len // length)
+
+
+def _blocked(xs, length: int, n_blocks: int):
+  """Pads each [B, T, ...] array (or None) to n_blocks * L -> [NB, B, L, ...]."""
+  tp = length * n_blocks
+  return tuple(None if x is None else _to_chunks(_pad_time(x, tp), length)
+               for x in xs)
+
+
+def _forward_block(q, k, v, log_decay, beta, starts, s0, *, c, scale, precision):
+  """One block of whole chunks: (out [B, L, Hv, V] f32, exit state)."""
+  ch = _prepare(q, k, v, log_decay, beta, starts, c=c, scale=scale,
                 precision=precision)
-  s0 = _initial(initial_state, b, hk, hv // hk, dk, dv)
   entries, delta, final = _entry_states(ch, s0, precision)
   inter = jnp.einsum("nbhck,nbhgkv->nbhgcv", ch.q, entries, precision=precision,
                      preferred_element_type=_F32)
   out = scale * ch.e_g[..., None] * inter + jnp.matmul(
       ch.p, delta, precision=precision)
-  out = _value_side_back(out)[:, :t_len]
-  return out, final.reshape(b, hv, dk, dv)
+  return _value_side_back(out), final
 
 
-def chunked_backward(q, k, v, log_decay, beta, d_out, d_final, *, scale,
-                     initial_state, segment_ids, chunk_size):
-  """Analytical VJP of `chunked_forward` (see the module docstring)."""
-  b, t_len, hk, d_key = q.shape
-  hv, d_val = v.shape[2:]
-  grp = hv // hk
-  precision = _precision(q.dtype)
+def _block_entry_states(blocks, s0, *, c, scale, precision):
+  """State entering every block, [NB, B, Hk, G, K, V] (a state-only pass)."""
+
+  def body(s, x):
+    ch = _prepare(*x, c=c, scale=scale, precision=precision)
+    return _entry_states(ch, s, precision)[2], s
+
+  return jax.lax.scan(body, s0, blocks)[1]
+
+
+def _setup(q, k, v, log_decay, beta, *, scale, initial_state, segment_ids,
+           chunk_size, block_size):
+  """(inputs as [NB, B, L, ...] blocks, s0 [B, Hk, G, K, V], L, NB, the block
+  functions' keyword arguments) for `chunked_forward` / `chunked_backward`."""
+  b, t_len, hk, dk = q.shape
+  hv, dv = v.shape[2:]
+  starts = base.segment_starts(segment_ids, t_len)
+  length, n_blocks = _layout(t_len, chunk_size, block_size)
+  blocks = _blocked((q, k, v, log_decay, beta, starts), length, n_blocks)
+  s0 = _initial(initial_state, b, hk, hv // hk, dk, dv)
+  kw = dict(c=chunk_size, scale=scale, precision=_precision(q.dtype))
+  return blocks, s0, length, n_blocks, kw
+
+
+def chunked_forward(q, k, v, log_decay, beta, *, scale, initial_state,
+                    segment_ids, chunk_size, block_size=2048):
+  """Chunked forward: (out [B, T, Hv, V] f32, final_state [B, Hv, K, V] f32,
+  the f32 state entering each block [B, Hv, NB, K, V], None for one block)."""
+  b, t_len, _, dk = q.shape
+  hv, dv = v.shape[2:]
+  blocks, s0, _, n_blocks, kw = _setup(
+      q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
+      segment_ids=segment_ids, chunk_size=chunk_size, block_size=block_size)
+  fwd = functools.partial(_forward_block, **kw)
+  if n_blocks == 1:
+    out, final = fwd(*(x if x is None else x[0] for x in blocks), s0)
+    out, block_entries = out[None], None
+  else:
+    def body(s, x):
+      out, s_next = fwd(*x, s)
+      return s_next, (out, s)
+
+    final, (out, block_entries) = jax.lax.scan(body, s0, blocks)
+    block_entries = jnp.moveaxis(block_entries, 0, 3).reshape(
+        b, hv, n_blocks, dk, dv)
+  out = _from_chunks(out)[:, :t_len]
+  return out, final.reshape(b, hv, dk, dv), block_entries
+
+
+def _backward_block(q, k, v, log_decay, beta, starts, do, s0, ds_final, *, c,
+                    scale, precision):
+  """VJP of `_forward_block`: ((dq, dk, dv, d_log_decay, d_beta) in the block's
+  [B, L, ...] layout, d_s0)."""
   mm = lambda x, y: jnp.matmul(x, y, precision=precision)
   ein = lambda s, *xs: jnp.einsum(s, *xs, precision=precision,
                                   preferred_element_type=_F32)
-  starts = base.segment_starts(segment_ids, t_len)
-  c = chunk_size
   ch = _prepare(q, k, v, log_decay, beta, starts, c=c, scale=scale,
                 precision=precision)
-  s0 = _initial(initial_state, b, hk, grp, d_key, d_val)
   entries, delta, _ = _entry_states(ch, s0, precision)
-
-  tp = ch.q.shape[0] * c
-  do = _value_side(_pad_time(d_out.astype(_F32), tp), c, hk)
-  ds_final = (jnp.zeros_like(s0) if d_final is None
-              else d_final.astype(_F32).reshape(s0.shape))
+  do = _value_side(do.astype(_F32), c, q.shape[2])
   pt_do = mm(jnp.swapaxes(ch.p, -1, -2), do)                  # p^T dout
   q_do = scale * ein("nbhck,nbhgcv->nbhgkv", ch.q, ch.e_g[..., None] * do)
   kf = ch.k.astype(_F32)
@@ -357,15 +453,48 @@ def chunked_backward(q, k, v, log_decay, beta, d_out, d_final, *, scale,
   last = jnp.sum(ch.dec * d_dec, axis=-1) + ch.e_gc * d_e_gc
   d_gcum = d_gcum.at[..., -1].add(last)
   d_g = jnp.flip(jnp.cumsum(jnp.flip(d_gcum, -1), axis=-1), -1)
+  grads = (_key_side_back(dq), _key_side_back(dk), _value_side_back(dv_),
+           _gate_side_back(d_g), _gate_side_back(d_beta))
+  return grads, d_s0
 
-  return (
-      _key_side_back(dq)[:, :t_len],
-      _key_side_back(dk)[:, :t_len],
-      _value_side_back(dv_)[:, :t_len],
-      _gate_side_back(d_g)[:, :t_len],
-      _gate_side_back(d_beta)[:, :t_len],
-      d_s0.reshape(b, hv, d_key, d_val),
-  )
+
+def chunked_backward(q, k, v, log_decay, beta, d_out, d_final, *, scale,
+                     initial_state, segment_ids, chunk_size, block_size=2048,
+                     block_entries=None):
+  """Analytical VJP of `chunked_forward` (see the module docstring).
+
+  `block_entries`: the forward's third output; recomputed when None or saved
+  under another block size (block sizes are powers of two, so two of them
+  never give the same number of blocks above one).
+  """
+  b, t_len, _, d_key = q.shape
+  hv, d_val = v.shape[2:]
+  blocks, s0, length, n_blocks, kw = _setup(
+      q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
+      segment_ids=segment_ids, chunk_size=chunk_size, block_size=block_size)
+  (do,) = _blocked((d_out,), length, n_blocks)
+  ds_final = (jnp.zeros_like(s0) if d_final is None
+              else d_final.astype(_F32).reshape(s0.shape))
+  if n_blocks == 1:
+    grads, d_s0 = _backward_block(*(x if x is None else x[0] for x in blocks),
+                                  do[0], s0, ds_final, **kw)
+    grads = tuple(g[None] for g in grads)
+  else:
+    if block_entries is None or block_entries.shape[2] != n_blocks:
+      block_entries = _block_entry_states(blocks, s0, **kw)
+    else:  # [B, Hv, NB, K, V] -> [NB, B, Hk, G, K, V]
+      block_entries = jnp.moveaxis(
+          block_entries.reshape(*s0.shape[:3], n_blocks, d_key, d_val), 3, 0)
+
+    def body(ds, x):
+      *x, s_entry = x
+      grads, d_s = _backward_block(*x, s_entry, ds, **kw)
+      return d_s, grads
+
+    d_s0, grads = jax.lax.scan(body, ds_final, (*blocks, do, block_entries),
+                               reverse=True)
+  grads = tuple(_from_chunks(g)[:, :t_len] for g in grads)
+  return (*grads, d_s0.reshape(b, hv, d_key, d_val))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,21 +514,26 @@ class XlaGatedDeltaRule(base.GatedDeltaRule[Config, Any]):
 
   @override
   def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
-    del ba
-    return _autotuning_configs()
+    return _autotuning_configs(ba.arguments["query"].shape[1])
 
   @override
   def _core_fwd(self, q, k, v, log_decay, beta, *, scale, initial_state,
                 segment_ids, config):
-    out, final = chunked_forward(
+    out, final, block_entries = chunked_forward(
         q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
-        segment_ids=segment_ids, chunk_size=config.chunk_size)
-    return out, final, None
+        segment_ids=segment_ids, chunk_size=config.chunk_size,
+        block_size=config.block_size)
+    return out, final, base.Residuals(states=block_entries)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class XlaGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, Any]):
-  """Analytical backward of `XlaGatedDeltaRule` (recomputes, saves nothing)."""
+  """Analytical backward of `XlaGatedDeltaRule` (reverse scan over blocks).
+
+  It runs over the forward's blocks, whose entry states it gets as residuals:
+  `block_size` of its config applies only without residuals (called on its
+  own), so it autotunes the chunk size alone.
+  """
 
   config_cls: ClassVar[type[Config]] = Config
   log_decay_floor: ClassVar[float | None] = base.CHUNKED_LOG_DECAY_FLOOR
@@ -410,17 +544,36 @@ class XlaGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, Any]):
 
   @override
   def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
-    del ba
-    return _autotuning_configs()
+    block = self._get_heuristics_config(ba).block_size
+    return {Config(chunk_size=c, block_size=block) for c in (16, 32, 64, 128)}
 
   @override
   def _core_bwd(self, residuals, q, k, v, log_decay, beta, d_out, d_final, *,
                 scale, initial_state, segment_ids, config):
-    del residuals
+    t_len, chunk = q.shape[1], config.chunk_size
+    block, states = config.block_size, None
+    if residuals is not None:
+      block = _forward_block_size(t_len, chunk, residuals.states)
+      states = residuals.states
     return chunked_backward(
         q, k, v, log_decay, beta, d_out, d_final, scale=scale,
         initial_state=initial_state, segment_ids=segment_ids,
-        chunk_size=config.chunk_size)
+        chunk_size=chunk, block_size=block, block_entries=states)
+
+
+def _forward_block_size(t_len: int, chunk: int, states: jax.Array | None) -> int:
+  """The forward's block length, from the number of block states it saved.
+
+  None: it ran as one block, so the backward does too. Otherwise the block
+  size with that many blocks, unique among the powers of two of `BlockSize`
+  (ceil(T / L) > ceil(T / 2L) whenever the latter is above one).
+  """
+  if states is None:
+    return _round_up(t_len, chunk)
+  for blk in typing.get_args(BlockSize):
+    if -(-t_len // blk) == states.shape[2]:
+      return blk
+  raise ValueError(f"{states.shape[2]} saved block states fit no block size at T={t_len}.")
 
 
 IMPLEMENTATION = XlaGatedDeltaRule()
