@@ -5,12 +5,14 @@
 Prints one table: per shape and implementation, the median forward and
 forward+backward times, the bytes the VJP keeps for the backward (every
 array held by `jax.vjp`'s closure, inputs included) and the compiled fwd+bwd
-temp bytes, and speed
-ratios against `reference` and against `xla_autodiff` (the `xla` chunked
-forward differentiated by JAX autodiff instead of its analytical VJP), all
-measured in the same run. Below the table: this machine's f32 matmul
-throughput, the fwd+bwd time over the time 640 KFLOP per token per head would
-take at that throughput, and the T=8192 / T=2048 time ratio.
+temp bytes, and speed ratios against `reference` and against `xla_autodiff`
+(the `xla` chunked forward differentiated by JAX autodiff instead of its
+analytical VJP), all measured in the same run: every row and a 1024^3 f32
+matmul are timed once per round (after an untimed warm call each), `--reps`
+rounds, medians reported (`reference` rows in rounds of their own). Below
+the table: the matmul throughput (its best round), the fwd+bwd time over the
+time 640 KFLOP per token per head would take at that throughput, and the
+largest-T / smallest-T time ratio.
 """
 
 import argparse
@@ -51,18 +53,17 @@ def _impl(name: str):
   return name
 
 
-def _median_ms(fn, args, reps: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile + warm-up
+def _time_ms(fn, args) -> float:
+  """One call, timed after an untimed one (caches warm for this function)."""
   jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times)
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  return (time.perf_counter() - t0) * 1e3
 
 
-def _measure(name: str, t: int, reps: int) -> dict:
+def _case(name: str, t: int) -> dict:
+  """Compiled and warmed-up forward and forward+backward of one row, with
+  its memory figures."""
   args, cot = _inputs(t)
   impl = _impl(name)
 
@@ -74,25 +75,48 @@ def _measure(name: str, t: int, reps: int) -> dict:
 
   fwd_jit = jax.jit(fwd)
   fwd_bwd = jax.jit(jax.value_and_grad(loss, argnums=range(5)))
-  fwd_ms = _median_ms(fwd_jit, args, reps)
-  fwd_bwd_ms = _median_ms(fwd_bwd, args, reps)
-
+  for fn in (fwd_jit, fwd_bwd):
+    jax.block_until_ready(fn(*args))  # compile + warm-up
+    jax.block_until_ready(fn(*args))
   _, f_vjp = jax.vjp(jax.jit(fwd), *args)
   resid = sum(x.nbytes for x in jax.tree.leaves(f_vjp) if isinstance(x, jax.Array))
   mem = fwd_bwd.lower(*args).compile().memory_analysis()
   temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
-  return dict(impl=name, t=t, fwd_ms=fwd_ms, fwd_bwd_ms=fwd_bwd_ms,
+  return dict(impl=name, t=t, fns=dict(fwd=fwd_jit, fwd_bwd=fwd_bwd), args=args,
               residual_bytes=int(resid), temp_bytes=temp,
               input_bytes=sum(x.nbytes for x in args))
 
 
-def _matmul_flops(n: int = 1024, reps: int = 5) -> float:
-  """Measured f32 matmul throughput of the default device (FLOP/s)."""
+def _matmul_fn(n: int = 1024):
   rng = np.random.default_rng(1)
   a = jnp.asarray(rng.standard_normal((n, n)).astype(np.float32))
   b = jnp.asarray(rng.standard_normal((n, n)).astype(np.float32))
   mm = jax.jit(lambda x, y: jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST))
-  return 2 * n**3 / (_median_ms(mm, (a, b), reps) / 1e3)
+  jax.block_until_ready(mm(a, b))
+  return mm, (a, b), 2 * n**3
+
+
+def _measure_interleaved(cases: list[dict], reps: int) -> float:
+  """Times every case (and the matmul) once per round, `reps` rounds; sets each
+  case's median `fwd_ms` / `fwd_bwd_ms` and returns the best matmul FLOP/s.
+
+  Interleaving keeps the ratios between rows (and against the matmul rate)
+  honest on a machine whose speed drifts with other load.
+  """
+  mm, mm_args, mm_flop = _matmul_fn()
+  times = [dict(fwd=[], fwd_bwd=[]) for _ in cases]
+  mm_ms = []
+  for _ in range(reps):
+    mm_ms.append(_time_ms(mm, mm_args))
+    for case, tms in zip(cases, times):
+      for key, fn in case["fns"].items():
+        tms[key].append(_time_ms(fn, case["args"]))
+  for case, tms in zip(cases, times):
+    case["fwd_ms"] = statistics.median(tms["fwd"])
+    case["fwd_bwd_ms"] = statistics.median(tms["fwd_bwd"])
+  # The matmul's best round: the machine's throughput at its least disturbed,
+  # which makes "fwd+bwd over the matmul time" a conservative ratio.
+  return mm_flop / (min(mm_ms) / 1e3)
 
 
 def _mib(x) -> str:
@@ -112,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                       help=f"comma-separated implementations; '{AUTODIFF}' is"
                       " xla's forward under JAX autodiff; reference runs only"
                       f" for T <= {REFERENCE_MAX_T}")
-  parser.add_argument("--reps", type=int, default=5, help="timed runs (median)")
+  parser.add_argument("--reps", type=int, default=7, help="timed rounds (median)")
   parser.add_argument("--json", metavar="PATH", help="also write rows as JSON")
   args = parser.parse_args(argv)
   seq_lens = [int(s) for s in args.seq_lens.split(",") if s]
@@ -121,16 +145,20 @@ def main(argv: list[str] | None = None) -> int:
   if bad := [i for i in impls if i not in known]:
     parser.error(f"unknown implementation(s) {bad}; valid: {sorted(known)}")
 
-  flops = _matmul_flops()
-  rows = []
+  cases = []
   for t in seq_lens:
     for name in impls:
       if name == "reference" and t > REFERENCE_MAX_T:
         continue
       try:
-        rows.append(_measure(name, t, args.reps))
+        cases.append(_case(name, t))
       except NotImplementedError as e:
         print(f"skip {name} T={t}: {e}", file=sys.stderr)
+  # The reference's per-token scan allocates ~1.7 GiB per call at T=2048,
+  # which disturbs whatever runs next: it gets rounds of its own.
+  flops = _measure_interleaved([c for c in cases if c["impl"] != "reference"], args.reps)
+  _measure_interleaved([c for c in cases if c["impl"] == "reference"], args.reps)
+  rows = [{k: v for k, v in c.items() if k not in ("fns", "args")} for c in cases]
 
   by = {(r["impl"], r["t"]): r for r in rows}
   header = (f"{'shape (B,T,Hk,Hv,K,V)':<26} {'impl':<14} {'fwd ms':>9}"
@@ -152,15 +180,17 @@ def main(argv: list[str] | None = None) -> int:
           f" {_ratio(ref and ref['fwd_bwd_ms'], r['fwd_bwd_ms']):>8}"
           f" {_ratio(auto and auto['fwd_bwd_ms'], r['fwd_bwd_ms']):>11}"
           f" {r['fwd_bwd_over_640k_flop_time']:>10.1f}x")
-  print(f"f32 matmul throughput: {flops / 1e9:.1f} GFLOP/s"
+  print(f"f32 matmul throughput (best round): {flops / 1e9:.1f} GFLOP/s"
         f" (640 KFLOP/token/head -> {FLOP_PER_TOKEN_HEAD * HV / flops * 1e9:.1f}"
         " ns/token at B=1, Hv=4)")
   scaling = {}
+  t_lo, t_hi = min(seq_lens), max(seq_lens)
   for name in impls:
-    lo, hi = by.get((name, 2048)), by.get((name, 8192))
-    if lo and hi:
+    lo, hi = by.get((name, t_lo)), by.get((name, t_hi))
+    if lo and hi and t_hi > t_lo:
       scaling[name] = hi["fwd_bwd_ms"] / lo["fwd_bwd_ms"]
-      print(f"{name}: fwd+bwd T=8192 / T=2048 = {scaling[name]:.2f} (linear: 4.00)")
+      print(f"{name}: fwd+bwd T={t_hi} / T={t_lo} = {scaling[name]:.2f}"
+            f" (linear: {t_hi / t_lo:.2f})")
   inputs = {r["t"]: _mib(r["input_bytes"]) for r in rows}
   print("vs ref / vs autodiff: fwd+bwd speed-up (>1 = faster); resid: all arrays"
         " the VJP keeps for the backward, inputs included (inputs: "
@@ -170,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(device=jax.devices()[0].device_kind, matmul_flops=flops,
-                     rows=rows, t8192_over_t2048=scaling), f, indent=1)
+                     rows=rows, reps=args.reps,
+                     scaling=dict(t_hi=t_hi, t_lo=t_lo, fwd_bwd_ratio=scaling)),
+                f, indent=1)
   return 0
 
 
