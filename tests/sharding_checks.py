@@ -167,6 +167,24 @@ def gdn_pallas_interpret_heads_shard_map():
                   impl="pallas_mosaic_tpu", mode="shard_map", t=24)
 
 
+@check("cpu")
+def gdn_pallas_interpret_heads_jit():
+  """Plain jit with batch/head-sharded inputs: the kernels run per shard
+  (custom_partitioning) instead of failing to partition."""
+  if "pallas_mosaic_tpu" not in registry.implementations("gated_delta_rule"):
+    return "SKIP: pallas_mosaic_tpu not registered"
+  return _gdn_run(_mesh((2, 4), ("data", "model")), "data", "model", b=2, hk=4, hv=8,
+                  impl="pallas_mosaic_tpu", mode="jit", t=24)
+
+
+@check("cpu")
+def gdn_pallas_interpret_batch_jit_gva_1_to_4():
+  if "pallas_mosaic_tpu" not in registry.implementations("gated_delta_rule"):
+    return "SKIP: pallas_mosaic_tpu not registered"
+  return _gdn_run(_mesh((8,), ("data",)), "data", None, b=8, hk=1, hv=4,
+                  impl="pallas_mosaic_tpu", mode="jit", t=24)
+
+
 # ------------------------------------------------------------ causal_conv1d
 def _conv_run(mesh, data, model, b, mode):
   t, dch, w = 20, 16, 4
@@ -309,10 +327,15 @@ def _gdn_aot(impl, wrap="shard_map"):
 
   try:
     report = aot.compile_for("tpu7x", loss_grads, *[arg[n] for n in names], mesh=mesh)
-  except NotImplementedError as e:
-    if wrap != "shard_map" and "cannot be automatically partitioned" in str(e):
-      return ("XFAIL: under plain jit with sharded inputs the default (Pallas) implementation"
-              f" fails to lower: {str(e).splitlines()[0]}")
+  except Exception as e:  # pylint: disable=broad-except
+    if wrap != "shard_map" and "CustomSPMDPartitioning" in str(e):
+      # The Pallas ops partition themselves under plain jit through
+      # custom_partitioning (checked numerically on 8 CPU devices in
+      # gdn_pallas_interpret_*_jit); libtpu's compile-only topology client
+      # does not run Python partitioners, so this AOT compile can't show it.
+      return ("XFAIL: plain jit + sharded inputs: the Pallas op's custom_partitioning"
+              " rule is not run by the compile-only TPU client:"
+              f" {str(e).splitlines()[0]}")
     raise
   if impl == "pallas_mosaic_tpu":
     with aot.on_target(mesh):

@@ -31,6 +31,7 @@ from tokamax._src.ops import op
 from typing_extensions import override
 
 from tokamax_gdn import config as gdn_config
+from tokamax_gdn.ops import partitioning
 from tokamax_gdn.ops.gated_delta_rule import base
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as kernel
 
@@ -160,6 +161,43 @@ def _check_supported(q: jax.Array, v: jax.Array) -> bool:
   return interpret
 
 
+def _kernel_tiling(config: Config, q: jax.Array, v: jax.Array, interpret: bool) -> dict:
+  """Kernel tiling keywords for these (per-device) shapes."""
+  hk, hv = q.shape[2], v.shape[2]
+  hb = _effective_block_heads(config.block_heads, hv, hk, q.dtype.itemsize, not interpret)
+  est = vmem_estimate(chunk=config.chunk_size, block_heads=hb, group=hv // hk,
+                      dk=q.shape[3], dv=v.shape[3], itemsize=q.dtype.itemsize)
+  return dict(chunk=config.chunk_size, block_heads=hb, lane_pad=not interpret,
+              interpret=interpret,
+              vmem_limit_bytes=_vmem_limit(gdn_config.target_generation(), est))
+
+
+# Dimension labels of the kernels' operands (see `ops.partitioning`).
+_LABELS = dict(
+    q="b t h k", k="b t h k", v="b t hv v", log_decay="b t hv", beta="b t hv",
+    d_out="b t hv v", d_final="b hv k v", initial_state="b hv k v",
+    states="b hv n kp vp", segment_ids="b t",
+)
+
+
+def _per_shard(body, out_labels, hk: int, hv: int, arrays: dict):
+  """body(**arrays) run per batch/key-head shard under jit with sharded inputs.
+
+  Absent (None) operands stay out of the partitioned call; the tiling is
+  recomputed from the per-device shapes inside `body`.
+  """
+  names = [n for n, x in arrays.items() if x is not None]
+
+  def fn(*xs):
+    kw = dict.fromkeys(arrays)
+    kw.update(zip(names, xs))
+    return tuple(x for x in body(**kw) if x is not None)
+
+  run = partitioning.per_batch_and_head(
+      fn, [_LABELS[n] for n in names], out_labels, key_heads=hk, group=hv // hk)
+  return run(*(arrays[n] for n in names))
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasMosaicTpuGatedDeltaRule(base.GatedDeltaRule[Config, None]):
   """Chunked gated delta rule in Pallas Mosaic TPU (forward + analytical VJP)."""
@@ -187,16 +225,21 @@ class PallasMosaicTpuGatedDeltaRule(base.GatedDeltaRule[Config, None]):
   def _core_fwd(self, q, k, v, log_decay, beta, *, scale, initial_state,
                 segment_ids, config: Config):
     interpret = _check_supported(q, v)
-    hk, hv = q.shape[2], v.shape[2]
-    hb = _effective_block_heads(config.block_heads, hv, hk, q.dtype.itemsize, not interpret)
-    gen = gdn_config.target_generation()
-    est = vmem_estimate(chunk=config.chunk_size, block_heads=hb, group=hv // hk,
-                        dk=q.shape[3], dv=v.shape[3], itemsize=q.dtype.itemsize)
-    out, final, states = kernel.gdn_fwd(
-        q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
-        segment_ids=segment_ids, chunk=config.chunk_size, block_heads=hb,
-        emit_states=config.save_states, lane_pad=not interpret,
-        interpret=interpret, vmem_limit_bytes=_vmem_limit(gen, est))
+
+    def body(q, k, v, log_decay, beta, initial_state, segment_ids):
+      return kernel.gdn_fwd(
+          q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
+          segment_ids=segment_ids, emit_states=config.save_states,
+          **_kernel_tiling(config, q, v, interpret))
+
+    out_labels = [_LABELS["d_out"], _LABELS["d_final"]]
+    if config.save_states:
+      out_labels.append(_LABELS["states"])
+    res = _per_shard(body, out_labels, q.shape[2], v.shape[2], dict(
+        q=q, k=k, v=v, log_decay=log_decay, beta=beta,
+        initial_state=initial_state, segment_ids=segment_ids))
+    out, final = res[:2]
+    states = res[2] if config.save_states else None
     return out, final, base.Residuals(states=states)
 
 
@@ -222,20 +265,24 @@ class PallasMosaicTpuGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, None]):
   def _core_bwd(self, residuals: base.Residuals | None, q, k, v, log_decay, beta, d_out, d_final, *,
                 scale, initial_state, segment_ids, config: Config):
     interpret = _check_supported(q, v)
-    hk, hv, t = q.shape[2], v.shape[2], q.shape[1]
-    hb = _effective_block_heads(config.block_heads, hv, hk, q.dtype.itemsize, not interpret)
+    t = q.shape[1]
     states = getattr(residuals, "states", None)
     # States saved under another chunk size can't be reused: recompute.
     if states is not None and states.shape[2] != -(-t // config.chunk_size):
       states = None
-    gen = gdn_config.target_generation()
-    est = vmem_estimate(chunk=config.chunk_size, block_heads=hb, group=hv // hk,
-                        dk=q.shape[3], dv=v.shape[3], itemsize=q.dtype.itemsize)
-    return kernel.gdn_bwd(
-        q, k, v, log_decay, beta, d_out, d_final, states, scale=scale,
-        initial_state=initial_state, segment_ids=segment_ids,
-        chunk=config.chunk_size, block_heads=hb, lane_pad=not interpret,
-        interpret=interpret, vmem_limit_bytes=_vmem_limit(gen, est))
+
+    def body(q, k, v, log_decay, beta, d_out, d_final, states, initial_state,
+             segment_ids):
+      return kernel.gdn_bwd(
+          q, k, v, log_decay, beta, d_out, d_final, states, scale=scale,
+          initial_state=initial_state, segment_ids=segment_ids,
+          **_kernel_tiling(config, q, v, interpret))
+
+    out_labels = [_LABELS[n] for n in ("q", "k", "v", "log_decay", "beta", "d_final")]
+    return _per_shard(body, out_labels, q.shape[2], v.shape[2], dict(
+        q=q, k=k, v=v, log_decay=log_decay, beta=beta, d_out=d_out,
+        d_final=d_final, states=states, initial_state=initial_state,
+        segment_ids=segment_ids))
 
 
 IMPLEMENTATION = PallasMosaicTpuGatedDeltaRule()
