@@ -186,7 +186,7 @@ def gdn_pallas_interpret_batch_jit_gva_1_to_4():
 
 
 # ------------------------------------------------------------ causal_conv1d
-def _conv_run(mesh, data, model, b, mode):
+def _conv_run(mesh, data, model, b, mode, impl="xla"):
   t, dch, w = 20, 16, 4
   d = _rng_tree(3, dict(x=(b, t, dch), weight=(dch, w), bias=(dch,),
                         initial_state=(b, w - 1, dch)))
@@ -194,18 +194,21 @@ def _conv_run(mesh, data, model, b, mode):
   specs = dict(x=P(data, None, model), weight=P(model), bias=P(model),
                initial_state=P(data, None, model))
 
-  def f(d):
+  def call(d, impl):
     return causal_conv1d(d["x"], d["weight"], d["bias"], initial_state=d["initial_state"],
-                         output_final_state=True, implementation="xla")
+                         output_final_state=True, implementation=impl)
 
-  want = jax.jit(functools.partial(fwd_bwd, f))(d, cts)
+  f = functools.partial(call, impl=impl)
+  want = jax.jit(functools.partial(
+      fwd_bwd, functools.partial(call, impl="xla" if impl == "xla" else "reference")))(d, cts)
   g = f
   if mode == "shard_map":
     g = jax.shard_map(f, mesh=mesh, in_specs=(specs,),
                       out_specs=(P(data, None, model), P(data, None, model)), check_vma=False)
   cts_s = tuple(jax.device_put(c, NamedSharding(mesh, P(data, None, model))) for c in cts)
-  got = jax.jit(functools.partial(fwd_bwd, g))(_put(d, mesh, specs), cts_s)
-  return _compare(got, want, "")
+  with config.interpret_mode(impl == "pallas_mosaic_tpu"):
+    got = jax.jit(functools.partial(fwd_bwd, g))(_put(d, mesh, specs), cts_s)
+  return _compare(got, want, "", tol=TOL if impl == "xla" else 2e-3)
 
 
 @check("cpu")
@@ -226,6 +229,16 @@ def conv_xla_channels_jit():
 @check("cpu")
 def conv_xla_channels_shard_map():
   return _conv_run(_mesh((2, 4), ("data", "model")), "data", "model", 2, "shard_map")
+
+
+@check("cpu")
+def conv_pallas_interpret_channels_jit():
+  """Plain jit, batch x channel-sharded: the kernels run per shard, the weight
+  and bias gradients are summed over the batch shards by XLA."""
+  if "pallas_mosaic_tpu" not in registry.implementations("causal_conv1d"):
+    return "SKIP: pallas_mosaic_tpu not registered"
+  return _conv_run(_mesh((2, 4), ("data", "model")), "data", "model", 2, "jit",
+                   impl="pallas_mosaic_tpu")
 
 
 # ------------------------------------------------------------------ gmm

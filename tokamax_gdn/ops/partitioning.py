@@ -9,8 +9,9 @@ else (time, head dims, the heads within a GVA group) is replicated first.
 Each device then runs the kernel on its own rows and heads.
 
 Dimension labels are space-separated factor names per operand and result:
-`b` batch, `h` key heads, `hv` value heads (= `(h g)`, g = heads per group),
-anything else a dimension that must not be split.
+`b` batch, `h` key heads (or another axis whose slices are independent, e.g.
+conv channels), `hv` value heads (= `(h g)`, g = heads per group), anything
+else a dimension that must not be split.
 """
 
 from collections.abc import Callable, Sequence
@@ -86,3 +87,29 @@ def per_batch_and_head(
     return wrapped(*arrays)
 
   return call
+
+
+def call_per_shard(
+    body: Callable[..., Sequence[jax.Array | None]],
+    arrays: dict[str, jax.Array | None],
+    labels: dict[str, str],
+    out_labels: Sequence[str],
+    *,
+    key_heads: int,
+    group: int = 1,
+) -> tuple[jax.Array, ...]:
+  """`body(**arrays)` through `per_batch_and_head`.
+
+  Absent (None) operands stay out of the partitioned call and reach `body` as
+  None; None results are dropped (`out_labels` label the others).
+  """
+  names = [n for n, x in arrays.items() if x is not None]
+
+  def fn(*xs):
+    kw = dict.fromkeys(arrays)
+    kw.update(zip(names, xs))
+    return tuple(x for x in body(**kw) if x is not None)
+
+  run = per_batch_and_head(fn, [labels[n] for n in names], out_labels,
+                           key_heads=key_heads, group=group)
+  return run(*(arrays[n] for n in names))

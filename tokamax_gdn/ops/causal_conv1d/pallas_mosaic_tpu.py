@@ -28,6 +28,7 @@ from tokamax._src.ops import op
 from typing_extensions import override
 
 from tokamax_gdn import config as gdn_config
+from tokamax_gdn.ops import partitioning
 from tokamax_gdn.ops.causal_conv1d import base
 from tokamax_gdn.ops.causal_conv1d import pallas_mosaic_tpu_kernel as kernel
 from tokamax_gdn.ops.causal_conv1d import xla
@@ -127,6 +128,17 @@ def _prepare(x, weight, bias, initial_state, reach, cfg: Config) -> _Prepared:
   return _Prepared(xp, x_prev, w_t, bias_p, reach_p, bt, bd)
 
 
+# Dimension labels for `ops.partitioning`: channels D are independent ("h").
+_LABELS = dict(x="b t h", dy="b t h", weight="h w", bias="h",
+               initial_state="b s h", reach="b t")
+
+
+def _per_shard(body, out_labels, arrays: dict):
+  """body(**arrays) per batch/channel shard under jit with sharded inputs."""
+  return partitioning.call_per_shard(body, arrays, _LABELS, out_labels,
+                                     key_heads=arrays["x"].shape[2])
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasMosaicTpuCausalConv1d(base.CausalConv1d[Config, None]):
   """Tiled causal conv1d + SiLU in Pallas Mosaic TPU (forward + backward kernels)."""
@@ -155,12 +167,19 @@ class PallasMosaicTpuCausalConv1d(base.CausalConv1d[Config, None]):
     b, t, d = x.shape
     if t == 0:
       return jnp.zeros(x.shape, x.dtype)
-    p = _prepare(x, weight, bias, initial_state, reach, config)
-    y = kernel.conv_fwd(
-        p.x, p.x_prev, p.w_t, p.bias, p.reach, bt=p.bt, bd=p.bd, activation=activation,
-        interpret=interpret,
-        vmem_limit_bytes=_vmem_limit(p.bt, p.bd, weight.shape[1], x.dtype.itemsize))
-    return y[:, :t, :d]
+
+    def body(x, weight, bias, initial_state, reach):
+      t, d = x.shape[1:]  # per device
+      p = _prepare(x, weight, bias, initial_state, reach, config)
+      y = kernel.conv_fwd(
+          p.x, p.x_prev, p.w_t, p.bias, p.reach, bt=p.bt, bd=p.bd, activation=activation,
+          interpret=interpret,
+          vmem_limit_bytes=_vmem_limit(p.bt, p.bd, weight.shape[1], x.dtype.itemsize))
+      return (y[:, :t, :d],)
+
+    (y,) = _per_shard(body, ["b t h"], dict(
+        x=x, weight=weight, bias=bias, initial_state=initial_state, reach=reach))
+    return y
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -209,18 +228,25 @@ class PallasMosaicTpuCausalConv1dVjp(op.Op):
       dweight = jnp.zeros(weight.shape, jnp.float32)
       dbias = jnp.zeros((d,), jnp.float32)
     else:
-      p = _prepare(x, weight, bias, initial_state, reach, config)
-      dyp = jnp.pad(dy.astype(x.dtype), ((0, 0), (0, p.x.shape[1] - t), (0, p.x.shape[2] - d)))
-      x_next = kernel.halo_next(p.x.astype(jnp.float32), p.bt)
-      dy_next = kernel.halo_next(dyp.astype(jnp.float32), p.bt)
-      reach_next = None if p.reach is None else kernel.halo_next(p.reach, p.bt)
-      dx, dwp, dbp = kernel.conv_bwd(
-          p.x, p.x_prev, x_next, dyp, dy_next, p.w_t, p.bias, p.reach, reach_next,
-          bt=p.bt, bd=p.bd, activation=activation, interpret=interpret,
-          vmem_limit_bytes=_vmem_limit(p.bt, p.bd, width, x.dtype.itemsize))
-      dx = dx[:, :t, :d]
-      dweight = jnp.sum(dwp, axis=(0, 1)).T[:d]
-      dbias = jnp.sum(dbp, axis=(0, 1, 2))[:d]
+
+      def body(x, weight, bias, initial_state, reach, dy):
+        t, d = x.shape[1:]  # per device
+        p = _prepare(x, weight, bias, initial_state, reach, config)
+        dyp = jnp.pad(dy.astype(x.dtype), ((0, 0), (0, p.x.shape[1] - t), (0, p.x.shape[2] - d)))
+        x_next = kernel.halo_next(p.x.astype(jnp.float32), p.bt)
+        dy_next = kernel.halo_next(dyp.astype(jnp.float32), p.bt)
+        reach_next = None if p.reach is None else kernel.halo_next(p.reach, p.bt)
+        dx, dwp, dbp = kernel.conv_bwd(
+            p.x, p.x_prev, x_next, dyp, dy_next, p.w_t, p.bias, p.reach, reach_next,
+            bt=p.bt, bd=p.bd, activation=activation, interpret=interpret,
+            vmem_limit_bytes=_vmem_limit(p.bt, p.bd, width, x.dtype.itemsize))
+        # Per-row weight/bias partials: the sum over rows (and shards) is XLA's.
+        return dx[:, :t, :d], jnp.sum(dwp, axis=1)[..., :d], jnp.sum(dbp, axis=(1, 2))[..., :d]
+
+      dx, dw_rows, db_rows = _per_shard(body, ["b t h", "b w h", "b h"], dict(
+          x=x, weight=weight, bias=bias, initial_state=initial_state, reach=reach, dy=dy))
+      dweight = jnp.sum(dw_rows, axis=0).T
+      dbias = jnp.sum(db_rows, axis=0)
     if initial_state is not None:
       # Only the first W-1 tokens read the initial state: differentiate those in XLA.
       n = min(t, width - 1)

@@ -181,21 +181,9 @@ _LABELS = dict(
 
 
 def _per_shard(body, out_labels, hk: int, hv: int, arrays: dict):
-  """body(**arrays) run per batch/key-head shard under jit with sharded inputs.
-
-  Absent (None) operands stay out of the partitioned call; the tiling is
-  recomputed from the per-device shapes inside `body`.
-  """
-  names = [n for n, x in arrays.items() if x is not None]
-
-  def fn(*xs):
-    kw = dict.fromkeys(arrays)
-    kw.update(zip(names, xs))
-    return tuple(x for x in body(**kw) if x is not None)
-
-  run = partitioning.per_batch_and_head(
-      fn, [_LABELS[n] for n in names], out_labels, key_heads=hk, group=hv // hk)
-  return run(*(arrays[n] for n in names))
+  """body(**arrays) per batch/key-head shard under jit with sharded inputs."""
+  return partitioning.call_per_shard(body, arrays, _LABELS, out_labels,
+                                     key_heads=hk, group=hv // hk)
 
 
 @dataclasses.dataclass(frozen=True)
