@@ -77,7 +77,12 @@ def per_batch_and_head(
             tuple(sharding(l) for l in in_labels))
 
   wrapped = custom_partitioning(fn)
-  kwargs = dict(g=group) if "(h g)" in rule else {}
+  # Sizes of the factors used only inside the compound (h g).
+  kwargs = {}
+  if "(h g)" in rule:
+    kwargs["g"] = group
+    if "h" not in rule.replace("(h g)", "").replace(",", " ").split():
+      kwargs["h"] = key_heads
   wrapped.def_partition(partition, sharding_rule=rule,
                         need_replication_factors=replicated, **kwargs)
 
