@@ -159,30 +159,30 @@ def gdn_xla_heads_shard_map():
                   mode="shard_map")
 
 
-@check("cpu")
-def gdn_pallas_interpret_heads_shard_map():
+def _gdn_pallas_run(mesh_shape, names, b, hk, hv, mode):
+  """Pallas GDN (interpret mode) sharded, against the reference."""
   if "pallas_mosaic_tpu" not in registry.implementations("gated_delta_rule"):
     return "SKIP: pallas_mosaic_tpu not registered"
-  return _gdn_run(_mesh((2, 4), ("data", "model")), "data", "model", b=2, hk=4, hv=8,
-                  impl="pallas_mosaic_tpu", mode="shard_map", t=24)
+  data, model = (*names, None)[:2]
+  return _gdn_run(_mesh(mesh_shape, names), data, model, b=b, hk=hk, hv=hv,
+                  impl="pallas_mosaic_tpu", mode=mode, t=24)
+
+
+@check("cpu")
+def gdn_pallas_interpret_heads_shard_map():
+  return _gdn_pallas_run((2, 4), ("data", "model"), 2, 4, 8, "shard_map")
 
 
 @check("cpu")
 def gdn_pallas_interpret_heads_jit():
   """Plain jit with batch/head-sharded inputs: the kernels run per shard
   (custom_partitioning) instead of failing to partition."""
-  if "pallas_mosaic_tpu" not in registry.implementations("gated_delta_rule"):
-    return "SKIP: pallas_mosaic_tpu not registered"
-  return _gdn_run(_mesh((2, 4), ("data", "model")), "data", "model", b=2, hk=4, hv=8,
-                  impl="pallas_mosaic_tpu", mode="jit", t=24)
+  return _gdn_pallas_run((2, 4), ("data", "model"), 2, 4, 8, "jit")
 
 
 @check("cpu")
 def gdn_pallas_interpret_batch_jit_gva_1_to_4():
-  if "pallas_mosaic_tpu" not in registry.implementations("gated_delta_rule"):
-    return "SKIP: pallas_mosaic_tpu not registered"
-  return _gdn_run(_mesh((8,), ("data",)), "data", None, b=8, hk=1, hv=4,
-                  impl="pallas_mosaic_tpu", mode="jit", t=24)
+  return _gdn_pallas_run((8,), ("data",), 8, 1, 4, "jit")
 
 
 # ------------------------------------------------------------ causal_conv1d
