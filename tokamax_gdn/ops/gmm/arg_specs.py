@@ -25,16 +25,29 @@ def random_group_sizes(key: jax.Array, *, g: int, total: int, empty: tuple[int, 
   return jnp.bincount(ids, length=g).astype(jnp.int32)
 
 
+def random_lhs(key: jax.Array, m: int, k: int, dtype) -> jax.Array:
+  """[M, K] normal rows; integer dtypes get int8-range values (x40, rounded)."""
+  lhs = jax.random.normal(key, (m, k), jnp.float32)
+  if jnp.issubdtype(dtype, jnp.integer):
+    lhs = jnp.clip(jnp.round(lhs * 40), -127, 127)
+  return lhs.astype(dtype)
+
+
+def spec_maker(make_inputs):
+  """`_spec(name, tags=..., **shape)` building ArgSpecs from `make_inputs(key, **shape)`."""
+  def spec(name, *, tags=("conformance",), **shape):
+    return ArgSpec(name=name, make=lambda key: make_inputs(key, **shape),
+                   diff_argnames=DIFF, tags=tags, vmap_ok=False)
+  return spec
+
+
 def random_inputs(key: jax.Array, *, m: int, k: int, n: int, g: int, total: int | None = None,
                   empty: tuple[int, ...] = (), lhs_dtype=jnp.float32, rhs_dtype=None,
                   transpose_rhs: bool = False, preferred_element_type=None):
   """(args, kwargs) for gmm; `total` rows in groups (default M)."""
   k1, k2, k3 = jax.random.split(key, 3)
   rhs_dtype = rhs_dtype or lhs_dtype
-  lhs = jax.random.normal(k1, (m, k), jnp.float32)
-  if jnp.issubdtype(lhs_dtype, jnp.integer):
-    lhs = jnp.clip(jnp.round(lhs * 40), -127, 127)
-  lhs = lhs.astype(lhs_dtype)
+  lhs = random_lhs(k1, m, k, lhs_dtype)
   rhs_shape = (g, n, k) if transpose_rhs else (g, k, n)
   rhs = (jax.random.normal(k2, rhs_shape, jnp.float32) * k**-0.5).astype(rhs_dtype)
   gs = random_group_sizes(k3, g=g, total=m if total is None else total, empty=empty)
@@ -46,9 +59,7 @@ def random_inputs(key: jax.Array, *, m: int, k: int, n: int, g: int, total: int 
   return (lhs, rhs, gs), kwargs
 
 
-def _spec(name, *, tags=("conformance",), **shape):
-  return ArgSpec(name=name, make=lambda key: random_inputs(key, **shape),
-                 diff_argnames=DIFF, tags=tags, vmap_ok=False)
+_spec = spec_maker(random_inputs)
 
 
 _SMALL = ("conformance", "interpret")

@@ -7,10 +7,10 @@ expert weight gradient [G, K, N] of gmm(x, w [G, K, N]).
 import jax
 import jax.numpy as jnp
 
-from tokamax_gdn.ops.gmm.arg_specs import random_group_sizes
+from tokamax_gdn.ops.gmm import arg_specs as gmm_specs
 from tokamax_gdn.testing.specs import ArgSpec
 
-DIFF = ("lhs", "rhs")
+DIFF = gmm_specs.DIFF
 
 
 def random_inputs(key: jax.Array, *, m: int, k: int, n: int, g: int, total: int | None = None,
@@ -18,18 +18,13 @@ def random_inputs(key: jax.Array, *, m: int, k: int, n: int, g: int, total: int 
   """(args, kwargs) for tgmm; `total` rows in groups (default M)."""
   k1, k2, k3 = jax.random.split(key, 3)
   rhs_dtype = rhs_dtype or lhs_dtype
-  lhs = jax.random.normal(k1, (m, k), jnp.float32)
-  if jnp.issubdtype(lhs_dtype, jnp.integer):
-    lhs = jnp.clip(jnp.round(lhs * 40), -127, 127)
-  lhs = lhs.astype(lhs_dtype)
+  lhs = gmm_specs.random_lhs(k1, m, k, lhs_dtype)
   rhs = jax.random.normal(k2, (m, n), jnp.float32).astype(rhs_dtype)
-  gs = random_group_sizes(k3, g=g, total=m if total is None else total, empty=empty)
+  gs = gmm_specs.random_group_sizes(k3, g=g, total=m if total is None else total, empty=empty)
   return (lhs, rhs, gs), {}
 
 
-def _spec(name, *, tags=("conformance",), **shape):
-  return ArgSpec(name=name, make=lambda key: random_inputs(key, **shape),
-                 diff_argnames=DIFF, tags=tags, vmap_ok=False)
+_spec = gmm_specs.spec_maker(random_inputs)
 
 
 _SMALL = ("conformance", "interpret")
