@@ -12,7 +12,7 @@ Qwen3.5-MoE-like expert matmuls at 8192 routed tokens per device: hidden
 import jax
 import jax.numpy as jnp
 
-from tokamax_gdn.testing.specs import ArgSpec
+from tokamax_gdn.autotuning import ArgSpec
 
 DIFF = ("lhs", "rhs")
 

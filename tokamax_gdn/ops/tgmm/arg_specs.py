@@ -7,8 +7,8 @@ expert weight gradient [G, K, N] of gmm(x, w [G, K, N]).
 import jax
 import jax.numpy as jnp
 
+from tokamax_gdn.autotuning import ArgSpec
 from tokamax_gdn.ops.gmm import arg_specs as gmm_specs
-from tokamax_gdn.testing.specs import ArgSpec
 
 DIFF = gmm_specs.DIFF
 

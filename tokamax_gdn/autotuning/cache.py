@@ -49,7 +49,7 @@ def op_file_name(op: op_lib.Op | type[op_lib.Op]) -> str:
 
 def package_dir() -> pathlib.Path:
   """`tokamax_gdn/data/autotuning` of the imported package (where `install` writes)."""
-  return pathlib.Path(__file__).resolve().parent / CACHE_PATH
+  return pathlib.Path(__file__).resolve().parent.parent / CACHE_PATH
 
 
 def _sources(device_kind: str, file_name: str) -> list[Any]:
@@ -182,9 +182,3 @@ def lookup(
     return ba.cached_autotuning_data
   return op.get_autotuning_cache(device_kind).get(ba.autotuning_cache_key)
 
-
-__all__ = [
-    "ShippedAutotuningCacheMixin", "load_shipped", "install", "reload",
-    "cache_file_contents", "shipped_files", "package_dir", "op_file_name",
-    "normalize_device_kind", "lookup",
-]
