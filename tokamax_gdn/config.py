@@ -137,6 +137,24 @@ def on_tpu() -> bool:
   return generation_from_device_kind(current_device_kind()) is not None
 
 
+def require_pallas_tpu(op_name: str) -> bool:
+  """Where a Pallas TPU kernel runs: returns whether in interpret mode, or raises.
+
+  On a TPU (a real chip, or an AOT target's abstract mesh) the kernel is
+  compiled for it: False, even with interpret mode on. Elsewhere it runs in
+  Pallas TPU interpret mode when that is on (`interpret_mode()`,
+  `TOKAMAX_GDN_INTERPRET=1`): True. Otherwise NotImplementedError naming the
+  op, so that `implementation=(..., "xla")` falls through to the next one.
+  """
+  if on_tpu():
+    return False
+  if interpret_enabled():
+    return True
+  raise NotImplementedError(
+      f"{op_name} needs a TPU (or Pallas interpret mode: TOKAMAX_GDN_INTERPRET=1 or"
+      " `with tokamax_gdn.config.interpret_mode():`).")
+
+
 def pallas_tpu_supported(device: jax.Device) -> bool:
   """`supported_on` of every `pallas_mosaic_tpu` Op: a TPU, or any device in
   interpret mode (the same kernels then run in Pallas TPU interpret mode)."""
