@@ -11,6 +11,9 @@ the command end to end.
 """
 
 import json
+import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -127,3 +130,35 @@ def test_aot_command_reports_kernels_glue_total_and_roofline(capsys):
     assert all(n.startswith("gdn_") for n in kernels if n != report_lib.GLUE), kernels
     assert p["total_cycles"] == sum(kernels.values()) > 0
     assert p["total_over_floor"] == pytest.approx(p["total_cycles"] / p["floor_cycles"])
+
+
+_HOLD_LIBTPU = """
+from jax.experimental import topologies
+topologies.get_topology_desc(topology_name="v6e:2x2", platform="tpu")
+print("holding", flush=True)
+input()
+"""
+_COMPILE = """
+import jax.numpy as jnp
+from tokamax_gdn import aot
+print(aot.compile_for("v6e", lambda x: x + 1, ((8, 128), jnp.float32)).output_bytes)
+"""
+
+
+@pytest.mark.aot
+def test_aot_compiles_while_another_process_holds_libtpu():
+  """libtpu refuses a second process ("Internal error when accessing libtpu
+  multi-process lockfile") unless told that it may share; `aot` only
+  compiles, so it says so itself."""
+  env = {k: v for k, v in os.environ.items() if k != "ALLOW_MULTIPLE_LIBTPU_LOAD"}
+  env["JAX_PLATFORMS"] = "cpu"
+  holder = subprocess.Popen([sys.executable, "-c", _HOLD_LIBTPU], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+  try:
+    assert holder.stdout.readline().strip() == "holding"
+    proc = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True,
+                          env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-1500:]
+    assert proc.stdout.split()[-1] == str(8 * 128 * 4)
+  finally:
+    holder.communicate("\n", timeout=60)

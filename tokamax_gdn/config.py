@@ -20,6 +20,41 @@ import jax
 _state = threading.local()
 
 
+def skip_tpu_backend_without_chips() -> None:
+  """Keeps jax from starting libtpu's TPU client on a machine without TPU chips.
+
+  With libtpu installed (the `tpu` and `test` extras, for AOT compiles), jax
+  starts its TPU backend at the first device query even where there is no
+  chip; that fails quietly after libtpu has printed start-up errors ("Failed
+  to find host bounds", "unexpected worker hostname"). As jax itself skips
+  CUDA without an NVIDIA GPU, this makes the TPU backend fail at once (quietly,
+  without loading libtpu) when no TPU chip is present, unless JAX_PLATFORMS or
+  JAX_FORCE_TPU_INIT say otherwise. The backend stays registered, so TPU
+  lowering rules still apply. Compiling
+  for a TPU target (`tokamax_gdn.aot`) still loads libtpu when asked, through
+  `jax.experimental.topologies`. Called when `tokamax_gdn` is imported; does
+  nothing once jax's backends are up.
+  """
+  if (os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms
+      or "JAX_FORCE_TPU_INIT" in os.environ):
+    return
+  try:
+    from jax._src import hardware_utils  # pylint: disable=g-import-not-at-top
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    if xla_bridge.backends_are_initialized():
+      return
+    registration = xla_bridge._backend_factories.get("tpu")  # pylint: disable=protected-access
+    if registration is None or hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+      return
+  except (ImportError, AttributeError):  # another jax: leave its backends as they are
+    return
+
+  def no_chip():
+    raise RuntimeError("no TPU chip on this machine (tokamax_gdn: libtpu not started)")
+
+  xla_bridge._backend_factories["tpu"] = dataclasses.replace(registration, factory=no_chip)  # pylint: disable=protected-access
+
+
 def _env_flag(name: str) -> bool:
   return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 

@@ -16,6 +16,7 @@ or `AutotuningResult.loads` of its `dumps()`) into those files.
 
 from collections.abc import Iterable, Mapping
 import importlib.resources
+import logging as std_logging
 import os
 import pathlib
 from typing import Any
@@ -97,6 +98,29 @@ class ShippedAutotuningCacheMixin:
         cache.setdefault(k, v)
       _merged[key] = cache
     return cache
+
+
+# tokamax logs a WARNING with the Op and its whole cache key for every shape it
+# has no tuned config for. For a plugin's ops that is the normal path (the
+# heuristics choose the config), so for ours it becomes one DEBUG line here.
+_CACHE_MISS = "Autotuning cache miss for %s on %s with key %s"
+_logger = std_logging.getLogger(__name__)
+
+
+class _OurCacheMissesAtDebug(std_logging.Filter):
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    args = record.args if isinstance(record.args, tuple) else ()
+    if record.msg == _CACHE_MISS and args and isinstance(args[0], ShippedAutotuningCacheMixin):
+      _logger.debug("autotuning cache miss for %s on %s: heuristics config",
+                    type(args[0]).__name__, args[1])
+      return False
+    return True
+
+
+_absl_logger = std_logging.getLogger("absl")  # tokamax logs through absl.logging
+if not any(isinstance(f, _OurCacheMissesAtDebug) for f in _absl_logger.filters):
+  _absl_logger.addFilter(_OurCacheMissesAtDebug())
 
 
 def reload() -> None:
