@@ -235,11 +235,9 @@ def test_cli_shapes_from_model_preset(tmp_path):
 
 def test_pallas_interpret_autotune_mechanism(monkeypatch):
   impls = registry.implementations("gated_delta_rule")
-  if "pallas_mosaic_tpu" not in impls:
-    pytest.skip("gated_delta_rule has no registered pallas_mosaic_tpu implementation yet"
-                " (no tokamax_gdn/ops/gated_delta_rule/pallas_mosaic_tpu.py)")
-  if type(impls["pallas_mosaic_tpu"]).config_cls is op_lib.NullConfig:
-    pytest.skip("pallas_mosaic_tpu gated_delta_rule has no Config to tune")
+  assert "pallas_mosaic_tpu" in impls, "the Pallas GDN is not registered"
+  assert type(impls["pallas_mosaic_tpu"]).config_cls is not op_lib.NullConfig, (
+      "the Pallas GDN has no Config to tune")
   # The environment variable, not the thread-local switch: tokamax may compile
   # configs on worker threads.
   monkeypatch.setenv("TOKAMAX_GDN_INTERPRET", "1")
