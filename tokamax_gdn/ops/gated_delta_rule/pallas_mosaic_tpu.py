@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from tokamax_gdn import config as gdn_config
 from tokamax_gdn.ops import partitioning
+from tokamax_gdn.ops.tiling import round_up
 from tokamax_gdn.ops.gated_delta_rule import base
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as kernel
 
@@ -68,11 +69,11 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
   head-major f32 copies of the blocks, and ~12 live C×C / C×D f32 tiles per
   interleaved head.
   """
-  dim_k, dim_v = kernel.round_up(dim_k, 128), kernel.round_up(dim_v, 128)
+  dim_k, dim_v = round_up(dim_k, 128), round_up(dim_v, 128)
   tok = chunk * (2 * hk * dim_k + 2 * hv * dim_v) * itemsize         # q, k, v, dO
   grads = chunk * (2 * hk * dim_k + hv * dim_v) * itemsize           # dq, dk, dv
   res = hv * (dim_k * dim_v + chunk * chunk) * itemsize               # states, T'
-  gates = 4 * chunk * kernel.round_up(hv, 128) * 4
+  gates = 4 * chunk * round_up(hv, 128) * 4
   blocks = 2 * (tok + grads + res + gates)
   scratch = hv * dim_k * dim_v * 4
   copies = chunk * (2 * hk * dim_k + 2 * hv * dim_v) * 4
@@ -122,10 +123,7 @@ def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
 
 def _check_supported(q: jax.Array, v: jax.Array) -> bool:
   """Returns interpret mode; raises NotImplementedError where the kernels can't run."""
-  interpret = gdn_config.interpret_enabled()
-  if not interpret and not gdn_config.on_tpu():
-    raise NotImplementedError(
-        "pallas_mosaic_tpu needs a TPU (or tokamax_gdn.config.interpret_mode()).")
+  interpret = gdn_config.require_pallas_tpu("gated_delta_rule pallas_mosaic_tpu")
   if q.dtype not in (jnp.float32, jnp.bfloat16) or v.dtype != q.dtype:
     raise NotImplementedError(
         f"pallas_mosaic_tpu supports float32/bfloat16 q, k, v of one dtype; got"
