@@ -44,15 +44,31 @@ def op_implementation(implementation, op_name: str):
   return implementation
 
 
+def init_dt_bias(key: jax.Array, num_heads: int, dt_min: float = 1e-3,
+                 dt_max: float = 0.1) -> jax.Array:
+  """softplus⁻¹ of time steps dt log-uniform in [dt_min, dt_max] (Mamba2's init).
+
+  HF's GDN init (dt_bias = 1, so dt = softplus(1) ≈ 1.3, with A up to 16)
+  makes most heads decay by exp(−1.3·A) per token: they forget within a token
+  or two, and a model trained from scratch must first unlearn that. With
+  these dt the heads' memories span ~1 to ~10⁴ tokens from the start.
+  """
+  dt = jnp.exp(jax.random.uniform(key, (num_heads,), jnp.float32, jnp.log(dt_min),
+                                  jnp.log(dt_max)))
+  return dt + jnp.log(-jnp.expm1(-dt))
+
+
 def init_block(key: jax.Array, cfg: ModelConfig, kind: str, dtype=jnp.float32) -> Params:
-  """One block's params, initialised as HF does (normal(0.02) matrices,
-  zero-centred norms at 0, the GDN layer's own init)."""
-  k_mix, k_moe = jax.random.split(key)
+  """One block's params: normal(0.02) matrices and zero-centred norms at 0 as
+  HF initialises them, the GDN layer's own init except `dt_bias` (see
+  `init_dt_bias`)."""
+  k_mix, k_moe, k_dt = jax.random.split(key, 3)
   h = cfg.hidden_size
   p = dict(input_norm=jnp.zeros((h,), dtype), post_norm=jnp.zeros((h,), dtype),
            moe=blocks.init_moe(k_moe, h, cfg.num_experts, cfg.moe_intermediate_size, dtype))
   if kind == "gdn":
     p["gdn"] = layers.init_params(k_mix, cfg.gdn, dtype)
+    p["gdn"]["dt_bias"] = init_dt_bias(k_dt, cfg.gdn.num_v_heads)
   elif kind == "attention":
     p["attn"] = blocks.init_attention(k_mix, h, cfg.num_attention_heads, cfg.num_key_value_heads,
                                       cfg.head_dim, dtype)

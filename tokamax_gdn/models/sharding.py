@@ -11,6 +11,11 @@ see per-device shapes. Everything else (embedding, norms, the attention
 blocks, the LM head) is left to `jax.jit`'s partitioner.
 
 Without a mesh the same functions call the layer directly.
+
+`check_vma=False`: Pallas calls declare no varying-axes types for their
+outputs, which `check_vma=True` requires. The gradients of these mixers are
+checked against unsharded ones on 8 host devices
+(tests/models/sharding_checks.py).
 """
 
 import dataclasses
@@ -58,8 +63,8 @@ def gdn_mixer(params, x: jax.Array, cfg: GatedDeltaNetConfig, *, implementation=
   local_cfg = dataclasses.replace(cfg, num_k_heads=cfg.num_k_heads // m,
                                   num_v_heads=cfg.num_v_heads // m)
   cols, rows = _gdn_segments(cfg)
-  in_segs = jnp.split(params["in_proj"], cols, axis=1)
-  conv_segs = jnp.split(params["conv_weight"], rows, axis=0)
+  in_segs = tuple(jnp.split(params["in_proj"], cols, axis=1))
+  conv_segs = tuple(jnp.split(params["conv_weight"], rows, axis=0))
 
   def local(in_segs, conv_segs, a_log, dt_bias, norm_weight, out_proj, x):
     p = dict(in_proj=jnp.concatenate(in_segs, axis=1),
@@ -72,7 +77,7 @@ def gdn_mixer(params, x: jax.Array, cfg: GatedDeltaNetConfig, *, implementation=
       local, mesh=mesh,
       in_specs=((col,) * len(in_segs), (row,) * len(conv_segs), P(MODEL), P(MODEL), P(),
                 row, P(DATA)),
-      out_specs=P(DATA))
+      out_specs=P(DATA), check_vma=False)
   return fn(in_segs, conv_segs, params["a_log"], params["dt_bias"], params["norm_weight"],
             params["out_proj"], x)
 
@@ -101,7 +106,8 @@ def moe_mixer(params, x: jax.Array, *, top_k: int, capacity_factor: float | None
   specs = dict(router=P(), gate_proj=P(None, None, MODEL), up_proj=P(None, None, MODEL),
                down_proj=P(None, MODEL, None))
   fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(DATA)),
-                     out_specs=(P(DATA), dict(aux_loss=P(), group_sizes=P(), dropped=P())))
+                     out_specs=(P(DATA), dict(aux_loss=P(), group_sizes=P(), dropped=P())),
+                     check_vma=False)
   return fn(params, x)
 
 

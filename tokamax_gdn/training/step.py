@@ -82,7 +82,7 @@ def train_step(params, opt_state, batch, *, cfg: ModelConfig, optimizer, step_cf
   grads, metrics = jax.grad(loss_fn, has_aux=True)(params, batch, cfg, step_cfg, mesh)
   updates, opt_state = optimizer.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
-  metrics["grad_norm"] = optax.global_norm(grads)
+  metrics["grad_norm"] = optax.tree.norm(grads)
   return params, opt_state, metrics
 
 
