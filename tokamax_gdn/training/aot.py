@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tokamax_gdn import aot
 from tokamax_gdn.models import decoder
@@ -90,8 +90,14 @@ def compile_train_step(cfg: ModelConfig, *, target: str = "tpu7x", batch: int = 
     return step_lib.train_step(params, opt_state, batch_, cfg=cfg, optimizer=optimizer,
                                step_cfg=step_cfg, mesh=mesh)
 
+  shardings = lambda tree: jax.tree.map(lambda a: a.sharding, tree)
+  # Updated params and state keep their layout and reuse the donated buffers,
+  # as in a training loop.
+  jitted = jax.jit(train_step, donate_argnums=(0, 1),
+                   out_shardings=(shardings(params), shardings(opt_args),
+                                  NamedSharding(mesh, P())))
   with aot.on_target(mesh):
-    compiled = jax.jit(train_step).lower(params, opt_args, batch_args).compile()
+    compiled = jitted.lower(params, opt_args, batch_args).compile()
   mem = compiled.memory_analysis()
   return TrainStepReport(
       target=target, mesh_shape=(n_data, n_model), batch=batch, seq_len=seq_len,

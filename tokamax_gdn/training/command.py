@@ -24,10 +24,10 @@ DEFAULT_MODEL = "qwen3.5-micro"
 # Defaults measured to reach > 90 % recall within 5 minutes on a loaded
 # 2-core CPU (README: "Training").
 DEFAULT_STEPS = 300
-DEFAULT_BATCH = 32
+DEFAULT_BATCH = 128
 DEFAULT_SEQ_LEN = 16
 DEFAULT_LR = 3e-3
-STOP_AT_ACCURACY = 0.98
+STOP_AT_ACCURACY = 0.96
 INTERPRET_STEPS = 3
 INTERPRET_BATCH = 2
 INTERPRET_SEQ_LEN = 16

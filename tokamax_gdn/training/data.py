@@ -25,10 +25,10 @@ import jax.numpy as jnp
 class RecallTask:
   """Shapes of the recall task (hashable: a jit static argument)."""
 
-  num_pairs: int = 8
-  num_queries: int = 8
-  num_keys: int = 32
-  num_values: int = 32
+  num_pairs: int = 4
+  num_queries: int = 4
+  num_keys: int = 16
+  num_values: int = 16
 
   def __post_init__(self):
     for f in ("num_pairs", "num_queries", "num_keys", "num_values"):
