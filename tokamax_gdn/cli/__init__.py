@@ -31,6 +31,7 @@ COMMANDS = {
     "bench": "bench",
     "aot": "aot",
     "autotune": "autotune",
+    "train": "train",
 }
 
 

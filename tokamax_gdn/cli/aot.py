@@ -38,6 +38,8 @@ def add_arguments(parser) -> None:
   parser.add_argument("--full-length-memory", action="store_true",
                       help="compile at --seq-len for the memory columns (slower)")
   parser.add_argument("--json", action="store_true", help="print the report as JSON")
+  from tokamax_gdn.training import aot as train_aot  # pylint: disable=g-import-not-at-top
+  train_aot.add_train_step_arguments(parser)
 
 
 def _shapes(args) -> list:
@@ -53,6 +55,9 @@ def _m(x):
 
 
 def run(args) -> int:
+  if args.train_step:
+    from tokamax_gdn.training import aot as train_aot  # pylint: disable=g-import-not-at-top
+    return train_aot.run_train_step(args, common.print_table)
   from tokamax_gdn.benchmarks import gated_delta_rule_aot as report_lib  # pylint: disable=g-import-not-at-top
   lengths = [int(t) for t in args.cycle_lengths.split(",") if int(t) > 0]
   results = []
