@@ -32,8 +32,8 @@ from tokamax_gdn.ops.checks import describe, require_rank  # pylint: disable=g-i
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
 Residuals = None
 
-_DIMS_PLAIN = ragged_dot_base.DEFAULT_RAGGED_DOT_DIM_NUMS
-_DIMS_TRANSPOSED_RHS = ragged_dot_base.TRANS_RHS_RAGGED_DOT_DIM_NUMS
+DIMS_PLAIN = ragged_dot_base.DEFAULT_RAGGED_DOT_DIM_NUMS
+DIMS_TRANSPOSED_RHS = ragged_dot_base.TRANS_RHS_RAGGED_DOT_DIM_NUMS
 
 
 def _is_fp8(dtype) -> bool:
@@ -200,10 +200,10 @@ class Gmm[C, K](GroupedMatmulOp[C, K]):
         ragged_dot_dimension_numbers=ragged_dot_dimension_numbers,
         activation=activation,
         group_offset=group_offset,
-        allowed_dims=(_DIMS_PLAIN, _DIMS_TRANSPOSED_RHS),
+        allowed_dims=(DIMS_PLAIN, DIMS_TRANSPOSED_RHS),
     )
     if dims is not None:
-      transpose_rhs = dims == _DIMS_TRANSPOSED_RHS
+      transpose_rhs = dims == DIMS_TRANSPOSED_RHS
     require_rank("lhs", lhs, 2, "[M, K]")
     require_rank("rhs", rhs, 3, "[G, N, K]" if transpose_rhs else "[G, K, N]")
     require_operand_dtype("lhs", lhs)
