@@ -39,8 +39,15 @@ def test_xla_call_without_tpu_chips_does_not_start_libtpu():
     assert noise not in proc.stderr, proc.stderr[-2000:]
 
 
-def test_cache_miss_of_our_op_is_a_debug_line(caplog):
+def _capture_all(caplog):
+  """DEBUG and up from every logger, absl's included (whose level another
+  test's `tokamax-gdn train` run may have raised)."""
   caplog.set_level(logging.DEBUG)
+  caplog.set_level(logging.DEBUG, logger="absl")
+
+
+def test_cache_miss_of_our_op_is_a_debug_line(caplog):
+  _capture_all(caplog)
   x = jnp.ones((1, 24, 1, 16)); v = jnp.ones((1, 24, 2, 16))  # a shape with nothing tuned
   g, beta = -jnp.ones((1, 24, 2)), jnp.full((1, 24, 2), 0.5)
   jax.block_until_ready(tokamax_gdn.gated_delta_rule(x, x, v, g, beta, implementation="xla"))
@@ -49,3 +56,16 @@ def test_cache_miss_of_our_op_is_a_debug_line(caplog):
   assert all(r.levelno == logging.DEBUG and r.name == "tokamax_gdn.autotuning.cache"
              for r in misses), [(r.name, r.levelname, r.getMessage()[:80]) for r in misses]
   assert all("\n" not in r.getMessage() for r in misses)
+
+
+def test_cache_miss_of_our_vjp_op_is_a_debug_line(caplog):
+  """VJP Ops without the shipped-cache mixin are ours too (their misses were
+  tokamax's multi-line WARNING in `tokamax-gdn aot --train-step`)."""
+  from tokamax_gdn.ops.causal_conv1d import pallas_mosaic_tpu as conv  # pylint: disable=g-import-not-at-top
+  vjp_op = conv.PallasMosaicTpuCausalConv1dVjp()
+  assert not isinstance(vjp_op, tokamax_gdn.autotuning.ShippedAutotuningCacheMixin)
+  _capture_all(caplog)
+  logging.getLogger("absl").warning("Autotuning cache miss for %s on %s with key %s", vjp_op,
+                                    "TPU7x", '{"x": "bf16[1,128,128]"}')
+  assert [(r.name, r.levelno) for r in caplog.records] == [
+      ("tokamax_gdn.autotuning.cache", logging.DEBUG)], caplog.records

@@ -6,6 +6,29 @@ import re
 
 from tokamax_gdn.training import command
 
+# qwen3.5-micro's structure (GDN and attention blocks, routed MoE) at the
+# smallest width: the command's logic, not the model, is under test here.
+_TOY = """\
+name: toy
+variant: qwen3_5
+hidden_size: 32
+num_k_heads: 1
+num_v_heads: 2
+head_k_dim: 16
+head_v_dim: 16
+conv_kernel_size: 4
+model:
+  num_layers: 2
+  full_attention_interval: 2
+  num_attention_heads: 2
+  num_key_value_heads: 1
+  head_dim: 16
+  num_experts: 2
+  num_experts_per_tok: 1
+  moe_intermediate_size: 16
+  vocab_size: 8
+"""
+
 
 def _parse(argv):
   p = argparse.ArgumentParser()
@@ -18,9 +41,12 @@ def test_defaults():
   assert args.model == "qwen3.5-micro" and args.impl == "xla" and not args.interpret
 
 
-def test_short_run_prints_table_and_recall_line(capsys):
+def test_short_run_prints_table_and_recall_line(tmp_path, capsys):
+  model = tmp_path / "toy.yml"
+  model.write_text(_TOY)
   tables = []
-  rc = command.run(_parse(["--steps", "3", "--batch", "4", "--seq-len", "8"]), tables.append)
+  rc = command.run(_parse(["--model", str(model), "--steps", "3", "--batch", "32",
+                           "--seq-len", "8"]), tables.append)
   assert rc == 0
   rows = {r["metric"].strip(): r["value"] for r in tables[0]}
   for key in ("loss at start", "loss at end", "recall accuracy (fresh sequences)",

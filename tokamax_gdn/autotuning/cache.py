@@ -103,15 +103,21 @@ class ShippedAutotuningCacheMixin:
 # tokamax logs a WARNING with the Op and its whole cache key for every shape it
 # has no tuned config for. For a plugin's ops that is the normal path (the
 # heuristics choose the config), so for ours it becomes one DEBUG line here.
+# "Ours" is by module, not by the mixin: VJP Ops (e.g. the conv's Pallas VJP)
+# are looked up too without reading shipped files.
 _CACHE_MISS = "Autotuning cache miss for %s on %s with key %s"
 _logger = std_logging.getLogger(__name__)
+
+
+def _is_ours(op) -> bool:
+  return isinstance(op, op_lib.Op) and type(op).__module__.startswith("tokamax_gdn.")
 
 
 class _OurCacheMissesAtDebug(std_logging.Filter):
 
   def filter(self, record: std_logging.LogRecord) -> bool:
     args = record.args if isinstance(record.args, tuple) else ()
-    if record.msg == _CACHE_MISS and args and isinstance(args[0], ShippedAutotuningCacheMixin):
+    if record.msg == _CACHE_MISS and args and _is_ours(args[0]):
       _logger.debug("autotuning cache miss for %s on %s: heuristics config",
                     type(args[0]).__name__, args[1])
       return False

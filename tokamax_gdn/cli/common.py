@@ -1,5 +1,5 @@
 """What several subcommands share: the `--model` resolver, GDN shape options,
-and the table printer.
+arg-spec selection, and the table printer.
 
 Errors are exceptions (ValueError for bad user input); `tokamax_gdn.cli.main`
 turns them into exit codes.

@@ -15,6 +15,7 @@ accepts the keyword arguments `tokamax.ragged_dot` passes to an Op instance
 `tokamax.ragged_dot(..., implementation=op)`.
 """
 
+from collections.abc import Callable
 import dataclasses
 from typing import Any, ClassVar
 
@@ -31,8 +32,8 @@ from tokamax_gdn.ops.checks import describe, require_rank  # pylint: disable=g-i
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
 Residuals = None
 
-_DIMS_PLAIN = ragged_dot_base.DEFAULT_RAGGED_DOT_DIM_NUMS
-_DIMS_TRANSPOSED_RHS = ragged_dot_base.TRANS_RHS_RAGGED_DOT_DIM_NUMS
+DIMS_PLAIN = ragged_dot_base.DEFAULT_RAGGED_DOT_DIM_NUMS
+DIMS_TRANSPOSED_RHS = ragged_dot_base.TRANS_RHS_RAGGED_DOT_DIM_NUMS
 
 
 def _is_fp8(dtype) -> bool:
@@ -144,24 +145,36 @@ def check_compat_kwargs(
 
 
 @dataclasses.dataclass(frozen=True)
-class Gmm[C, K](ShippedAutotuningCacheMixin, op.Op[Any, jax.Array, Residuals, C, K]):
-  """Grouped matmul. Subclasses implement `_gmm` (and set a `vjp`).
+class GroupedMatmulOp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, jax.Array, Residuals, C, K]):
+  """What the gmm and tgmm Ops share.
 
   Group sizes with a negative entry or a sum over M give undefined results
   (implementations differ). `checkify_group_sizes=True` adds checks that
   report them under `jax.experimental.checkify.checkify`, as tokamax's
-  ragged_dot does.
+  ragged_dot does. `vjp_family` names the implementation whose gmm and tgmm
+  compute the VJP (`make_vjp`); None: JAX autodiff of the forward.
   """
 
   _: dataclasses.KW_ONLY
   checkify_group_sizes: bool = False
-  # The implementation whose gmm and tgmm compute this Op's VJP (`gmm_vjp_fn`);
-  # None: JAX autodiff of `_gmm`.
   vjp_family: ClassVar[str | None] = None
+
+  @staticmethod
+  def make_vjp(family: str) -> Callable[..., Any]:
+    raise NotImplementedError
 
   def __post_init__(self):
     if self.vjp is None and self.vjp_family is not None:
-      object.__setattr__(self, "vjp", gmm_vjp_fn(self.vjp_family))
+      object.__setattr__(self, "vjp", self.make_vjp(self.vjp_family))
+
+
+@dataclasses.dataclass(frozen=True)
+class Gmm[C, K](GroupedMatmulOp[C, K]):
+  """Grouped matmul. Subclasses implement `_gmm` (and may set `vjp_family`)."""
+
+  @staticmethod
+  def make_vjp(family: str) -> Callable[..., Any]:
+    return gmm_vjp_fn(family)
 
   def bind(
       self,
@@ -187,10 +200,10 @@ class Gmm[C, K](ShippedAutotuningCacheMixin, op.Op[Any, jax.Array, Residuals, C,
         ragged_dot_dimension_numbers=ragged_dot_dimension_numbers,
         activation=activation,
         group_offset=group_offset,
-        allowed_dims=(_DIMS_PLAIN, _DIMS_TRANSPOSED_RHS),
+        allowed_dims=(DIMS_PLAIN, DIMS_TRANSPOSED_RHS),
     )
     if dims is not None:
-      transpose_rhs = dims == _DIMS_TRANSPOSED_RHS
+      transpose_rhs = dims == DIMS_TRANSPOSED_RHS
     require_rank("lhs", lhs, 2, "[M, K]")
     require_rank("rhs", rhs, 3, "[G, N, K]" if transpose_rhs else "[G, K, N]")
     require_operand_dtype("lhs", lhs)

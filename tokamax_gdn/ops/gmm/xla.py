@@ -21,7 +21,7 @@ class XlaGmm(base.Gmm[Any, Any]):
   def _gmm(self, lhs, rhs, group_sizes, *, out_dtype, transpose_rhs, config):
     del config
     ct = base.compute_dtype(lhs.dtype, rhs.dtype)
-    dims = base._DIMS_TRANSPOSED_RHS if transpose_rhs else base._DIMS_PLAIN  # pylint: disable=protected-access
+    dims = base.DIMS_TRANSPOSED_RHS if transpose_rhs else base.DIMS_PLAIN
     out = jax.lax.ragged_dot_general(
         lhs.astype(ct), rhs.astype(ct), group_sizes,
         ragged_dot_dimension_numbers=dims,

@@ -14,8 +14,9 @@ VJP (out[g] = A_g^T B_g with A = lhs, B = rhs restricted to rows_g):
 Both give zeros past sum(group_sizes), as they should.
 """
 
+from collections.abc import Callable
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +24,7 @@ from jaxtyping import Array, Integer, Shaped  # pylint: disable=g-multiple-impor
 from tokamax._src.ops import op
 from tokamax._src.ops.ragged_dot import base as ragged_dot_base
 
-from tokamax_gdn.autotuning import ShippedAutotuningCacheMixin
 from tokamax_gdn.ops import checks
-
 from tokamax_gdn.ops.gmm import base as gmm_base
 
 AbstractArray = gmm_base.AbstractArray
@@ -34,21 +33,13 @@ DIMS = ragged_dot_base.RAGGED_CONTRACTING_DOT_DIM_NUMS
 
 
 @dataclasses.dataclass(frozen=True)
-class Tgmm[C, K](ShippedAutotuningCacheMixin, op.Op[Any, jax.Array, Residuals, C, K]):
-  """Transposed grouped matmul. Subclasses implement `_tgmm` (and set a `vjp`).
+class Tgmm[C, K](gmm_base.GroupedMatmulOp[C, K]):
+  """Transposed grouped matmul. Subclasses implement `_tgmm` (and may set
+  `vjp_family`); group-size checks as in `gmm_base.GroupedMatmulOp`."""
 
-  Invalid group sizes: as `gmm_base.Gmm` (`checkify_group_sizes=True`).
-  """
-
-  _: dataclasses.KW_ONLY
-  checkify_group_sizes: bool = False
-  # The implementation whose gmm computes this Op's VJP (`tgmm_vjp_fn`); None:
-  # JAX autodiff of `_tgmm`.
-  vjp_family: ClassVar[str | None] = None
-
-  def __post_init__(self):
-    if self.vjp is None and self.vjp_family is not None:
-      object.__setattr__(self, "vjp", tgmm_vjp_fn(self.vjp_family))
+  @staticmethod
+  def make_vjp(family: str) -> Callable[..., Any]:
+    return tgmm_vjp_fn(family)
 
   def bind(
       self,
