@@ -382,17 +382,18 @@ def gdn_aot_tpu7x_8dev_heads_sharded_default_impl_plain_jit():
   return _gdn_aot(None, wrap=None)
 
 
-def main(argv):
+def main(argv, checks=None):
+  checks = CHECKS if checks is None else checks
   group, out_path, *names = argv[1:]
-  names = names or [n for n, (g, _) in CHECKS.items() if g == group]
-  if group == "cpu" and len(jax.devices()) < 8:
+  names = names or [n for n, (g, _) in checks.items() if g == group]
+  if group in ("cpu", "cp") and len(jax.devices()) < 8:
     raise SystemExit(f"needs 8 devices, got {len(jax.devices())}: set XLA_FLAGS="
                      "--xla_force_host_platform_device_count=8")
   results = {}
   for name in names:
     t0 = time.time()
     try:
-      detail = CHECKS[name][1]()
+      detail = checks[name][1]()
       results[name] = {"ok": True, "detail": detail}
     except Exception:  # pylint: disable=broad-except
       results[name] = {"ok": False, "detail": traceback.format_exc()[-3000:]}

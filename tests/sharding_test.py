@@ -23,17 +23,23 @@ checks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(checks)
 
 
-def _run(group, tmp_path_factory):
-  out = tmp_path_factory.mktemp(f"sharding_{group}") / "results.json"
+def _run(group, tmp_path_factory, script=SCRIPT, host_devices=None, timeout=900):
+  """Runs `script group OUT.json` in a subprocess; (results, process).
+
+  `host_devices` (default: 8 for the "cpu" group) CPU devices are forced for
+  that subprocess only.
+  """
+  out = tmp_path_factory.mktemp(f"{script.stem}_{group}") / "results.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
              ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-  if group == "cpu":
+  host_devices = host_devices or (8 if group == "cpu" else None)
+  if host_devices:
     flags = env.get("XLA_FLAGS", "")
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
-  proc = subprocess.run([sys.executable, str(SCRIPT), group, str(out)], env=env,
-                        capture_output=True, text=True, timeout=900, check=False)
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={host_devices}".strip()
+  proc = subprocess.run([sys.executable, str(script), group, str(out)], env=env,
+                        capture_output=True, text=True, timeout=timeout, check=False)
   if not out.exists():
-    pytest.fail(f"sharding_checks.py {group} produced no results (rc {proc.returncode}):\n"
+    pytest.fail(f"{script.name} {group} produced no results (rc {proc.returncode}):\n"
                 f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
   return json.loads(out.read_text()), proc
 

@@ -323,6 +323,7 @@ def gated_deltanet(
     segment_ids: jax.Array | None = None,
     cache: GatedDeltaNetCache | None = None,
     return_cache: bool = False,
+    context_parallel_axis: str | None = None,
 ):
   """The GatedDeltaNet block: x [B, T, hidden] -> y [B, T, hidden] (x's dtype).
 
@@ -339,6 +340,11 @@ def gated_deltanet(
     cache: state after earlier tokens of the same sequences (prefill then
       decode); None starts from zeros.
     return_cache: also return the `GatedDeltaNetCache` after the last token.
+    context_parallel_axis: inside `jax.shard_map` with T of `x` (and
+      `segment_ids`) sharded over this mesh axis: passed to both ops (see
+      `gated_delta_rule`); the rest of the layer is per token. The returned
+      cache is then the whole sequence's, on every device of the axis, and a
+      given `cache` enters at the first token (pass it replicated).
 
   Returns:
     y, or (y, cache) with `return_cache`.
@@ -361,6 +367,7 @@ def gated_deltanet(
       output_final_state=return_cache,
       segment_ids=segment_ids,
       implementation=_implementations("causal_conv1d", implementation, cfg),
+      context_parallel_axis=context_parallel_axis,
   )
   q = qkv[..., :cfg.key_dim].reshape(b, t, hk, dk)
   k = qkv[..., cfg.key_dim:2 * cfg.key_dim].reshape(b, t, hk, dk)
@@ -376,6 +383,7 @@ def gated_deltanet(
       dt_bias=params["dt_bias"].astype(jnp.float32),
       segment_ids=segment_ids,
       implementation=_implementations("gated_delta_rule", implementation, cfg),
+      context_parallel_axis=context_parallel_axis,
   )
   o = gated_rmsnorm(o.astype(dtype), z.reshape(b, t, hv, dv),
                     params["norm_weight"].astype(dtype), cfg.rms_norm_eps)

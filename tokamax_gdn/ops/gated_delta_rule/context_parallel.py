@@ -1,0 +1,126 @@
+"""Context-parallel gated delta rule: T sharded over a mesh axis inside `jax.shard_map`.
+
+Per value head the recurrence is affine in the state, token by token:
+
+  S_t = M_t S_{t-1} + beta_t k_t v_t^T,   M_t = (I - beta_t k_t k_t^T) exp(g_t)   (K x K)
+
+so device d's tokens map the state entering it, S_in, to
+
+  S_out = A S_in + B,   A = M_T ... M_1,  B = the local run's final state from zero,
+
+and every local output is affine in S_in as well:
+
+  o_t = scale S_t^T q_t = o_t(0) + S_in^T r_t,   r_t = scale (M_t ... M_1)^T q_t.
+
+All of these come from THE OP ITSELF (whichever implementation), twice per
+device on the local tokens:
+  - the plain call from a zero state gives o(0) and B;
+  - a call with zero values [B, T, Hv, K] and initial state I_K gives r (its
+    outputs: scale S_t^T q_t with S_t = M_t...M_1) and A (its final state).
+    A segment starting inside the device resets that state, so A and r are 0
+    from there on: the chain is cut exactly as the unsharded op cuts it.
+Then one all_gather brings every device's (A, B) to every device, each device
+composes the P maps in sequence order (a scan of P small K x K @ K x V
+matmuls), takes the state entering it and adds S_in^T r_t to its outputs. The
+state entering device d is the caller's `initial_state` (or 0) for d = 0, and
+0 when a segment starts exactly at device d's first token (found from the
+neighbours' segment ids, one more tiny all_gather).
+
+Why all_gather + a local prefix rather than a ppermute chain: the chain needs
+P dependent collective steps (each device waits for its predecessor's state),
+the gather one collective whose payload, P·(K·K + K·V) floats per head (16 MiB
+at P=4, 32 heads, K=V=128), is small next to the local work; the P-step
+prefix is a few hundred small matmuls, and computing it on every device also
+gives every device the final state: `final_state` is replicated over the axis.
+
+Why no replay of the local tokens from S_in (the other common design): the
+outputs are affine in S_in, so r_t carries all a replay would; the two op
+calls have the local op's widths (V, and K for the transition) and neither
+keeps anything beyond what the op's own VJP keeps, so the extra memory per
+device is r ([T_local, Hv, K], value dtype) and O(P·Hv·K·(K+V)) for the
+gathered maps, with no per-chunk stack of A. The backward is autodiff through
+this (each op's analytical VJP inside; the gather's transpose hands each
+device the cotangent of its own (A, B)).
+
+Requirements: T divisible by the axis size (shard_map's even split; the
+local T need not be a multiple of any chunk size).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from tokamax_gdn import registry
+from tokamax_gdn.ops import checks
+from tokamax_gdn.ops import context_parallel as cp
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _compose(a_all, b_all, s0, resets):
+  """States entering each device [P, B, Hv, K, V] and the final state, in sequence order.
+
+  a_all [P, B, Hv, K, K], b_all [P, B, Hv, K, V], s0 [B, Hv, K, V] f32,
+  resets [P, B] bool or None (a segment starts at device j's first token).
+  """
+  size = a_all.shape[0]
+  if resets is None:
+    resets = jnp.zeros((size, a_all.shape[1]), bool)
+
+  def step(s, xs):
+    a, b, reset = xs
+    s_in = jnp.where(reset[:, None, None, None], 0.0, s)
+    return jnp.einsum("bhij,bhjv->bhiv", a, s_in, precision=_HIGHEST) + b, s_in
+
+  final, entering = jax.lax.scan(step, s0, (a_all, b_all, resets))
+  return entering, final
+
+
+def gated_delta_rule(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    axis_name: str,
+    scale: float | None,
+    initial_state: jax.Array | None,
+    output_final_state: bool,
+    use_qk_l2norm: bool,
+    a_log: jax.Array | None,
+    dt_bias: jax.Array | None,
+    segment_ids: jax.Array | None,
+    implementation,
+) -> tuple[jax.Array, jax.Array | None]:
+  """`api.gated_delta_rule` on this device's slice of T (see module doc).
+
+  Returns the local outputs and, with `output_final_state`, the state after
+  the last token of the whole sequence (the same on every device of the axis).
+  """
+  index, _ = cp.axis_position(axis_name)
+  b, t, _, dk = query.shape
+  hv, dv = value.shape[2], value.shape[3]
+  if initial_state is not None:
+    checks.require_shape("initial_state", initial_state, (b, hv, dk, dv), "[B, Hv, K, V]")
+  call = lambda v, s0: registry.call(
+      "gated_delta_rule", implementation, query, key, v, g, beta,
+      scale=scale, initial_state=s0, output_final_state=True,
+      use_qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
+      segment_ids=segment_ids)
+
+  out_zero, b_map = call(value, None)
+  eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (b, hv, dk, dk))
+  readout, a_map = call(jnp.zeros((b, t, hv, dk), value.dtype), eye)
+
+  a_all, b_all = cp.gather((a_map, b_map), axis_name)
+  s0 = (jnp.zeros((b, hv, dk, dv), jnp.float32) if initial_state is None
+        else initial_state.astype(jnp.float32))
+  entering, final = _compose(a_all, b_all, s0, cp.starts_at_device(segment_ids, axis_name))
+  s_in = entering[index]
+  if readout.dtype == jnp.float32:
+    carried = jnp.einsum("bthk,bhkv->bthv", readout, s_in, precision=_HIGHEST)
+  else:  # the bf16 contract: one more rounding of S_in, as the kernels' own matmuls do
+    carried = jnp.einsum("bthk,bhkv->bthv", readout, s_in.astype(readout.dtype),
+                         preferred_element_type=jnp.float32)
+  out = (out_zero.astype(jnp.float32) + carried).astype(value.dtype)
+  return out, (final if output_final_state else None)
