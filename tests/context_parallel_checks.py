@@ -105,7 +105,7 @@ def _run_cp(f_plain, f_cp, d, seg, cts, mesh, specs, seg_spec, out_specs):
 
 
 # ------------------------------------------------------------------ GDN
-def gdn_cp(impl, mesh_shape, names, *, b=2, hk=1, hv=4, segments=True, init=True, gates=True):
+def gdn_cp(impl, mesh_shape, names, *, b=2, hk=2, hv=8, segments=True, init=True, gates=True):
   """GDN with T over "cp" (and batch over "data" / heads over "model" when named)."""
   mesh = make_mesh(mesh_shape, names)
   data = "data" if "data" in names else None

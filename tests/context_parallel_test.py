@@ -1,8 +1,9 @@
 """Context parallelism: T sharded over a mesh axis gives the unsharded results.
 
 The checks live in `context_parallel_checks.py` (its docstring says what each
-problem contains) and run in one subprocess with 8 host CPU devices, as
-`sharding_test.py` runs its own.
+problem contains). Each runs in its own subprocess with 8 host CPU devices
+(as `sharding_test.py` runs its own), so that pytest-xdist spreads them over
+its workers: some take minutes on a small machine (Pallas interpret mode).
 """
 
 import importlib.util
@@ -22,13 +23,13 @@ def _names(group):
   return [n for n, (g, _) in checks.CHECKS.items() if g == group]
 
 
-@pytest.fixture(scope="module")
-def cp_results(tmp_path_factory):
+def _check(group, name, tmp_path_factory, host_devices=None):
   # pylint: disable-next=protected-access
-  return sharding_test._run("cp", tmp_path_factory, script=SCRIPT, host_devices=8,
-                            timeout=1800)
+  results = sharding_test._run(group, tmp_path_factory, script=SCRIPT,
+                               host_devices=host_devices, timeout=1800, names=(name,))
+  sharding_test._assert(results, name)  # pylint: disable=protected-access
 
 
 @pytest.mark.parametrize("name", _names("cp"))
-def test_context_parallel_matches_unsharded(cp_results, name):
-  sharding_test._assert(cp_results, name)  # pylint: disable=protected-access
+def test_context_parallel_matches_unsharded(name, tmp_path_factory):
+  _check("cp", name, tmp_path_factory, host_devices=8)

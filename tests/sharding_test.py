@@ -23,8 +23,8 @@ checks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(checks)
 
 
-def _run(group, tmp_path_factory, script=SCRIPT, host_devices=None, timeout=900):
-  """Runs `script group OUT.json` in a subprocess; (results, process).
+def _run(group, tmp_path_factory, script=SCRIPT, host_devices=None, timeout=900, names=()):
+  """Runs `script group OUT.json [names]` in a subprocess; (results, process).
 
   `host_devices` (default: 8 for the "cpu" group) CPU devices are forced for
   that subprocess only.
@@ -36,7 +36,7 @@ def _run(group, tmp_path_factory, script=SCRIPT, host_devices=None, timeout=900)
   if host_devices:
     flags = env.get("XLA_FLAGS", "")
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={host_devices}".strip()
-  proc = subprocess.run([sys.executable, str(script), group, str(out)], env=env,
+  proc = subprocess.run([sys.executable, str(script), group, str(out), *names], env=env,
                         capture_output=True, text=True, timeout=timeout, check=False)
   if not out.exists():
     pytest.fail(f"{script.name} {group} produced no results (rc {proc.returncode}):\n"

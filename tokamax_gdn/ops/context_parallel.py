@@ -9,6 +9,8 @@ on a device boundary are invisible to the local ops (they see no id change at
 their first token), so `starts_at_device` finds them from the neighbours' ids.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -43,6 +45,76 @@ def shift_right(x, axis_name: str, size: int):
   device reads from its predecessor reach the predecessor's inputs.
   """
   return jax.lax.ppermute(x, axis_name, [(i, i + 1) for i in range(size - 1)])
+
+
+def one_backward_at_a_time(*calls):
+  """[fn(*args) for fn, args, recompute in calls], with the backward passes
+  run one at a time, last call first.
+
+  Autodiff leaves the backward passes of independent computations unordered,
+  and XLA then runs them side by side, holding every set of transients at
+  once (for the GDN op: the chunk states its VJP recomputes, 1 KiB per token
+  and head). Here each call's VJP starts from its residuals passed through an
+  optimization barrier together with the gradients of the call after it (for
+  the last call: with its own cotangents), so nothing of it, not even what it
+  recomputes from its residuals, can be scheduled earlier.
+
+  A call with `recompute` keeps only its arguments and runs its forward again
+  inside its backward step (as `jax.checkpoint`), so what it builds from them
+  (sliced or constant operands, the op's own residuals) lives only there.
+  `fn`s are Python callables; the args pytrees may hold integer arrays (they
+  get no gradient) and None.
+  """
+  static, floats, others = [], [], []
+  for fn, args, recompute in calls:
+    leaves, tree = jax.tree.flatten(args)
+    mask = tuple(bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact)) for x in leaves)
+    static.append((fn, tree, mask, bool(recompute)))
+    floats.append([x for x, m in zip(leaves, mask) if m])
+    others.append([x for x, m in zip(leaves, mask) if not m])
+  return _ordered(tuple(static), floats, others)
+
+
+def _vjp(static_one, floats, others):
+  fn, tree, mask, _ = static_one
+
+  def on_floats(floats):
+    it_f, it_o = iter(floats), iter(others)
+    return fn(*tree.unflatten([next(it_f) if m else next(it_o) for m in mask]))
+
+  return jax.vjp(on_floats, floats)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ordered(static, floats, others):
+  return [_vjp(*c)[0] for c in zip(static, floats, others)]
+
+
+def _ordered_fwd(static, floats, others):
+  outs, residuals = [], []
+  for st, fl, ot in zip(static, floats, others):
+    out, vjp = _vjp(st, fl, ot)
+    outs.append(out)
+    residuals.append((fl, ot) if st[3] else vjp)
+  return outs, residuals
+
+
+def _ordered_bwd(static, residuals, cts):
+  grads = [None] * len(static)
+  gate = cts[-1]
+  for i in reversed(range(len(static))):
+    # The residuals wait for `gate`: the next call's gradients (or, for the
+    # last call, its own cotangents, else XLA would hoist what the VJP
+    # recomputes from residuals into the forward's tail).
+    res, ct, gate = jax.lax.optimization_barrier((residuals[i], cts[i], gate))
+    vjp = _vjp(static[i], *res)[1] if static[i][3] else res
+    (grads[i],) = vjp(ct)
+    gate = grads[i]
+  # The integer leaves get no gradient.
+  return grads, [[None] * st[2].count(False) for st in static]
+
+
+_ordered.defvjp(_ordered_fwd, _ordered_bwd)
 
 
 def starts_at_device(segment_ids: jax.Array | None, axis_name: str) -> jax.Array | None:

@@ -34,17 +34,28 @@ prefix is a few hundred small matmuls, and computing it on every device also
 gives every device the final state: `final_state` is replicated over the axis.
 
 Why no replay of the local tokens from S_in (the other common design): the
-outputs are affine in S_in, so r_t carries all a replay would; the two op
-calls have the local op's widths (V, and K for the transition) and neither
-keeps anything beyond what the op's own VJP keeps, so the extra memory per
-device is r ([T_local, Hv, K], value dtype) and O(P·Hv·K·(K+V)) for the
-gathered maps, with no per-chunk stack of A. The backward is autodiff through
-this (each op's analytical VJP inside; the gather's transpose hands each
-device the cotangent of its own (A, B)).
+outputs are affine in S_in, so r_t carries all a replay would, and the two op
+calls have the local op's widths (V, and K for the transition) rather than
+one of width K+V plus a replay. Nothing keeps a per-chunk stack of A: the
+backward is autodiff through the above, each op call's analytical VJP inside
+(the gather's transpose hands each device the cotangent of its own (A, B)).
+
+Memory. Left to itself XLA would run the two op backwards side by side, each
+with its recomputed chunk states (1 KiB per token and head at K=V=128, C=64):
+1.9x the temp memory of the unsharded op on the same local T. So the op
+backwards run one at a time (`context_parallel.one_backward_at_a_time`): the
+plain call's first, then the transition's, in two key-head groups when the
+local key heads split evenly, each recomputed inside its own backward step
+so that its zero values and head slices exist only there. What stays beyond
+the plain op's own is r and its cotangent ([T_local, Hv, K] each, value
+dtype) and O(P·Hv·K·(K+V)) for the gathered maps. Measured numbers: README,
+"Long context". The price is one more forward pass of the transition call.
 
 Requirements: T divisible by the axis size (shard_map's even split; the
 local T need not be a multiple of any chunk size).
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -102,15 +113,37 @@ def gated_delta_rule(
   hv, dv = value.shape[2], value.shape[3]
   if initial_state is not None:
     checks.require_shape("initial_state", initial_state, (b, hv, dk, dv), "[B, Hv, K, V]")
-  call = lambda v, s0: registry.call(
-      "gated_delta_rule", implementation, query, key, v, g, beta,
-      scale=scale, initial_state=s0, output_final_state=True,
-      use_qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
-      segment_ids=segment_ids)
 
-  out_zero, b_map = call(value, None)
-  eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (b, hv, dk, dk))
-  readout, a_map = call(jnp.zeros((b, t, hv, dk), value.dtype), eye)
+  def call(v, s0, q, k, g, beta, a_log, dt_bias, segment_ids):
+    return registry.call(
+        "gated_delta_rule", implementation, q, k, v, g, beta,
+        scale=scale, initial_state=s0, output_final_state=True,
+        use_qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
+        segment_ids=segment_ids)
+
+  # The transition call runs in `groups` key-head groups (whole GVA groups),
+  # each recomputed inside its backward step, one backward at a time after
+  # the plain call's: its zero values, head slices and the transients of its
+  # backward (the recomputed chunk states above all) then live only there, at
+  # 1/groups of the plain call's size, instead of adding a second full set.
+  hk = query.shape[2]
+  groups = 2 if hk % 2 == 0 else 1
+  rk, rv = hk // groups, hv // groups
+
+  def transition(i, q, k, g, beta, a_log, dt_bias, segment_ids):
+    kh, vh = slice(i * rk, (i + 1) * rk), slice(i * rv, (i + 1) * rv)
+    return call(jnp.zeros((b, t, rv, dk), value.dtype),
+                jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (b, rv, dk, dk)),
+                q[:, :, kh], k[:, :, kh], g[:, :, vh], beta[:, :, vh],
+                None if a_log is None else a_log[vh],
+                None if dt_bias is None else dt_bias[vh], segment_ids)
+
+  shared = (query, key, g, beta, a_log, dt_bias, segment_ids)
+  *parts, (out_zero, b_map) = cp.one_backward_at_a_time(
+      *[(functools.partial(transition, i), shared, True) for i in range(groups)],
+      (call, (value, None, *shared), False))
+  readout = jnp.concatenate([r for r, _ in parts], axis=2)
+  a_map = jnp.concatenate([a for _, a in parts], axis=1)
 
   a_all, b_all = cp.gather((a_map, b_map), axis_name)
   s0 = (jnp.zeros((b, hv, dk, dv), jnp.float32) if initial_state is None
@@ -119,8 +152,10 @@ def gated_delta_rule(
   s_in = entering[index]
   if readout.dtype == jnp.float32:
     carried = jnp.einsum("bthk,bhkv->bthv", readout, s_in, precision=_HIGHEST)
-  else:  # the bf16 contract: one more rounding of S_in, as the kernels' own matmuls do
-    carried = jnp.einsum("bthk,bhkv->bthv", readout, s_in.astype(readout.dtype),
-                         preferred_element_type=jnp.float32)
-  out = (out_zero.astype(jnp.float32) + carried).astype(value.dtype)
+  else:
+    # Below float32 the contract is 2e-2: S_in rounded to the value dtype and
+    # the product kept in it (a float32 product would be a [T, Hv, V] float32
+    # temporary, and its cotangent another).
+    carried = jnp.einsum("bthk,bhkv->bthv", readout, s_in.astype(readout.dtype))
+  out = (out_zero.astype(jnp.float32) + carried.astype(jnp.float32)).astype(value.dtype)
   return out, (final if output_final_state else None)
