@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import tokamax_gdn
@@ -75,3 +76,93 @@ def test_prologue_gate_and_l2norm():
   g = jnp.array([0.5]); a_log = jnp.array([0.2]); dt = jnp.array([-1.0])
   expected = -jnp.exp(0.2) * jax.nn.softplus(-0.5)
   assert jnp.allclose(base.gate_log_decay(g, a_log, dt), expected)
+
+
+# ------------------------------------------------------- per-segment states
+def _segment_states(n=3):
+  args, kwargs = _inputs()
+  s = kwargs["initial_state"]
+  kwargs["initial_state"] = jnp.stack([s * (i + 1) for i in range(n)], axis=1)
+  kwargs["segment_ids"] = jnp.array([[0, 0, 1, 1, 1, 2], [5, 5, 5, 5, 5, 5]], jnp.int32)
+  return args, kwargs
+
+
+@pytest.mark.parametrize("impl", list(registry.implementations("gated_delta_rule")))
+def test_per_segment_state_needs_segment_ids_and_one_state(impl):
+  args, kwargs = _segment_states()
+  with pytest.raises(ValueError, match="`initial_state`.*needs `segment_ids`"):
+    tokamax_gdn.gated_delta_rule(*args, **{**kwargs, "segment_ids": None},
+                                 implementation=impl)
+  with pytest.raises(ValueError, match="`initial_state`.*at least 1"):
+    tokamax_gdn.gated_delta_rule(
+        *args, **{**kwargs, "initial_state": kwargs["initial_state"][:, :0]},
+        implementation=impl)
+  with pytest.raises(ValueError, match="`initial_state`.*N, Hv, K, V"):
+    tokamax_gdn.gated_delta_rule(
+        *args, **{**kwargs, "initial_state": kwargs["initial_state"][..., :3]},
+        implementation=impl)
+
+
+def test_per_segment_state_unsupported_raises_not_implemented_and_falls_back():
+  class NoSegmentStates(registry.get("gated_delta_rule", "reference").__class__):
+    supports_segment_states = False
+
+  args, kwargs = _segment_states()
+  with pytest.raises(NotImplementedError, match="per-segment states"):
+    NoSegmentStates()(*args, **kwargs)
+  out, final = tokamax_gdn.gated_delta_rule(
+      *args, **kwargs, implementation=[NoSegmentStates(), "reference"])
+  assert out.shape == (2, 6, 4, 4) and final.shape == (2, 3, 4, 8, 4)
+
+
+def _layout_cases():
+  # (segment ids of one row, N, C)
+  return [
+      ([0] * 5 + [1] * 3 + [2] * 9, 2, 4),     # segment 2 is past N: not aligned
+      ([7] * 4 + [3] * 4, 3, 4),               # already aligned; fewer segments than N
+      ([0, 1, 0, 1, 1, 1, 2], 5, 4),           # one-token segments; ids that come back
+      ([4] * 10, 1, 16),                       # one segment, shorter than a chunk
+  ]
+
+
+@pytest.mark.parametrize("ids,n,c", _layout_cases())
+def test_align_segments(ids, n, c):
+  seg_ids = jnp.array([ids, ids[::-1]], jnp.int32)
+  lay = base.align_segments(seg_ids, n, c)
+  t = len(ids)
+  t_al = -(-(t + n * (c - 1)) // c) * c
+  assert lay.source.shape == (2, t_al) and lay.aligned_length == t_al
+  for row in range(2):
+    row_ids = [int(x) for x in seg_ids[row]]
+    seg = [0]
+    for a, b in zip(row_ids, row_ids[1:]):
+      seg.append(seg[-1] + (a != b))
+    assert int(lay.num_segments[row]) == seg[-1] + 1
+    pos = [int(p) for p in lay.position[row]]
+    assert pos == sorted(set(pos)) and pos[0] == 0 and pos[-1] < t_al
+    for tok, p in enumerate(pos):
+      assert int(lay.source[row, p]) == tok
+      assert int(lay.segment[row, p]) == seg[tok]
+      starts_segment = tok == 0 or seg[tok] != seg[tok - 1]
+      if starts_segment and seg[tok] <= n:       # segments 0..N start chunks
+        assert p % c == 0, (row, tok, p)
+        assert bool(lay.chunk_reset[row, p // c])
+        assert int(lay.chunk_segment[row, p // c]) == seg[tok]
+      if starts_segment and seg[tok] > n:        # later ones follow without padding
+        assert p == pos[tok - 1] + 1
+    assert int(jnp.sum(lay.source[row] < t)) == t    # every other position is a pad
+    kept_resets = lay.chunk_reset[row] & (lay.chunk_segment[row] <= n)
+    assert int(jnp.sum(kept_resets)) == min(seg[-1] + 1, n + 1)
+    # The last chunk of each segment: just before the next reset, or the end.
+    resets = [int(i) for i in jnp.nonzero(lay.chunk_reset[row])[0]]
+    lasts = [int(i) for i in jnp.nonzero(lay.chunk_last[row])[0]]
+    assert lasts == [r - 1 for r in resets[1:]] + [t_al // c - 1]
+  x = jax.random.normal(jax.random.key(0), (2, t, 3))
+  x_al = lay.to_aligned(x)
+  np.testing.assert_array_equal(lay.from_aligned(x_al), x)
+  np.testing.assert_array_equal(jnp.where((lay.source < t)[..., None], 0.0, x_al), 0.0)
+  # Differentiable both ways: the two maps are each other's transpose.
+  ct = jax.random.normal(jax.random.key(1), x_al.shape)
+  grad = jax.grad(lambda x: jnp.sum(lay.to_aligned(x) * ct))(x)
+  np.testing.assert_array_equal(grad, lay.from_aligned(ct))
+  assert not bool(jnp.any(lay.in_chunk_starts() & (lay.segment <= n)))

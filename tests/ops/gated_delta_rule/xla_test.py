@@ -11,6 +11,7 @@ import pytest
 import tokamax_gdn
 from tokamax_gdn import registry
 from tokamax_gdn.ops.gated_delta_rule import xla
+from tokamax_gdn.ops.gated_delta_rule import xla_chunked_kernel
 from tokamax_gdn.testing.specs import rel_rms, tolerance
 
 GRAD_NAMES = ("query", "key", "value", "g", "beta", "initial_state", "a_log",
@@ -288,7 +289,7 @@ def _autodiff_grads(t, chunk, block=2048):
   s0 = kw["initial_state"]
 
   def loss(q, k, v, g, beta, s0):
-    out, fin, _ = xla.chunked_forward(q, k, v, g, beta, scale=0.25,
+    out, fin, _ = xla_chunked_kernel.chunked_forward(q, k, v, g, beta, scale=0.25,
                                       initial_state=s0, segment_ids=None,
                                       chunk_size=chunk, block_size=block)
     return jnp.sum(jnp.sin(out)) + jnp.sum(fin * fin)
@@ -297,10 +298,10 @@ def _autodiff_grads(t, chunk, block=2048):
 
   @jax.jit
   def manual(q, k, v, g, beta, s0):
-    out, fin, entries = xla.chunked_forward(
+    out, fin, entries = xla_chunked_kernel.chunked_forward(
         q, k, v, g, beta, scale=0.25, initial_state=s0, segment_ids=None,
         chunk_size=chunk, block_size=block)
-    return xla.chunked_backward(q, k, v, g, beta, jnp.cos(out), 2 * fin,
+    return xla_chunked_kernel.chunked_backward(q, k, v, g, beta, jnp.cos(out), 2 * fin,
                                 scale=0.25, initial_state=s0, segment_ids=None,
                                 chunk_size=chunk, block_size=block,
                                 block_entries=entries)
@@ -314,12 +315,12 @@ def test_backward_without_matching_block_states_recomputes_them():
   args, kw = make_inputs(17, t=700, hk=1, hv=2)
   q, k, v, g, beta = args
   common = dict(scale=0.25, initial_state=kw["initial_state"], segment_ids=None)
-  out, fin, at_256 = xla.chunked_forward(q, k, v, g, beta, chunk_size=32,
+  out, fin, at_256 = xla_chunked_kernel.chunked_forward(q, k, v, g, beta, chunk_size=32,
                                          block_size=256, **common)
-  _, _, at_512 = xla.chunked_forward(q, k, v, g, beta, chunk_size=32,
+  _, _, at_512 = xla_chunked_kernel.chunked_forward(q, k, v, g, beta, chunk_size=32,
                                      block_size=512, **common)
   assert at_256.shape[2] == 3 and at_512.shape[2] == 2
-  bwd = lambda block, entries: xla.chunked_backward(
+  bwd = lambda block, entries: xla_chunked_kernel.chunked_backward(
       q, k, v, g, beta, jnp.cos(out), fin, chunk_size=32, block_size=block,
       block_entries=entries, **common)
   expected = bwd(256, at_256)
@@ -332,7 +333,7 @@ def test_vjp_follows_the_forward_blocks():
   for t, states_blocks, expected in ((700, None, 704), (700, 3, 256), (700, 2, 512),
                                      (5000, 3, 2048), (8192, 16, 512)):
     states = None if states_blocks is None else jnp.zeros((1, 1, states_blocks, 1, 1))
-    assert xla._forward_block_size(t, 64, states) == expected  # pylint: disable=protected-access
+    assert xla.forward_block_size(t, 64, states) == expected
 
 
 @pytest.mark.parametrize("t,chunk,block", [(50, 16, 2048), (300, 16, 256)])

@@ -38,11 +38,19 @@ def gated_delta_rule(
       -exp(a_log) * softplus(g + dt_bias) inside (with gradients for all three).
     beta: [B, T, Hv], in (0, 1).
     scale: output scale; default K**-0.5.
-    initial_state: [B, Hv, K, V] float32 state before the first token.
-    output_final_state: also return the state after the last token.
+    initial_state: [B, Hv, K, V] float32 state before the first token. With
+      `segment_ids` it may also be [B, N, Hv, K, V], one state per segment:
+      segment n of row b (the n-th run of equal ids, from 0) starts from
+      initial_state[b, n]; segments past the N-th start from zeros. Gradients
+      flow to every segment's state.
+    output_final_state: also return the state after the last token; for
+      per-segment states, each segment's own end state.
     use_qk_l2norm: L2-normalise q and k (eps 1e-6) first.
     a_log, dt_bias: [Hv] gate parameters (see `g`).
-    segment_ids: [B, T] int; the state resets to zero where the id changes.
+    segment_ids: [B, T] int; the state resets to zero where the id changes
+      (or to the segment's own initial state, see `initial_state`). A NaN or
+      inf in one segment's inputs or cotangents stays in that segment: its
+      outputs and gradients become NaN, the other segments' do not change.
     implementation: None (best available for the backend), a name from
       `tokamax_gdn.registry.implementations("gated_delta_rule")`, a
       `tokamax.Op`, or a sequence of those tried in order (falling through on
@@ -56,8 +64,11 @@ def gated_delta_rule(
       divide evenly over the axis. See `context_parallel.py` for the method.
 
   Returns:
-    (out [B, T, Hv, V] in value's dtype, final_state [B, Hv, K, V] float32 or
-    None).
+    (out [B, T, Hv, V] in value's dtype, final_state float32 or None):
+    final_state is [B, Hv, K, V], or [B, N, Hv, K, V] for per-segment states
+    (zeros for the segments a row does not have). Every implementation
+    computes in float32: float64 inputs give a float64 `out` and a float32
+    state.
   """
   if context_parallel_axis is not None:
     return context_parallel.gated_delta_rule(

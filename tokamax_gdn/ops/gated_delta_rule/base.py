@@ -11,6 +11,14 @@ and g_t = -exp(a_log) * softplus(g_raw + dt_bias) when `a_log`/`dt_bias` are
 given. `segment_ids` resets S to zero where the id changes (t > 0); the first
 segment starts from `initial_state`.
 
+Per-segment states: with `segment_ids`, `initial_state` may be [B, N, Hv, K, V]:
+segment n of row b (the n-th run of equal ids, counted from 0) starts from
+initial_state[b, n], and the final state is [B, N, Hv, K, V], segment n's own
+end state (zeros where a row has fewer than N segments). Segments past the
+N-th start from zero and their end states are not returned. Chunked backends
+run this on a re-layout where every segment starts at a chunk boundary
+(`align_segments`; math.md, "Per-segment states").
+
 Split of work:
 - `GatedDeltaRule.bind` validates and canonicalises once, for all backends.
 - `prologue` (l2norm + gate activation) is pointwise per token; it is shared and
@@ -109,6 +117,143 @@ def segment_starts(segment_ids: jax.Array | None, t: int) -> jax.Array | None:
   return jnp.concatenate([jnp.zeros_like(changed[:, :1]), changed], axis=1)
 
 
+def segment_index(segment_ids: jax.Array) -> jax.Array:
+  """[B, T] int32: n for the tokens of the n-th run of equal ids in the row."""
+  starts = segment_starts(segment_ids, segment_ids.shape[1])
+  return jnp.cumsum(starts, axis=1, dtype=jnp.int32)
+
+
+def _check_segment_states(initial_state, segment_ids, per_state: tuple[int, ...]) -> None:
+  """bind's checks of a per-segment `initial_state` [B, N, Hv, K, V]."""
+  b, hv, dk, dv = per_state
+  if segment_ids is None:
+    raise ValueError(
+        f"{checks.describe('initial_state', initial_state)}: a per-segment state"
+        " [B, N, Hv, K, V] needs `segment_ids` (segment n starts from"
+        " initial_state[:, n]); without them pass [B, Hv, K, V].")
+  n = initial_state.shape[1]
+  checks.require_shape("initial_state", initial_state, (b, n, hv, dk, dv),
+                       "[B, N, Hv, K, V] per-segment states")
+  if n < 1:
+    raise ValueError(
+        f"{checks.describe('initial_state', initial_state)}: N (states per row)"
+        " must be at least 1.")
+
+
+def empty_final_state(query, value, initial_state) -> jax.Array:
+  """The final state when B or T is 0: the initial state passes through
+  unchanged ([B, Hv, K, V]); per-segment states are zeros (no segments)."""
+  b, _, hv, dv = value.shape
+  if initial_state is None:
+    return jnp.zeros((b, hv, query.shape[3], dv), jnp.float32)
+  if initial_state.ndim == 5:
+    return jnp.zeros(initial_state.shape, jnp.float32)
+  return initial_state.astype(jnp.float32)
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["position", "source", "segment", "chunk_segment", "chunk_reset",
+                 "chunk_last", "num_segments"],
+    meta_fields=["chunk_size", "num_states"])
+@dataclasses.dataclass(frozen=True)
+class SegmentLayout:
+  """Packed segments re-laid so that each starts at a chunk boundary.
+
+  Built by `align_segments` (see there and math.md, "Per-segment states").
+  In the aligned layout of static length Ta = round_up(T + N (C - 1), C),
+  segments 0..N (N = `num_states`) each start at a chunk boundary and are
+  followed by pad tokens up to the next one; segments past N follow each other
+  without padding (they start from zero and their end states are not
+  returned, so an in-chunk start, handled by the chunked code's in-chunk
+  segment masks, is enough). Pads carry q = k = v = 0, g = 0, beta = 0: the
+  state passes through them unchanged.
+
+  Attributes (B rows, T tokens, Ta aligned positions, Nc = Ta / C chunks):
+    position: [B, T] int32, each token's aligned position (strictly increasing).
+    source: [B, Ta] int32, the token at each aligned position; T for a pad.
+    segment: [B, Ta] int32, the segment index of each aligned position (a pad
+      belongs to the segment it follows).
+    chunk_segment: [B, Nc] int32, the segment of each chunk's first position.
+    chunk_reset: [B, Nc] bool, a segment starts at the chunk's first position:
+      the state entering the chunk is initial_state[b, chunk_segment] (zeros
+      from segment N on), selected rather than decayed.
+    chunk_last: [B, Nc] bool, the chunk is the last of its segment: the state
+      leaving it is that segment's final state (kept when chunk_segment < N).
+    num_segments: [B] int32, segments per row.
+    chunk_size: C.
+    num_states: N.
+  """
+
+  position: jax.Array
+  source: jax.Array
+  segment: jax.Array
+  chunk_segment: jax.Array
+  chunk_reset: jax.Array
+  chunk_last: jax.Array
+  num_segments: jax.Array
+  chunk_size: int
+  num_states: int
+
+  @property
+  def aligned_length(self) -> int:
+    return self.source.shape[1]
+
+  def to_aligned(self, x: jax.Array) -> jax.Array:
+    """[B, T, ...] -> [B, Ta, ...], zeros at the pads (differentiable)."""
+    padded = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
+    return padded[jnp.arange(x.shape[0])[:, None], self.source]
+
+  def from_aligned(self, x: jax.Array) -> jax.Array:
+    """[B, Ta, ...] -> [B, T, ...], the tokens' positions (differentiable)."""
+    return x[jnp.arange(x.shape[0])[:, None], self.position]
+
+  def in_chunk_starts(self) -> jax.Array:
+    """[B, Ta] bool: segment starts that are not at a chunk boundary (only
+    segments past N can start there)."""
+    changed = segment_starts(self.segment, self.aligned_length)
+    at_boundary = (jnp.arange(self.aligned_length) % self.chunk_size) == 0
+    return changed & ~at_boundary
+
+
+def align_segments(segment_ids: jax.Array, num_states: int, chunk_size: int) -> SegmentLayout:
+  """The chunk-aligned layout of `segment_ids` [B, T] (T >= 1) for N states.
+
+  Segment n < N is padded after its end to a multiple of C tokens, so that
+  segments 1..N start at chunk boundaries (segment 0 starts at 0). Every
+  token moves right by the padding of the segments before it; the total
+  padding is at most N (C - 1), hence the static length
+  Ta = round_up(T + N (C - 1), C).
+  """
+  b, t = segment_ids.shape
+  c = chunk_size
+  t_al = _round_up(t + num_states * (c - 1), c)
+  pos = jnp.arange(t, dtype=jnp.int32)
+  starts = segment_starts(segment_ids, t)
+  seg = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
+  seg_start = jax.lax.cummax(jnp.where(starts, pos, 0), axis=1)
+  ends = jnp.concatenate([starts[:, 1:], jnp.ones((b, 1), bool)], axis=1)
+  pad = jnp.where(ends & (seg < num_states), (seg_start - pos - 1) % c, 0)
+  position = pos + jnp.cumsum(pad, axis=1, dtype=jnp.int32) - pad
+  rows = jnp.arange(b)[:, None]
+  source = jnp.full((b, t_al), t, jnp.int32).at[rows, position].set(
+      jnp.broadcast_to(pos, (b, t)))
+  segment = jnp.full((b, t_al), -1, jnp.int32).at[rows, position].set(seg)
+  segment = jax.lax.cummax(segment, axis=1)        # pads join the segment they follow
+  chunk_segment = segment[:, ::c]
+  chunk_reset = jnp.concatenate(
+      [jnp.ones((b, 1), bool), chunk_segment[:, 1:] != segment[:, c - 1:-1:c]], axis=1)
+  chunk_last = jnp.concatenate([chunk_reset[:, 1:], jnp.ones((b, 1), bool)], axis=1)
+  return SegmentLayout(
+      position=position, source=source, segment=segment,
+      chunk_segment=chunk_segment, chunk_reset=chunk_reset, chunk_last=chunk_last,
+      num_segments=seg[:, -1] + 1, chunk_size=c, num_states=num_states)
+
+
 class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Residuals, C, K]):
   """Gated delta rule op. Subclasses implement `_core_fwd`."""
 
@@ -116,6 +261,10 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
   max_head_dim: ClassVar[int | None] = None
   # Chunked backends set CHUNKED_LOG_DECAY_FLOOR (see there).
   log_decay_floor: ClassVar[float | None] = None
+  # Whether `_core_fwd` (and the VJP's `_core_bwd`) take an initial_state of
+  # shape [B, N, Hv, K, V] (per-segment states); if not, bind raises
+  # NotImplementedError for one, so `implementation=` falls through.
+  supports_segment_states: ClassVar[bool] = False
 
   def bind(
       self,
@@ -126,7 +275,8 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
       beta: Float[Array | AbstractArray, "B T Hv"],
       *,
       scale: float | None = None,
-      initial_state: Float[Array | AbstractArray, "B Hv K V"] | None = None,
+      initial_state: Float[Array | AbstractArray, "B Hv K V"]
+      | Float[Array | AbstractArray, "B N Hv K V"] | None = None,
       output_final_state: bool = False,
       use_qk_l2norm: bool = False,
       a_log: Float[Array | AbstractArray, "Hv"] | None = None,
@@ -157,7 +307,15 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
       checks.require_shape(name, x, (b, t, hv), "[B, T, Hv]")
     if initial_state is not None:
       checks.require_float("initial_state", initial_state)
-      checks.require_shape("initial_state", initial_state, (b, hv, dk, dv), "[B, Hv, K, V]")
+      if initial_state.ndim == 5:
+        _check_segment_states(initial_state, segment_ids, (b, hv, dk, dv))
+        if not self.supports_segment_states:
+          raise NotImplementedError(
+              f"{type(self).__name__} does not support per-segment states"
+              " (`initial_state` of shape [B, N, Hv, K, V]).")
+      else:
+        checks.require_shape("initial_state", initial_state, (b, hv, dk, dv),
+                             "[B, Hv, K, V], or [B, N, Hv, K, V] with `segment_ids`")
     if (a_log is None) != (dt_bias is None) and a_log is None:
       raise ValueError("`dt_bias` was given without `a_log`; pass both or neither.")
     for name, x in (("a_log", a_log), ("dt_bias", dt_bias)):
@@ -209,11 +367,9 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
         query, key, g, a_log, dt_bias, use_qk_l2norm=use_qk_l2norm,
         log_decay_floor=self.log_decay_floor,
     )
-    if query.shape[1] == 0:  # No tokens: the state passes through unchanged.
-      b, _, hv, dv = value.shape
+    if query.shape[0] == 0 or query.shape[1] == 0:
       out = jnp.zeros(value.shape, value.dtype)
-      final_state = (jnp.zeros((b, hv, query.shape[3], dv), jnp.float32)
-                     if initial_state is None else initial_state.astype(jnp.float32))
+      final_state = empty_final_state(query, value, initial_state)
       residuals = None
     else:
       out, final_state, residuals = self._core_fwd(
@@ -240,7 +396,12 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
       segment_ids: jax.Array | None,
       config: C,
   ) -> tuple[jax.Array, jax.Array, Residuals | None]:
-    """Returns (out [B,T,Hv,V], final_state [B,Hv,K,V] f32, residuals)."""
+    """Returns (out [B,T,Hv,V], final_state f32, residuals).
+
+    final_state is [B, Hv, K, V], or [B, N, Hv, K, V] for per-segment states
+    (`initial_state` [B, N, Hv, K, V], only if `supports_segment_states`).
+    T and B are at least 1 here.
+    """
     raise NotImplementedError
 
 
@@ -290,11 +451,14 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
     d_out, d_final = dout
     if not output_final_state or d_final is None:
       d_final = None
-    if query.shape[1] == 0:
+    if query.shape[0] == 0 or query.shape[1] == 0:
       dq, dk, dv, d_log_decay, dbeta = map(jnp.zeros_like, (q, k, value, log_decay, beta))
-      d_initial = d_final
-      if d_initial is None and initial_state is not None:
-        d_initial = jnp.zeros_like(initial_state, jnp.float32)
+      d_initial = None
+      if initial_state is not None:
+        # T = 0: a [B, Hv, K, V] state passes through; per-segment states
+        # reach no output (there are no segments).
+        d_initial = (d_final if d_final is not None and initial_state.ndim == 4
+                     else jnp.zeros_like(initial_state, jnp.float32))
     else:
       dq, dk, dv, d_log_decay, dbeta, d_initial = self._core_bwd(
           residuals, q, k, value, log_decay, beta, d_out, d_final,
@@ -337,6 +501,10 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
       segment_ids: jax.Array | None,
       config: C,
   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Returns (dq, dk, dv, d_log_decay, dbeta, d_initial_state [B,Hv,K,V] f32)."""
+    """Returns (dq, dk, dv, d_log_decay, dbeta, d_initial_state f32).
+
+    d_initial_state has initial_state's shape ([B, Hv, K, V] or, for
+    per-segment states, [B, N, Hv, K, V]); None without an initial state.
+    """
     raise NotImplementedError
 

@@ -1,0 +1,165 @@
+"""Per-segment initial/final states ([B, N, Hv, K, V] with `segment_ids`) equal
+running each segment on its own from its own state, forward and gradients,
+for every implementation."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax_gdn
+from tokamax_gdn import registry
+from tokamax_gdn.ops.gated_delta_rule.arg_specs import random_inputs
+from tokamax_gdn.testing import conformance as conf
+from tokamax_gdn.testing.specs import rel_rms, tolerance
+
+OP = "gated_delta_rule"
+POS = ("query", "key", "value", "g", "beta")
+
+
+def _impls():
+  out = []
+  for name in registry.implementations(OP):
+    marks = ()
+    if name == "pallas_mosaic_tpu":
+      marks = pytest.mark.xfail(strict=False, reason="pending Pallas per-segment states")
+    if name == "xla":
+      marks = pytest.mark.xfail(strict=True, reason="pending xla per-segment states")
+    out.append(pytest.param(name, marks=marks, id=name))
+  return out
+
+
+def _segment_ids(lengths_per_row):
+  rows = []
+  for lengths in lengths_per_row:
+    rows.append(np.concatenate([np.full(n, 10 * i + 3, np.int32) for i, n in enumerate(lengths)]))
+  return jnp.asarray(np.stack(rows))
+
+
+def _problem(lengths_per_row, n_states, *, hk=1, hv=2, dk=8, dv=8, gate=False, seed=0):
+  t = sum(lengths_per_row[0])
+  b = len(lengths_per_row)
+  (q, k, v, g, beta), kw = random_inputs(
+      jax.random.key(seed), b=b, t=t, hk=hk, hv=hv, dk=dk, dv=dv, gate=gate,
+      initial_state=False)
+  diff = dict(zip(POS, (q, k, v, g, beta)))
+  diff["initial_state"] = 0.5 * jax.random.normal(jax.random.key(seed + 1),
+                                                  (b, n_states, hv, dk, dv))
+  for name in ("a_log", "dt_bias"):
+    if name in kw:
+      diff[name] = kw[name]
+  ct_key = jax.random.split(jax.random.key(seed + 2), 2)
+  cts = (jax.random.normal(ct_key[0], (b, t, hv, dv)),
+         jax.random.normal(ct_key[1], (b, n_states, hv, dk, dv)))
+  return diff, _segment_ids(lengths_per_row), cts
+
+
+def _packed(impl, diff, segment_ids, cts, use_qk_l2norm):
+  """Loss and grads of the packed call with per-segment states."""
+  def loss(d):
+    d = dict(d)
+    out, final = tokamax_gdn.gated_delta_rule(
+        *[d.pop(n) for n in POS], **d, segment_ids=segment_ids,
+        output_final_state=True, use_qk_l2norm=use_qk_l2norm, implementation=impl)
+    return jnp.sum(out * cts[0]) + jnp.sum(final * cts[1]), (out, final)
+
+  with conf.execution_context(impl):
+    (_, (out, final)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(diff)
+  return out, final, grads
+
+
+@functools.cache
+def _expected(lengths, n_states, hk, hv, gate, l2norm):
+  """The problem and the separate runs' results, once per case for all impls."""
+  lengths = [list(row) for row in lengths]
+  diff, segment_ids, cts = _problem(lengths, n_states, hk=hk, hv=hv, gate=gate)
+  return diff, segment_ids, cts, _separately(diff, lengths, cts, l2norm)
+
+
+def _separately(diff, lengths_per_row, cts, use_qk_l2norm):
+  """The same loss from each segment run alone by the reference: segment n < N
+  from initial_state[b, n], later ones from zeros (their end states unused)."""
+  n_states = diff["initial_state"].shape[1]
+
+  def loss(d):
+    total, outs, finals = 0.0, [], []
+    for b, lengths in enumerate(lengths_per_row):
+      start, row_out = 0, []
+      row_final = [jnp.zeros_like(d["initial_state"][b, 0])] * n_states
+      for n, length in enumerate(lengths):
+        piece = {m: d[m][b:b + 1, start:start + length] for m in POS}
+        s0 = (d["initial_state"][b:b + 1, n] if n < n_states
+              else jnp.zeros_like(d["initial_state"][b:b + 1, 0]))
+        out, final = tokamax_gdn.gated_delta_rule(
+            *[piece[m] for m in POS], initial_state=s0, output_final_state=True,
+            use_qk_l2norm=use_qk_l2norm, a_log=d.get("a_log"), dt_bias=d.get("dt_bias"),
+            implementation="reference")
+        row_out.append(out[0])
+        if n < n_states:
+          row_final[n] = final[0]
+        start += length
+      outs.append(jnp.concatenate(row_out))
+      finals.append(jnp.stack(row_final))
+    out, final = jnp.stack(outs), jnp.stack(finals)
+    return jnp.sum(out * cts[0]) + jnp.sum(final * cts[1]), (out, final)
+
+  (_, (out, final)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(diff)
+  return out, final, grads
+
+
+CASES = [
+    # (segment lengths per row, N, hk, hv, gate, l2norm)
+    pytest.param([[5, 30, 1, 20], [56]], 4, 1, 2, False, False, id="N4_one_token_segment"),
+    # Fewer segments than states in row 1; more in row 0 (the last one starts
+    # from zeros and its end state is not returned).
+    pytest.param([[17, 16, 40], [50, 23]], 2, 1, 4, True, True, id="N2_overflow_gva4_gate"),
+    # Segments across several chunks at any chunk size, one of exactly 64.
+    pytest.param([[64, 100, 3]], 3, 2, 2, False, True, id="N3_long_segments"),
+]
+
+
+@pytest.mark.parametrize("impl", _impls())
+@pytest.mark.parametrize("lengths,n_states,hk,hv,gate,l2norm", CASES)
+def test_per_segment_states_equal_separate_runs(impl, lengths, n_states, hk, hv, gate,
+                                                l2norm):
+  if impl == "pallas_mosaic_tpu" and sum(lengths[0]) > 60:
+    pytest.skip("interpret mode: the short case covers the kernel")
+  diff, segment_ids, cts, want = _expected(
+      tuple(map(tuple, lengths)), n_states, hk, hv, gate, l2norm)
+  want_out, want_final, want_grads = want
+  out, final, grads = _packed(impl, diff, segment_ids, cts, l2norm)
+  assert final.shape == want_final.shape == diff["initial_state"].shape
+  tol, gtol = tolerance(jnp.float32, grad=False), tolerance(jnp.float32, grad=True)
+  errs = {"out": (rel_rms(out, want_out), tol), "final": (rel_rms(final, want_final), tol)}
+  for name, g in want_grads.items():
+    errs["d_" + name] = (rel_rms(grads[name], g), gtol)
+  bad = {n: e for n, e in errs.items() if not e[0] <= e[1]}
+  assert not bad, bad
+  # Rows with fewer segments than states: zeros, and no gradient to the unused states.
+  for b, row in enumerate(lengths):
+    for n in range(len(row), n_states):
+      np.testing.assert_array_equal(final[b, n], 0.0)
+      np.testing.assert_array_equal(grads["initial_state"][b, n], 0.0)
+
+
+@pytest.mark.parametrize("impl", _impls())
+def test_per_segment_states_zero_tokens(impl):
+  """T = 0: no segments, so zero final states and zero state gradients."""
+  diff, _, _ = _problem([[3]], 2)
+  diff = {n: x[:, :0] if n in POS else x for n, x in diff.items()}
+  seg = jnp.zeros((1, 0), jnp.int32)
+
+  def loss(s):
+    d = dict(diff, initial_state=s)
+    out, final = tokamax_gdn.gated_delta_rule(
+        *[d.pop(n) for n in POS], **d, segment_ids=seg, output_final_state=True,
+        implementation=impl)
+    return jnp.sum(final), final
+
+  with conf.execution_context(impl):
+    grad, final = jax.grad(loss, has_aux=True)(diff["initial_state"])
+  assert final.shape == diff["initial_state"].shape
+  np.testing.assert_array_equal(final, 0.0)
+  np.testing.assert_array_equal(grad, 0.0)
