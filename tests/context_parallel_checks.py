@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sharding_checks as sc  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tokamax_gdn import config  # pylint: disable=g-import-not-at-top
 from tokamax_gdn import layers  # pylint: disable=g-import-not-at-top
+from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
 from tokamax_gdn.ops.causal_conv1d.api import causal_conv1d  # pylint: disable=g-import-not-at-top
 from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule  # pylint: disable=g-import-not-at-top
 from tokamax_gdn.testing.specs import rel_rms, tolerance  # pylint: disable=g-import-not-at-top
@@ -148,6 +149,49 @@ add("gdn_reference_heads2_x_cp4",
 add("gdn_pallas_interpret_cp4", functools.partial(gdn_cp, "pallas_mosaic_tpu", (4,), ("cp",)))
 add("gdn_pallas_interpret_heads2_x_cp4",
     functools.partial(gdn_cp, "pallas_mosaic_tpu", *_HEADS_CP, hk=2, hv=8))
+
+
+def gdn_segment_states_cp(impl, mesh_shape, names, *, n_states=3):
+  """Per-segment states ([B, N, Hv, K, V]) with T over "cp": rows with more
+  segments than N (the later ones start from zero), a device holding more
+  than N segment starts, a row with a single segment (its other N-1 final
+  states are zeros), segments crossing and starting at device boundaries."""
+  op = registry.get("gated_delta_rule", impl)
+  if not type(op).supports_segment_states:
+    return f"XFAIL: {impl} has no per-segment states yet (needed by each device's call)"
+  mesh = make_mesh(mesh_shape, names)
+  b, hk, hv = 4, 2, 4
+  starts = (*_STARTS, (2, 4, 6, 8, 25), ())
+  cuts = np.zeros((b, T), bool)
+  for row, st in enumerate(starts):
+    cuts[row, list(st)] = True
+  seg = jnp.asarray(np.cumsum(cuts, axis=1), jnp.int32)
+  d, cts = gdn_problem(b, hk, hv, t=T)
+  d["initial_state"] = 0.3 * rng_tree(9, dict(s=(b, n_states, hv, 8, 8)))["s"]
+  cts = (cts[0], rng_tree(10, dict(s=(b, n_states, hv, 8, 8)))["s"])
+  row = P(None, "cp")
+  specs = dict(query=row, key=row, value=row, g=row, beta=row, initial_state=P(),
+               a_log=P(), dt_bias=P())
+
+  def call(d, seg, impl, axis=None):
+    d = dict(d)
+    pos = [d.pop(n) for n in sc.GDN_POS]
+    return gated_delta_rule(*pos, **d, segment_ids=seg, use_qk_l2norm=True,
+                            output_final_state=True, implementation=impl,
+                            context_parallel_axis=axis)
+
+  with _interpret(impl):
+    return _run_cp(functools.partial(call, impl="reference"),
+                   functools.partial(call, impl=impl, axis="cp"), d, seg, cts, mesh, specs,
+                   row, (row, P()))
+
+
+for _p in (2, 4, 8):
+  add(f"gdn_segment_states_reference_cp{_p}",
+      functools.partial(gdn_segment_states_cp, "reference", (_p,), ("cp",)))
+add("gdn_segment_states_xla_cp4", functools.partial(gdn_segment_states_cp, "xla", (4,), ("cp",)))
+add("gdn_segment_states_pallas_interpret_cp4",
+    functools.partial(gdn_segment_states_cp, "pallas_mosaic_tpu", (4,), ("cp",)))
 
 
 # ------------------------------------------------------------ causal_conv1d

@@ -6,9 +6,10 @@ the GDN composes per-device state maps (`gated_delta_rule/context_parallel.py`),
 the conv passes the last W-1 inputs to the next device
 (`causal_conv1d/context_parallel.py`). Segment boundaries that fall exactly
 on a device boundary are invisible to the local ops (they see no id change at
-their first token), so `starts_at_device` finds them from the neighbours' ids.
+their first token), so `boundaries` finds them from the neighbours' ids.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -117,14 +118,41 @@ def _ordered_bwd(static, residuals, cts):
 _ordered.defvjp(_ordered_fwd, _ordered_bwd)
 
 
-def starts_at_device(segment_ids: jax.Array | None, axis_name: str) -> jax.Array | None:
-  """[P, B] bool: does a segment start at device j's first token? (False for j = 0).
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["resets", "first_segment", "last_run"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Boundaries:
+  """Where the segments of every row meet the devices of the axis, [P, B] each.
 
-  One small all_gather of every device's first and last id per row.
+  resets: a segment starts at device j's first token (True for j = 0: the
+    sequence's first segment starts there).
+  first_segment: the global index (n-th run of ids in the row, from 0) of the
+    segment running at device j's first token.
+  last_run: the local index of the segment running at device j's last token
+    (0 when one segment covers the whole device).
   """
+
+  resets: jax.Array
+  first_segment: jax.Array
+  last_run: jax.Array
+
+
+def boundaries(segment_ids: jax.Array | None, axis_name: str, size: int) -> Boundaries:
+  """Every device's `Boundaries`, from one small all_gather of each device's
+  first id, last id and local run count per row (no segment_ids: one segment)."""
   if segment_ids is None:
-    return None
-  ends = gather(jnp.stack([segment_ids[:, 0], segment_ids[:, -1]], axis=-1), axis_name)
-  first, last = ends[..., 0], ends[..., 1]                       # [P, B]
-  return jnp.concatenate(
-      [jnp.zeros_like(first[:1], bool), first[1:] != last[:-1]], axis=0)
+    b = 1
+    gathered = jnp.zeros((size, b, 3), jnp.int32)
+  else:
+    changed = segment_ids[:, 1:] != segment_ids[:, :-1]
+    runs = jnp.sum(changed, axis=1, dtype=jnp.int32)
+    gathered = gather(jnp.stack([segment_ids[:, 0].astype(jnp.int32),
+                                 segment_ids[:, -1].astype(jnp.int32), runs], axis=-1),
+                      axis_name)
+  first, last, last_run = gathered[..., 0], gathered[..., 1], gathered[..., 2]
+  resets = jnp.concatenate([jnp.ones_like(first[:1], bool), first[1:] != last[:-1]], axis=0)
+  # Device j's first segment: device j-1's first, plus its runs, plus one if
+  # a new segment starts at the boundary.
+  steps = jnp.concatenate([jnp.zeros_like(first[:1]), last_run[:-1] + resets[1:]], axis=0)
+  return Boundaries(resets=resets, first_segment=jnp.cumsum(steps, axis=0, dtype=jnp.int32),
+                    last_run=last_run)

@@ -67,23 +67,32 @@ from tokamax_gdn.ops import context_parallel as cp
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _compose(a_all, b_all, s0, resets):
-  """States entering each device [P, B, Hv, K, V] and the final state, in sequence order.
+def _compose(a_all, b_all, resets, entry):
+  """States entering each device [P, B, Hv, K, V] and the state after the last one.
 
-  a_all [P, B, Hv, K, K], b_all [P, B, Hv, K, V], s0 [B, Hv, K, V] f32,
-  resets [P, B] bool or None (a segment starts at device j's first token).
+  a_all [P, B, Hv, K, K], b_all [P, B, Hv, K, V]: every device's map
+  S -> A S + B, in sequence order. resets [P, B] (or [P, 1]): a segment starts
+  at device j's first token (always at j = 0); the state entering it is then
+  entry(j) [B, Hv, K, V] instead of the previous device's output.
   """
-  size = a_all.shape[0]
-  if resets is None:
-    resets = jnp.zeros((size, a_all.shape[1]), bool)
 
   def step(s, xs):
-    a, b, reset = xs
-    s_in = jnp.where(reset[:, None, None, None], 0.0, s)
+    j, a, b, reset = xs
+    s_in = jnp.where(reset[:, None, None, None], entry(j), s)
     return jnp.einsum("bhij,bhjv->bhiv", a, s_in, precision=_HIGHEST) + b, s_in
 
-  final, entering = jax.lax.scan(step, s0, (a_all, b_all, resets))
+  size = a_all.shape[0]
+  final, entering = jax.lax.scan(
+      step, jnp.zeros(b_all.shape[1:], jnp.float32),
+      (jnp.arange(size), a_all, b_all, resets))
   return entering, final
+
+
+def _states_at(states: jax.Array, segment: jax.Array) -> jax.Array:
+  """states [B, N, Hv, K, V] at segment [B] (zeros from N on: those start from zero)."""
+  n = states.shape[1]
+  picked = states[jnp.arange(states.shape[0]), jnp.clip(segment, 0, n - 1)]
+  return jnp.where((segment < n)[:, None, None, None], picked, 0.0)
 
 
 def gated_delta_rule(
@@ -105,14 +114,25 @@ def gated_delta_rule(
 ) -> tuple[jax.Array, jax.Array | None]:
   """`api.gated_delta_rule` on this device's slice of T (see module doc).
 
-  Returns the local outputs and, with `output_final_state`, the state after
-  the last token of the whole sequence (the same on every device of the axis).
+  Returns the local outputs and, with `output_final_state`, the final state
+  of the whole sequence (or every segment's, for per-segment states), the
+  same on every device of the axis.
   """
-  index, _ = cp.axis_position(axis_name)
-  b, t, _, dk = query.shape
+  index, size = cp.axis_position(axis_name)
+  b, t, hk, dk = query.shape
   hv, dv = value.shape[2], value.shape[3]
-  if initial_state is not None:
+  per_segment = initial_state is not None and initial_state.ndim == 5
+  if per_segment:
+    if segment_ids is None:
+      raise ValueError("Per-segment states ([B, N, Hv, K, V] `initial_state`) need"
+                       " `segment_ids`.")
+    n_states = initial_state.shape[1]
+    checks.require_shape("initial_state", initial_state, (b, n_states, hv, dk, dv),
+                         "[B, N, Hv, K, V] per-segment states")
+  elif initial_state is not None:
     checks.require_shape("initial_state", initial_state, (b, hv, dk, dv), "[B, Hv, K, V]")
+  bounds = cp.boundaries(segment_ids, axis_name, size)
+  first_segment, last_run = bounds.first_segment[index], bounds.last_run[index]   # [B]
 
   def call(v, s0, q, k, g, beta, a_log, dt_bias, segment_ids):
     return registry.call(
@@ -126,29 +146,55 @@ def gated_delta_rule(
   # the plain call's: its zero values, head slices and the transients of its
   # backward (the recomputed chunk states above all) then live only there, at
   # 1/groups of the plain call's size, instead of adding a second full set.
-  hk = query.shape[2]
   groups = 2 if hk % 2 == 0 else 1
   rk, rv = hk // groups, hv // groups
 
   def transition(i, q, k, g, beta, a_log, dt_bias, segment_ids):
     kh, vh = slice(i * rk, (i + 1) * rk), slice(i * rv, (i + 1) * rv)
-    return call(jnp.zeros((b, t, rv, dk), value.dtype),
-                jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (b, rv, dk, dk)),
+    eye = jnp.eye(dk, dtype=jnp.float32)
+    # Per-segment mode: one state slot, so that the result is the first local
+    # segment's transition even when another segment follows it.
+    eye = jnp.broadcast_to(eye, (b, 1, rv, dk, dk) if per_segment else (b, rv, dk, dk))
+    return call(jnp.zeros((b, t, rv, dk), value.dtype), eye,
                 q[:, :, kh], k[:, :, kh], g[:, :, vh], beta[:, :, vh],
                 None if a_log is None else a_log[vh],
                 None if dt_bias is None else dt_bias[vh], segment_ids)
 
   shared = (query, key, g, beta, a_log, dt_bias, segment_ids)
-  *parts, (out_zero, b_map) = cp.one_backward_at_a_time(
-      *[(functools.partial(transition, i), shared, True) for i in range(groups)],
-      (call, (value, None, *shared), False))
+  calls = [(functools.partial(transition, i), shared, True) for i in range(groups)]
+  if per_segment:
+    # The segments starting on this device (local run j >= 1) start from their
+    # own states; the first local run's comes through the readout.
+    local = first_segment[:, None] + jnp.arange(n_states)
+    local_states = jax.vmap(_states_at, in_axes=(None, 1), out_axes=1)(initial_state, local)
+    local_states = local_states.at[:, 0].set(0.0)
+    # The state after the last local run from zero, for the chain when that
+    # run is past the per-segment call's N (which then returns no state for it).
+    calls.append((lambda *a: call(*a)[1], (value, None, *shared), True))
+    calls.append((call, (value, local_states, *shared), False))
+    *parts, chain_map, (out_zero, run_ends) = cp.one_backward_at_a_time(*calls)
+  else:
+    calls.append((call, (value, None, *shared), False))
+    *parts, (out_zero, b_map) = cp.one_backward_at_a_time(*calls)
   readout = jnp.concatenate([r for r, _ in parts], axis=2)
-  a_map = jnp.concatenate([a for _, a in parts], axis=1)
+  a_map = jnp.concatenate([a for _, a in parts], axis=-3)     # heads
 
+  if per_segment:
+    first_run_map = a_map[:, 0]          # the first local run's transition
+    a_map = jnp.where((last_run == 0)[:, None, None, None], first_run_map, 0.0)
+    # The last local run's end state: from the per-segment call when that run
+    # is one of its N (then from its own state), else (a run past N, started
+    # from zero) from the chain call.
+    last_end = run_ends[jnp.arange(b), jnp.minimum(last_run, n_states - 1)]
+    b_map = jnp.where((last_run < n_states)[:, None, None, None], last_end, chain_map)
+    entry = lambda j: _states_at(initial_state.astype(jnp.float32),
+                                 bounds.first_segment[j])
+  else:
+    s0 = (jnp.zeros((b, hv, dk, dv), jnp.float32) if initial_state is None
+          else initial_state.astype(jnp.float32))
+    entry = lambda j: jnp.where(j == 0, s0, 0.0)
   a_all, b_all = cp.gather((a_map, b_map), axis_name)
-  s0 = (jnp.zeros((b, hv, dk, dv), jnp.float32) if initial_state is None
-        else initial_state.astype(jnp.float32))
-  entering, final = _compose(a_all, b_all, s0, cp.starts_at_device(segment_ids, axis_name))
+  entering, final = _compose(a_all, b_all, bounds.resets, entry)
   s_in = entering[index]
   if readout.dtype == jnp.float32:
     carried = jnp.einsum("bthk,bhkv->bthv", readout, s_in, precision=_HIGHEST)
@@ -158,4 +204,19 @@ def gated_delta_rule(
     # temporary, and its cotangent another).
     carried = jnp.einsum("bthk,bhkv->bthv", readout, s_in.astype(readout.dtype))
   out = (out_zero.astype(jnp.float32) + carried.astype(jnp.float32)).astype(value.dtype)
-  return out, (final if output_final_state else None)
+  if not output_final_state:
+    return out, None
+  if not per_segment:
+    return out, final
+  # Each segment's end state, from the device where it ends: local run j is
+  # global segment first_segment + j; it ends here if a later run follows it
+  # here, or at the last device, or before a reset on the next one.
+  run_ends = run_ends.at[:, 0].add(
+      jnp.einsum("bhij,bhjv->bhiv", first_run_map, s_in, precision=_HIGHEST))
+  ends_here = jnp.where(index == size - 1, True,
+                        bounds.resets[jnp.minimum(index + 1, size - 1)])
+  run = jnp.arange(n_states)[None, :] - first_segment[:, None]            # [B, N]
+  mine = (run >= 0) & (run < n_states) & ((run < last_run[:, None])
+                                          | ((run == last_run[:, None]) & ends_here[:, None]))
+  picked = run_ends[jnp.arange(b)[:, None], jnp.clip(run, 0, n_states - 1)]
+  return out, jax.lax.psum(jnp.where(mine[..., None, None, None], picked, 0.0), axis_name)
