@@ -47,9 +47,11 @@ def arg_specs(op_name: str, tag: str | None = None) -> list[ArgSpec]:
 
 
 def rel_rms(actual, expected) -> float:
-  """||actual - expected||_2 / max(||expected||_2, tiny), in float64."""
+  """||actual - expected||_2 / max(||expected||_2, tiny), in float64 (0 for empty arrays)."""
   a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
   e = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+  if a.size == 0 and e.size == 0:
+    return 0.0
   num = np.sqrt(np.mean((a - e) ** 2))
   den = np.sqrt(np.mean(e**2))
   return float(num / max(den, 1e-30))
