@@ -1,6 +1,7 @@
 """Sharded-vs-unsharded checks, run in a subprocess by `sharding_test.py`.
 
-Usage: python tests/sharding_checks.py {cpu|aot} OUT.json [CHECK ...]
+Usage: python -P tests/sharding_checks.py {cpu|aot} OUT.json [CHECK ...]
+(-P: tests/ must not shadow installed packages, e.g. tests/flax/ would hide flax.)
 
 `cpu` needs 8 host devices, so XLA_FLAGS must hold
 --xla_force_host_platform_device_count=8 before jax starts (the test sets it

@@ -36,7 +36,9 @@ def _run(group, tmp_path_factory, script=SCRIPT, host_devices=None, timeout=900,
   if host_devices:
     flags = env.get("XLA_FLAGS", "")
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={host_devices}".strip()
-  proc = subprocess.run([sys.executable, str(script), group, str(out), *names], env=env,
+  # -P: the script's folder (tests/) must not shadow installed packages
+  # (tests/flax/ would hide flax, which tokamax imports through qwix).
+  proc = subprocess.run([sys.executable, "-P", str(script), group, str(out), *names], env=env,
                         capture_output=True, text=True, timeout=timeout, check=False)
   if not out.exists():
     pytest.fail(f"{script.name} {group} produced no results (rc {proc.returncode}):\n"
