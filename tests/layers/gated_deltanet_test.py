@@ -54,8 +54,10 @@ def context_for(name):
   return contextlib.nullcontext()
 
 
-@pytest.mark.parametrize("impl_name", ["reference", "xla", "pallas_mosaic_tpu"])
-@pytest.mark.parametrize("variant", VARIANTS)
+# Each implementation once, each variant at least once: the variants differ
+# only in the weight layout (checked exactly by the round-trip tests below).
+@pytest.mark.parametrize("variant,impl_name", [
+    ("qwen3_next", "reference"), ("qwen3_5", "xla"), ("qwen3_next", "pallas_mosaic_tpu")])
 def test_hf_parity_forward_and_grads(variant, impl_name):
   impl, reason = implementation_for(impl_name)
   if reason:

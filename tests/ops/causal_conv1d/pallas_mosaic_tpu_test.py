@@ -94,8 +94,7 @@ def test_config_space():
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("segments", [False, True])
-@pytest.mark.parametrize("target", ["v6e", "tpu7x"])
+@pytest.mark.parametrize("target,segments", [("v6e", False), ("tpu7x", True)])
 def test_aot_qwen_shape(target, segments):
   """D=8192 (Qwen3.5 / Qwen3-Next conv), T=4096, bf16, forward + backward."""
   def loss(x, w, seg):
