@@ -3,7 +3,7 @@
 The checks live in `context_parallel_checks.py` (its docstring says what each
 problem contains) and run in one subprocess with 8 host CPU devices, as
 `sharding_test.py` runs its own (see `sharding_test.check_group` for why one
-test per group). The AOT check compiles CP=4 Pallas GDN fwd+bwd for tpu7x.
+test per group). The AOT check compiles CP Pallas GDN fwd+bwd for tpu7x.
 """
 
 import pathlib
