@@ -2,6 +2,7 @@
 context-manager overlay, the package's shipped cache (hit, miss, precedence),
 `tokamax-gdn autotune`, and a wheel install that ships the tuning data."""
 
+import argparse
 import dataclasses
 import json
 import os
@@ -23,14 +24,17 @@ from tokamax._src.ops import op as op_lib
 
 import tokamax_gdn
 from tokamax_gdn import autotuning
+from tokamax_gdn import cli
 from tokamax_gdn import layers
 from tokamax_gdn import registry
-from tokamax_gdn import tuning
+from tokamax_gdn.autotuning import tune
+from tokamax_gdn.cli import common
+from tokamax_gdn.ops.gated_delta_rule import workload
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TINY = tuning.Shapes(b=1, t=32, hk=1, hv=2, k=16, v=16, dtype=jnp.float32)
+TINY = workload.LayerShape(b=1, t=32, hk=1, hv=2, k=16, v=16, dtype=jnp.float32)
 # The shape of the shipped CPU data (see the README's "Autotuning").
-SHIPPED = tuning.Shapes(b=1, t=8192, hk=2, hv=4, k=128, v=128, dtype=jnp.bfloat16)
+SHIPPED = workload.LayerShape(b=1, t=8192, hk=2, hv=4, k=128, v=128, dtype=jnp.bfloat16)
 DEVICE_KIND = jax.devices()[0].device_kind
 
 
@@ -39,7 +43,7 @@ def _xla_config(chunk_size):
 
 
 def _inputs(shapes):
-  specs, _ = tuning.gdn_inputs(shapes)
+  specs = workload.abstract_inputs(shapes)
   keys = jax.random.split(jax.random.PRNGKey(0), len(specs))
   return tuple((0.3 * jax.random.normal(k, s.shape, jnp.float32)).astype(s.dtype)
                for k, s in zip(keys, specs))
@@ -72,7 +76,7 @@ def _fake_result(bound, best):
 
 
 def _bound(shapes, impl="xla"):
-  return [ba for _, ba in tuning.bound_args("gated_delta_rule", impl, shapes)]
+  return [ba for _, ba in tune.bound_args("gated_delta_rule", impl, shapes)]
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +194,7 @@ def test_shipped_cpu_data_matches_its_shape():
   autotuning.reload()
   names = {p.name for p in autotuning.shipped_files("cpu")}
   assert {"xla_gated_delta_rule.json", "xla_gated_delta_rule_vjp.json"} <= names
-  for label, ba in tuning.bound_args("gated_delta_rule", "xla", SHIPPED):
+  for label, ba in tune.bound_args("gated_delta_rule", "xla", SHIPPED):
     data = ba.op.get_autotuning_cache("cpu").get(ba.autotuning_cache_key)
     assert data is not None, label
     if DEVICE_KIND == "cpu":
@@ -199,9 +203,9 @@ def test_shipped_cpu_data_matches_its_shape():
 
 def test_cli_out_and_install(tmp_path, extra_dir, capsys):
   out = tmp_path / "result.json"
-  rc = tuning.main(["--hk", "1", "--hv", "2", "--k", "16", "--v", "16", "-T", "16",
-                    "--dtype", "float32", "--forward-only", "--no-progress",
-                    "--out", str(out), "--install", "--install-dir", str(extra_dir), "--json"])
+  rc = cli.main(["autotune", "--hk", "1", "--hv", "2", "--k", "16", "--v", "16", "-T", "16",
+                 "--dtype", "float32", "--forward-only", "--no-progress",
+                 "--out", str(out), "--install", "--install-dir", str(extra_dir), "--json"])
   assert rc == 0
   report = json.loads(capsys.readouterr().out)
   (row,) = report["rows"]
@@ -210,34 +214,35 @@ def test_cli_out_and_install(tmp_path, extra_dir, capsys):
   result = tokamax.AutotuningResult.loads(out.read_text())
   (ba, data), = result.data
   assert ba.default_config == data.fastest_config  # installed: read back from extra_dir
-  with pytest.raises(SystemExit):
-    tuning.main(["-T", "16"])  # no model and no head shapes
+  capsys.readouterr()
+  assert cli.main(["autotune", "-T", "16"]) == 2  # no model and no head shapes
+  assert "give --model or all of --hk --hv --k --v" in capsys.readouterr().err
 
 
 def test_cli_shapes_from_model_preset(tmp_path):
-  parse = lambda *a: tuning._shapes(tuning.build_parser().parse_args(list(a)))  # pylint: disable=protected-access
+  parser = argparse.ArgumentParser()
+  common.add_gdn_shape_args(parser, model_default=None, seq_len_default=None)
+  parse = lambda *a: common.gdn_shape(parser.parse_args(list(a)))
   s = parse("--model", str(REPO / "configs/models/qwen3.5-tiny.yml"), "-T", "64", "--hk", "2")
   assert (s.b, s.t, s.hk, s.hv, s.k, s.v) == (1, 64, 2, 32, 128, 128)
   assert s.dtype == jnp.bfloat16
   elsewhere = tmp_path / "configs/models/qwen3.5-tiny.yml"  # not a file: the preset
-  assert parse("--model", str(elsewhere), "-T", "64", "--dtype", "float32") == tuning.Shapes(
-      b=1, t=64, hk=16, hv=32, k=128, v=128, dtype=jnp.float32)
-  with pytest.raises(SystemExit):
+  assert parse("--model", str(elsewhere), "-T", "64", "--dtype", "float32") == (
+      workload.LayerShape(b=1, t=64, hk=16, hv=32, k=128, v=128, dtype=jnp.float32))
+  with pytest.raises(ValueError, match="no-such-model"):
     parse("--model", "no-such-model", "-T", "64")
 
 
 def test_pallas_interpret_autotune_mechanism(monkeypatch):
   impls = registry.implementations("gated_delta_rule")
-  if "pallas_mosaic_tpu" not in impls:
-    pytest.skip("gated_delta_rule has no registered pallas_mosaic_tpu implementation yet"
-                " (no tokamax_gdn/ops/gated_delta_rule/pallas_mosaic_tpu.py)")
-  if type(impls["pallas_mosaic_tpu"]).config_cls is op_lib.NullConfig:
-    pytest.skip("pallas_mosaic_tpu gated_delta_rule has no Config to tune")
+  assert "pallas_mosaic_tpu" in impls, "the Pallas GDN is not registered"
+  assert type(impls["pallas_mosaic_tpu"]).config_cls is not op_lib.NullConfig, (
+      "the Pallas GDN has no Config to tune")
   # The environment variable, not the thread-local switch: tokamax may compile
   # configs on worker threads.
   monkeypatch.setenv("TOKAMAX_GDN_INTERPRET", "1")
-  shapes = tuning.Shapes(b=1, t=64, hk=1, hv=1, k=128, v=128, dtype=jnp.float32)
-  items = tuning.bound_args("gated_delta_rule", "pallas_mosaic_tpu", shapes, backward=False)
+  shapes = workload.LayerShape(b=1, t=64, hk=1, hv=1, k=128, v=128, dtype=jnp.float32)
+  items = tune.bound_args("gated_delta_rule", "pallas_mosaic_tpu", shapes, backward=False)
   assert items, "pallas_mosaic_tpu op not found in the lowered function"
   ba = items[0][1]
   configs = set(sorted(ba.autotuning_configs, key=str)[:2])
@@ -249,11 +254,13 @@ _CHECK_INSTALLED = textwrap.dedent("""
     import json, pathlib, sys
     import jax.numpy as jnp
     import tokamax_gdn
-    from tokamax_gdn import autotuning, tuning
+    from tokamax_gdn import autotuning
+    from tokamax_gdn.autotuning import tune
+    from tokamax_gdn.ops.gated_delta_rule import workload
     pkg = pathlib.Path(tokamax_gdn.__file__).resolve().parent
-    shapes = tuning.Shapes(b=1, t=8192, hk=2, hv=4, k=128, v=128, dtype=jnp.bfloat16)
+    shapes = workload.LayerShape(b=1, t=8192, hk=2, hv=4, k=128, v=128, dtype=jnp.bfloat16)
     rows = []
-    for label, ba in tuning.bound_args("gated_delta_rule", "xla", shapes):
+    for label, ba in tune.bound_args("gated_delta_rule", "xla", shapes):
       data = ba.op.get_autotuning_cache("cpu").get(ba.autotuning_cache_key)
       rows.append(dict(pass_=label, op=type(ba.op).__name__, hit=data is not None,
                        config=None if data is None else data.fastest_config.chunk_size,
@@ -308,7 +315,7 @@ def test_wheel_install_ships_tuning_data(tmp_path):
       report["files"])
   assert [r["pass_"] for r in report["rows"]] == ["fwd", "fwd (in grad)", "vjp"]
   autotuning.reload()
-  for r, (_, ba) in zip(report["rows"], tuning.bound_args("gated_delta_rule", "xla", SHIPPED)):
+  for r, (_, ba) in zip(report["rows"], tune.bound_args("gated_delta_rule", "xla", SHIPPED)):
     assert r["hit"], r
     expected = ba.op.get_autotuning_cache("cpu")[ba.autotuning_cache_key].fastest_config
     assert r["config"] == expected.chunk_size, r
@@ -331,8 +338,8 @@ def test_layer_looks_up_the_keys_autotune_tunes():
              *hlo_utils.get_bound_args(grad, params, x)]
     return [ba for ba in found if "GatedDeltaRule" in type(ba.op).__name__]
 
-  shapes = tuning.Shapes(b=1, t=40, hk=1, hv=2, k=16, v=16, dtype=jnp.bfloat16)
-  tuned = {ba.autotuning_cache_key for _, ba in tuning.bound_args("gated_delta_rule", "xla", shapes)}
+  shapes = workload.LayerShape(b=1, t=40, hk=1, hv=2, k=16, v=16, dtype=jnp.bfloat16)
+  tuned = {ba.autotuning_cache_key for _, ba in tune.bound_args("gated_delta_rule", "xla", shapes)}
   used = gdn_bound(cfg)
   assert {ba.autotuning_cache_key for ba in used} == tuned
   # (get_bound_args drops configs, so look at what the layer passes the op.)

@@ -11,6 +11,10 @@ from tokamax_gdn.ops.gated_delta_rule.arg_specs import random_inputs
 
 def test_ops_listed_and_implementations_are_ops():
   assert registry.list_ops() == ["gated_delta_rule", "causal_conv1d", "gmm", "tgmm"]
+  # Registration is by module discovery: a lost module would otherwise only
+  # shrink the parametrised suites.
+  assert {o: sorted(registry.implementations(o)) for o in registry.list_ops()} == {
+      o: ["pallas_mosaic_tpu", "reference", "xla"] for o in registry.list_ops()}
   for op_name in registry.list_ops():
     for name, impl in registry.implementations(op_name).items():
       assert name in registry.IMPLEMENTATION_NAMES
@@ -55,8 +59,7 @@ def test_sequence_falls_through_on_not_implemented_and_groups_failures():
 
 
 def test_pallas_off_tpu_without_interpret_is_not_implemented():
-  if "pallas_mosaic_tpu" not in registry.implementations("gated_delta_rule"):
-    pytest.skip("pallas_mosaic_tpu is not registered")
+  assert "pallas_mosaic_tpu" in registry.implementations("gated_delta_rule")
   args, kwargs = random_inputs(jax.random.key(0), b=1, t=8, hk=1, hv=1, dk=16, dv=16)
   with tokamax_gdn.config.interpret_mode(False):
     with pytest.raises(ExceptionGroup):

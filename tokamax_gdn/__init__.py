@@ -6,6 +6,9 @@ import os as _os
 _os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
 from tokamax_gdn import config
+
+config.skip_tpu_backend_without_chips()
+
 from tokamax_gdn import registry
 from tokamax_gdn.ops.causal_conv1d.api import causal_conv1d
 from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule

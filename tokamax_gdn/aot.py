@@ -2,14 +2,23 @@
 
 `compile_for(target, fn, *arg_specs)` lowers and compiles `fn` for one chip
 of the target's topology, which runs Mosaic's real passes: bad block shapes,
-layouts and VMEM overflow fail here as they would on the chip. The report has
-the compiled memory sizes and, per Pallas kernel, the compiler's static cycle
-estimate (the static LLO profile; 0 or absent for kernels with inner
-pipelines, where the compiler gives none).
+layouts and VMEM overflow fail here as they would on the chip. The
+`CompileReport` has the compiled memory sizes and, when cycle estimates are
+on, the compiler's static cycle estimate per kernel and XLA fusion (the
+static LLO profile; 0 or absent for kernels with inner pipelines).
 
 The cycle dump is configured through LIBTPU_INIT_ARGS, which libtpu reads once
-per process: `enable_cycle_estimates()` must run before the first topology is
-made (the CLI does this; tests that only need compile/memory don't).
+per process, and it makes compiles slower and sometimes aborts the process
+(an LLO_CHECK in libtpu). So estimates come from a child process:
+`compile_in_child(target, builder, kwargs)` compiles the cases a builder
+function returns there and brings back one `ChildResult` per case; a libtpu
+abort loses only the cases not yet reported. `enable_cycle_estimates()` turns
+the dump on in this process instead (before its first topology).
+
+Rooflines: `TpuGeneration.peak_flops_per_cycle` / `hbm_bytes_per_cycle`
+(`tokamax_gdn.config`) were measured with this estimator on the kernels of
+`calibration_cases` (`calibrate(target)` re-measures them), so
+`roofline_cycles(...)` is on the estimator's own scale.
 """
 
 from collections.abc import Callable, Sequence
@@ -17,16 +26,27 @@ import contextlib
 import dataclasses
 import functools
 import glob
+import importlib
+import json
+import math
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from typing import Any
 
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+# This module only compiles: several processes may load libtpu at once (without
+# it, a second one fails on libtpu's multi-process lockfile).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # pylint: disable=g-import-not-at-top
+from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
 from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 from tokamax import config as tokamax_config  # pylint: disable=g-import-not-at-top
@@ -34,6 +54,7 @@ from tokamax import config as tokamax_config  # pylint: disable=g-import-not-at-
 from tokamax_gdn import config  # pylint: disable=g-import-not-at-top
 
 _DUMP_FLAG = "--xla_jf_dump_static_llo_profile_to="
+_CHILD_LINE = "TOKAMAX_GDN_AOT "
 _cycle_dir: str | None = None
 
 
@@ -94,13 +115,19 @@ class CompileReport:
     return dataclasses.asdict(self)
 
 
-def _snapshot(d: str | None) -> set[str]:
+def _snapshot(d: str | None) -> dict[str, int]:
+  """Dump file -> modification time: a recompile of a kernel rewrites its file."""
   if not d or not os.path.isdir(d):
-    return set()
-  return set(glob.glob(os.path.join(d, "*static_llo_profile*")))
+    return {}
+  return {p: os.stat(p).st_mtime_ns for p in glob.glob(os.path.join(d, "*static_llo_profile*"))}
 
 
-def _read_cycles(paths: set[str]) -> dict[str, int]:
+def kernel_name(dump_name: str) -> str:
+  """`gdn_fwd_scan.1_TPU v6 lite_...` (a dump file's stem) -> `gdn_fwd_scan`."""
+  return re.sub(r"\.\d+$", "", re.sub(r"_TPU.*$", "", dump_name))
+
+
+def _read_cycles(paths) -> dict[str, int]:
   out = {}
   for p in sorted(paths):
     with open(p) as f:
@@ -136,228 +163,212 @@ def compile_for(target: str, fn: Callable[..., Any], *arg_specs,
       temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0)),
       argument_bytes=int(getattr(mem, "argument_size_in_bytes", 0)),
       output_bytes=int(getattr(mem, "output_size_in_bytes", 0)),
-      kernel_cycles=_read_cycles(_snapshot(_cycle_dir) - before),
+      kernel_cycles=_read_cycles(
+          p for p, mtime in _snapshot(_cycle_dir).items() if before.get(p) != mtime),
   )
 
 
 def clear_cycle_dumps() -> None:
-  """Removes the dump folder's contents (between CLI runs in one process)."""
+  """Removes the dump folder's contents (between runs in one process)."""
   if _cycle_dir and os.path.isdir(_cycle_dir):
     shutil.rmtree(_cycle_dir)
     os.makedirs(_cycle_dir)
 
 
-# --------------------------------------------------------------------------
-# `tokamax-gdn aot`: gated delta rule report (GDN pallas_mosaic_tpu vs KDA).
-# --------------------------------------------------------------------------
-
-_GDN_IMPL = "pallas_mosaic_tpu"
+# ------------------------------------------------------------ child process
+# A case a builder returns: (label, fn, abstract args placed on the mesh).
+Case = tuple[str, Callable[..., Any], Sequence[jax.ShapeDtypeStruct]]
 
 
-def _gdn_fns(hk: int, hv: int):
-  """(forward, forward+backward) of GDN through the public API, on prepared args."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import tokamax_gdn  # pylint: disable=g-import-not-at-top
+@dataclasses.dataclass
+class ChildResult:
+  """One case compiled in a child: its report, or why there is none."""
 
-  def fwd(q, k, v, g, beta):
-    out, _ = tokamax_gdn.gated_delta_rule(q, k, v, g, beta, implementation=_GDN_IMPL)
-    return out
-
-  def fwd_bwd(q, k, v, g, beta):
-    def loss(q, k, v, g, beta):
-      out, _ = tokamax_gdn.gated_delta_rule(q, k, v, g, beta, implementation=_GDN_IMPL)
-      return jnp.sum(out.astype(jnp.float32) ** 2)
-    return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
-
-  del hk, hv
-  return fwd, fwd_bwd
+  label: str
+  report: CompileReport | None
+  error: str | None = None
 
 
-def _kda_fns(k_dim: int):
-  """tokamax KDA (mosaic) with the scalar gate broadcast over K, [H, B, T, D] layout."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from tokamax._src.ops.kda import api as kda_api  # pylint: disable=g-import-not-at-top
+def compile_in_child(target: str, builder: str, kwargs: dict[str, Any] | None = None, *,
+                     cycles: bool = True, timeout: float | None = None) -> list[ChildResult]:
+  """Compiles, in a fresh Python process, the cases `builder` returns.
 
-  def call(q, k, v, g, beta):
-    gate = jnp.broadcast_to(g[..., None], g.shape + (k_dim,))
-    out, _ = kda_api.kimi_delta_attention(q, k, v, gate, beta, implementation="mosaic")
-    return out
+  Args:
+    target: TPU generation (`config.TPU_GENERATIONS`).
+    builder: "package.module:function", called there as
+      `function(mesh, **kwargs) -> [(label, fn, arg_specs)]` with a one-chip
+      mesh of `target`; the arguments should be placed on that mesh.
+    kwargs: JSON-serialisable keyword arguments for the builder.
+    cycles: turn the static cycle dump on in the child.
+    timeout: seconds before the child is killed (its finished cases are kept).
 
-  def fwd_bwd(q, k, v, g, beta):
-    loss = lambda *a: jnp.sum(call(*a).astype(jnp.float32) ** 2)
-    return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
-
-  return call, fwd_bwd
-
-
-def gdn_report(target: str, *, batch: int, seq_len: int, hk: int, hv: int, k: int,
-               v: int, dtype="bfloat16", kda: bool = True,
-               gdn: bool = True, passes: Sequence[str] = ("fwd", "fwd+bwd")
-               ) -> list[dict[str, Any]]:
-  """Compiles GDN (and tokamax KDA) forward and fwd+bwd for `target`.
-
-  One row per (implementation, pass, kernel): compiled or the error, temp /
-  argument / output bytes of the whole compiled function, and the kernel's
-  static cycle estimate (total and per token). KDA runs with H = hv heads,
-  q/k repeated to hv heads (it has no GVA) and the gate broadcast over K.
+  Returns:
+    One `ChildResult` per case, in the builder's order. A case that failed to
+    compile has its exception's first line as `error`; cases lost to a crash
+    of the child (libtpu aborts on some compiles with the dump on) have the
+    crash's reason.
   """
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  dtype = jnp.dtype(dtype)
-  f32 = jnp.float32
-  tokens = batch * seq_len
-  mesh = target_mesh(target)
-  cases = []
-  gdn_specs = [spec(mesh, (batch, seq_len, hk, k), dtype), spec(mesh, (batch, seq_len, hk, k), dtype),
-               spec(mesh, (batch, seq_len, hv, v), dtype), spec(mesh, (batch, seq_len, hv), f32),
-               spec(mesh, (batch, seq_len, hv), dtype)]
-  g_fwd, g_fb = _gdn_fns(hk, hv)
-  if gdn:
-    cases += [("gdn " + _GDN_IMPL, "fwd", g_fwd, gdn_specs),
-              ("gdn " + _GDN_IMPL, "fwd+bwd", g_fb, gdn_specs)]
-  if kda:
-    kda_specs = [spec(mesh, (hv, batch, seq_len, k), dtype), spec(mesh, (hv, batch, seq_len, k), dtype),
-                 spec(mesh, (hv, batch, seq_len, v), dtype), spec(mesh, (hv, batch, seq_len), f32),
-                 spec(mesh, (hv, batch, seq_len), dtype)]
-    k_fwd, k_fb = _kda_fns(k)
-    cases += [("tokamax kda mosaic_tpu", "fwd", k_fwd, kda_specs),
-              ("tokamax kda mosaic_tpu", "fwd+bwd", k_fb, kda_specs)]
-  rows = []
-  cases = [c for c in cases if c[1] in passes]
-  for impl, pass_, fn, specs_ in cases:
-    base_row = dict(target=target, impl=impl, pass_=pass_)
-    try:
-      rep = compile_for(target, fn, *specs_, mesh=mesh)
-    except Exception as e:  # pylint: disable=broad-exception-caught
-      rows.append(dict(base_row, kernel="-", compiled=f"FAIL: {str(e).splitlines()[0][:120]}",
-                       temp_mib="", arg_mib="", out_mib="", cycles="", cycles_per_token=""))
-      continue
-    mem = dict(compiled="ok", temp_mib=round(rep.temp_bytes / 2**20, 1),
-               arg_mib=round(rep.argument_bytes / 2**20, 1),
-               out_mib=round(rep.output_bytes / 2**20, 1))
-    kernels = rep.kernel_cycles or {"(no cycle estimates)": None}
-    for name, cyc in sorted(kernels.items()):
-      rows.append(dict(base_row, kernel=name, **mem,
-                       cycles="" if cyc is None else cyc,
-                       cycles_per_token="" if not cyc else round(cyc / tokens, 1)))
-  return [{("pass" if key == "pass_" else key): val for key, val in r.items()} for r in rows]
-
-
-def _load_model_yml(path: str) -> dict[str, Any]:
-  import yaml  # pylint: disable=g-import-not-at-top
-  if not os.path.exists(path):
-    alt = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                       "configs", "models", path if path.endswith(".yml") else path + ".yml")
-    path = alt
-  with open(path) as f:
-    return yaml.safe_load(f)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  """`tokamax-gdn aot --target v6e --model configs/models/x.yml --seq-len 4096 [--json]`."""
-  import argparse  # pylint: disable=g-import-not-at-top
-  import json  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  p = argparse.ArgumentParser(prog="tokamax-gdn aot", description=main.__doc__)
-  p.add_argument("--target", choices=sorted(config.TPU_GENERATIONS), default="v6e")
-  p.add_argument("--model", help="model .yml (hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim)")
-  p.add_argument("--seq-len", type=int, default=4096)
-  p.add_argument("--batch", type=int, default=1)
-  p.add_argument("--hk", type=int)
-  p.add_argument("--hv", type=int)
-  p.add_argument("--k", type=int)
-  p.add_argument("--v", type=int)
-  p.add_argument("--dtype", default="bfloat16")
-  p.add_argument("--no-kda", action="store_true", help="skip the tokamax KDA comparison")
-  p.add_argument("--cycles-seq-len", type=int, default=256,
-                 help="sequence length of the separate cycle-estimate compile (the"
-                      " estimator's compile time grows with the grid); cycles are"
-                      " scaled to --seq-len; 0 skips cycle estimates")
-  p.add_argument("--json", action="store_true")
-  p.add_argument("--_cycles_only", help=argparse.SUPPRESS)  # "gdn:fwd", "kda:fwd+bwd", ...
-  args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
-  dims = dict(hk=args.hk, hv=args.hv, k=args.k, v=args.v)
-  if args.model:
-    m = _load_model_yml(args.model)
-    from_model = dict(hk=m["num_k_heads"], hv=m["num_v_heads"], k=m["head_k_dim"],
-                      v=m["head_v_dim"])
-    dims = {n: dims[n] if dims[n] is not None else from_model[n] for n in dims}
-  missing = [n for n, x in dims.items() if x is None]
-  if missing:
-    p.error(f"give --model or all of --hk --hv --k --v (missing {missing})")
-  if args._cycles_only:  # pylint: disable=protected-access
-    enable_cycle_estimates()
-    which, pass_ = args._cycles_only.split(":")  # pylint: disable=protected-access
-    rows = gdn_report(args.target, batch=args.batch, seq_len=args.seq_len, dtype=args.dtype,
-                      kda=which == "kda", gdn=which == "gdn", passes=(pass_,), **dims)
-    print("GDN_CYCLES_JSON " + json.dumps(rows))
-    return 0
-  rows = gdn_report(args.target, batch=args.batch, seq_len=args.seq_len, dtype=args.dtype,
-                    kda=not args.no_kda, **dims)
-  if args.cycles_seq_len:
-    cyc_rows = []
-    # One subprocess per (implementation, pass): a libtpu abort loses only that one.
-    for which in ("gdn",) + (() if args.no_kda else ("kda",)):
-      for pass_ in ("fwd", "fwd+bwd"):
-        cyc_rows += _cycle_rows(args, dims, f"{which}:{pass_}")
-    rows = _merge_cycles(rows, cyc_rows, args.batch * args.seq_len,
-                         args.seq_len / args.cycles_seq_len)
-  if args.json:
-    print(json.dumps(rows, indent=1))
-  else:
-    cols = list(rows[0])
-    cells = [[str(r[c]) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
-    for vals in [cols, ["-" * w for w in widths]] + cells:
-      print("  ".join(x.ljust(w) for x, w in zip(vals, widths)).rstrip())
-  return 0 if all(r["compiled"] == "ok" for r in rows) else 1
-
-
-def _cycle_rows(args, dims, which: str) -> list[dict[str, Any]]:
-  """Cycle estimates from a subprocess at --cycles-seq-len (libtpu reads its
-  dump flag once per process, and this process compiled without it)."""
-  import json  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  cmd = [sys.executable, "-m", "tokamax_gdn.aot", "--_cycles_only", which, "--target", args.target,
-         "--seq-len", str(args.cycles_seq_len), "--batch", str(args.batch),
-         "--dtype", args.dtype] + [f"--{n}={x}" for n, x in dims.items()]
+  request = json.dumps(dict(target=target, builder=builder, kwargs=kwargs or {}, cycles=cycles))
+  cmd = [sys.executable, "-c", "from tokamax_gdn import aot; aot._child_main()"]
   env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
-  env.pop("LIBTPU_INIT_ARGS", None)
-  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-  for line in proc.stdout.splitlines():
-    if line.startswith("GDN_CYCLES_JSON "):
-      return json.loads(line[len("GDN_CYCLES_JSON "):])
-  # libtpu aborts the process on some compiles with the cycle dump on (seen
-  # for tokamax KDA's backward): report that instead of failing the table.
-  crash = [ln for ln in proc.stderr.splitlines() if "Check failed" in ln][:1]
-  print(f"[aot] cycle estimates for {which} unavailable (libtpu exit {proc.returncode}):"
-        f" {crash[0][:200] if crash else proc.stderr[-300:]}", file=sys.stderr)
-  return []
-
-
-def _merge_cycles(rows, cyc_rows, tokens: int, scale: float) -> list[dict[str, Any]]:
-  """Memory rows at the real length + per-kernel cycles scaled from the short run."""
-  def kernel_name(name: str) -> str:
-    return re.sub(r"_TPU.*$", "", name)
-  out = []
-  for r in rows:
-    kernels = [c for c in cyc_rows if (c["impl"], c["pass"]) == (r["impl"], r["pass"])
-               and c["cycles"] not in ("", None)]
-    # Pallas kernels first (name prefixes), XLA glue summed into one row.
-    pallas = [c for c in kernels if kernel_name(c["kernel"]).split(".")[0] in (
-        "gdn_fwd", "gdn_bwd") or "kda" in c["kernel"].lower() or "chunk" in c["kernel"].lower()]
-    glue = sum(int(c["cycles"]) for c in kernels if c not in pallas)
-    entries = [(kernel_name(c["kernel"]), int(c["cycles"])) for c in pallas]
-    entries.append(("(xla glue, summed)", glue))
-    if not kernels:
-      out.append(r)
+  try:
+    proc = subprocess.run(cmd, input=request, capture_output=True, text=True, env=env,
+                          timeout=timeout, check=False)
+    stdout, stderr, why = proc.stdout, proc.stderr, f"exit code {proc.returncode}"
+  except subprocess.TimeoutExpired as e:
+    decode = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+    stdout, stderr, why = decode(e.stdout), decode(e.stderr), f"timed out after {timeout} s"
+  labels, done = [], {}
+  for line in stdout.splitlines():
+    if not line.startswith(_CHILD_LINE):
       continue
-    for name, cyc in entries:
-      total = int(cyc * scale)
-      out.append(dict(r, kernel=name, cycles=total, cycles_per_token=round(total / tokens, 1)))
+    msg = json.loads(line[len(_CHILD_LINE):])
+    if "labels" in msg:
+      labels = msg["labels"]
+    else:
+      report = CompileReport(**msg["report"]) if msg["report"] else None
+      done[msg["label"]] = ChildResult(msg["label"], report, msg["error"])
+  if not labels:
+    raise RuntimeError(f"AOT child for {builder} failed before compiling ({why}):"
+                       f" {_crash_reason(stderr)}")
+  crash = f"child process died ({why}): {_crash_reason(stderr)}"
+  return [done.get(label, ChildResult(label, None, crash)) for label in labels]
+
+
+# libtpu's start-up chatter on a machine without TPU chips: not a reason.
+_STARTUP_NOISE = ("WARNING", "E0000", "=== Source Location", "learning/", "Failed to find host",
+                  "I0000")
+
+
+def _crash_reason(stderr: str) -> str:
+  lines = [ln.strip() for ln in stderr.splitlines()
+           if ln.strip() and not ln.lstrip().startswith(_STARTUP_NOISE)]
+  checks = [ln for ln in lines if "Check failed" in ln]
+  return (checks[0] if checks else " | ".join(lines[-3:]) or "no output")[:300]
+
+
+def _child_main() -> None:
+  """The child side of `compile_in_child`: request on stdin, one line per case out."""
+  request = json.loads(sys.stdin.read())
+  if request["cycles"]:
+    enable_cycle_estimates()
+  module, function = request["builder"].split(":")
+  builder = getattr(importlib.import_module(module), function)
+  mesh = target_mesh(request["target"])
+  cases = builder(mesh, **request["kwargs"])
+
+  def emit(msg):
+    print(_CHILD_LINE + json.dumps(msg), flush=True)
+
+  emit(dict(labels=[label for label, _, _ in cases]))
+  for label, fn, arg_specs in cases:
+    try:
+      report = compile_for(request["target"], fn, *arg_specs, mesh=mesh)
+      emit(dict(label=label, report=report.as_row(), error=None))
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      emit(dict(label=label, report=None, error=f"{type(e).__name__}: {str(e).splitlines()[0]}"))
+
+
+# ------------------------------------------------------------ roofline
+def dense_matmul(x, y, *, tm: int, tk: int, tn: int):
+  """A plain tiled Pallas matmul x [M, K] @ y [K, N] (the MXU reference kernel)."""
+  m, k = x.shape
+  n = y.shape[1]
+
+  def kernel(x_ref, y_ref, o_ref, acc_ref):
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+    def _():
+      o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+  return pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+      grid=(m // tm, n // tn, k // tk),
+      in_specs=[pl.BlockSpec((tm, tk), lambda i, j, kk: (i, kk)),
+                pl.BlockSpec((tk, tn), lambda i, j, kk: (kk, j))],
+      out_specs=pl.BlockSpec((tm, tn), lambda i, j, kk: (i, j)),
+      scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary"),
+          vmem_limit_bytes=100 << 20),
+      name="dense_matmul",
+  )(x, y)
+
+
+def copy(x, *, rows: int):
+  """A plain Pallas copy of x [M, N] in [rows, N] blocks (the HBM reference kernel)."""
+  m, n = x.shape
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+  return pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+      grid=(m // rows,),
+      in_specs=[pl.BlockSpec((rows, n), lambda i: (i, 0))],
+      out_specs=pl.BlockSpec((rows, n), lambda i: (i, 0)),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                           vmem_limit_bytes=48 << 20),
+      name="hbm_copy",
+  )(x)
+
+
+# The calibration kernels: a 4096^3 bf16 matmul and a 64 MiB bf16 copy; the best
+# tiling of each is the generation's peak. Searched on v5e, v6e, tpu7x and v5p:
+# 1024^3 matmul tiles were the best (512x1024x1024, 1024x512x1024 and
+# 512x2048x1024 2-20 % slower; 1024x2048x512 within 0.1 %), copies speed up
+# with the block size up to 4 MiB (2048 rows) or more.
+_MATMUL_SHAPE = (4096, 4096, 4096)
+_MATMUL_TILES = ((1024, 1024, 1024),)
+_COPY_SHAPE = (32768, 1024)
+_COPY_ROWS = (2048, 4096)
+
+
+def calibration_cases(mesh: Mesh) -> list[Case]:
+  """The kernels the per-generation peaks are measured on (a `compile_in_child` builder)."""
+  bf16 = jnp.bfloat16
+  m, k, n = _MATMUL_SHAPE
+  out = [(f"dense_matmul {tm}x{tk}x{tn}",
+          functools.partial(dense_matmul, tm=tm, tk=tk, tn=tn),
+          [spec(mesh, (m, k), bf16), spec(mesh, (k, n), bf16)]) for tm, tk, tn in _MATMUL_TILES]
+  out += [(f"hbm_copy {rows}", functools.partial(copy, rows=rows),
+           [spec(mesh, _COPY_SHAPE, bf16)]) for rows in _COPY_ROWS]
   return out
 
 
-if __name__ == "__main__":
-  import sys  # pylint: disable=g-import-not-at-top
-  sys.exit(main())
+def calibrate(target: str) -> dict[str, float]:
+  """Measures `target`'s peak FLOP/cycle and HBM bytes/cycle with the estimator.
+
+  Compiles `calibration_cases` in a child with the cycle dump on: the best
+  matmul tiling's 2·M·K·N FLOPs over its estimate is the MXU peak, the best
+  copy's bytes read and written over its estimate the HBM rate. Tilings that
+  do not compile or get no estimate are left out.
+  """
+  best = dict(dense_matmul=0.0, hbm_copy=0.0)
+  work = dict(dense_matmul=2 * math.prod(_MATMUL_SHAPE), hbm_copy=2 * 2 * math.prod(_COPY_SHAPE))
+  for r in compile_in_child(target, "tokamax_gdn.aot:calibration_cases"):
+    kind = r.label.split()[0]
+    cycles = [c for name, c in (r.report.kernel_cycles if r.report else {}).items()
+              if kernel_name(name) == kind and c]
+    if cycles:
+      best[kind] = max(best[kind], work[kind] / cycles[0])
+  if not all(best.values()):
+    raise RuntimeError(f"no cycle estimate on {target} for {[k for k, v in best.items() if not v]}")
+  return dict(peak_flops_per_cycle=best["dense_matmul"], hbm_bytes_per_cycle=best["hbm_copy"])
+
+
+def roofline_cycles(target: str, flops: float, hbm_bytes: float) -> dict[str, float]:
+  """MXU floor, HBM floor and their max (the roofline), in estimator cycles."""
+  gen = config.TPU_GENERATIONS[target]
+  if gen.peak_flops_per_cycle is None or gen.hbm_bytes_per_cycle is None:
+    raise ValueError(f"{target} has no calibrated peaks (see tokamax_gdn.aot.calibrate)")
+  mxu = flops / gen.peak_flops_per_cycle
+  hbm = hbm_bytes / gen.hbm_bytes_per_cycle
+  return dict(mxu_cycles=mxu, hbm_cycles=hbm, floor_cycles=max(mxu, hbm))

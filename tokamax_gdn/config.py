@@ -20,6 +20,41 @@ import jax
 _state = threading.local()
 
 
+def skip_tpu_backend_without_chips() -> None:
+  """Keeps jax from starting libtpu's TPU client on a machine without TPU chips.
+
+  With libtpu installed (the `tpu` and `test` extras, for AOT compiles), jax
+  starts its TPU backend at the first device query even where there is no
+  chip; that fails quietly after libtpu has printed start-up errors ("Failed
+  to find host bounds", "unexpected worker hostname"). As jax itself skips
+  CUDA without an NVIDIA GPU, this makes the TPU backend fail at once (quietly,
+  without loading libtpu) when no TPU chip is present, unless JAX_PLATFORMS or
+  JAX_FORCE_TPU_INIT say otherwise. The backend stays registered, so TPU
+  lowering rules still apply. Compiling
+  for a TPU target (`tokamax_gdn.aot`) still loads libtpu when asked, through
+  `jax.experimental.topologies`. Called when `tokamax_gdn` is imported; does
+  nothing once jax's backends are up.
+  """
+  if (os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms
+      or "JAX_FORCE_TPU_INIT" in os.environ):
+    return
+  try:
+    from jax._src import hardware_utils  # pylint: disable=g-import-not-at-top
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    if xla_bridge.backends_are_initialized():
+      return
+    registration = xla_bridge._backend_factories.get("tpu")  # pylint: disable=protected-access
+    if registration is None or hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+      return
+  except (ImportError, AttributeError):  # another jax: leave its backends as they are
+    return
+
+  def no_chip():
+    raise RuntimeError("no TPU chip on this machine (tokamax_gdn: libtpu not started)")
+
+  xla_bridge._backend_factories["tpu"] = dataclasses.replace(registration, factory=no_chip)  # pylint: disable=protected-access
+
+
 def _env_flag(name: str) -> bool:
   return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -50,22 +85,40 @@ def interpret_mode(enabled: bool = True):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TpuGeneration:
-  """What the tiling heuristics need to know about a TPU generation."""
+  """What the tiling heuristics and the AOT roofline need to know about a TPU generation.
+
+  `peak_flops_per_cycle` and `hbm_bytes_per_cycle` are on the scale of the
+  compiler's static cycle estimate (what `tokamax-gdn aot` reports), measured
+  with that estimator by `tokamax_gdn.aot.calibrate`: a 4096^3 bf16 matmul
+  (2*4096^3 FLOPs over its estimated cycles) and a 64 MiB bf16 copy (bytes read
+  + written over its cycles), each in its best tiling. None: not calibrated.
+  """
 
   name: str            # short name: v5e, v6e, v5p, tpu7x
   topology: str        # topology name for `jax.experimental.topologies`
   vmem_bytes: int      # physical VMEM per TensorCore
   mxu: int             # MXU edge (128 on v5e/v5p, 256 on v6e/tpu7x)
   device_kinds: tuple[str, ...]  # `device.device_kind` strings seen for it
+  peak_flops_per_cycle: float | None = None  # bf16 MXU peak, estimator scale
+  hbm_bytes_per_cycle: float | None = None   # HBM read + write rate, estimator scale
 
 
+# Peaks measured with `tokamax_gdn.aot.calibrate` (libtpu 0.0.50, static cycle
+# estimate): FLOP/cycle of the 4096^3 bf16 matmul in 1024^3 tiles (v5e 1103444
+# cycles, v6e 309221, tpu7x 308551, v5p 552743) and bytes/cycle of the 64 MiB
+# copy in its best block (v5e 116278 cycles at 4096 rows, v6e 72286 at 4096,
+# tpu7x 38104 at 4096, v5p 28465 at 2048).
 TPU_GENERATIONS: dict[str, TpuGeneration] = {
     g.name: g
     for g in (
-        TpuGeneration("v5e", "v5e:2x2", 128 << 20, 128, ("TPU v5 lite", "TPU v5e")),
-        TpuGeneration("v6e", "v6e:2x2", 128 << 20, 256, ("TPU v6 lite", "TPU v6e")),
-        TpuGeneration("v5p", "v5p:2x2x1", 95 << 20, 128, ("TPU v5", "TPU v5p")),
-        TpuGeneration("tpu7x", "tpu7x:2x2x1", 64 << 20, 256, ("TPU7x", "TPU 7x", "TPU v7")),
+        TpuGeneration("v5e", "v5e:2x2", 128 << 20, 128, ("TPU v5 lite", "TPU v5e"),
+                      peak_flops_per_cycle=124554.5, hbm_bytes_per_cycle=1154.28),
+        TpuGeneration("v6e", "v6e:2x2", 128 << 20, 256, ("TPU v6 lite", "TPU v6e"),
+                      peak_flops_per_cycle=444468.4, hbm_bytes_per_cycle=1856.76),
+        TpuGeneration("v5p", "v5p:2x2x1", 95 << 20, 128, ("TPU v5", "TPU v5p"),
+                      peak_flops_per_cycle=248648.9, hbm_bytes_per_cycle=4715.18),
+        TpuGeneration("tpu7x", "tpu7x:2x2x1", 64 << 20, 256, ("TPU7x", "TPU 7x", "TPU v7"),
+                      peak_flops_per_cycle=445433.5, hbm_bytes_per_cycle=3522.41),
     )
 }
 DEFAULT_TARGET_CHIP = "v6e"
@@ -117,6 +170,24 @@ def target_generation() -> TpuGeneration:
 def on_tpu() -> bool:
   """True when ops traced now target a TPU (a real one or an AOT topology)."""
   return generation_from_device_kind(current_device_kind()) is not None
+
+
+def require_pallas_tpu(op_name: str) -> bool:
+  """Where a Pallas TPU kernel runs: returns whether in interpret mode, or raises.
+
+  On a TPU (a real chip, or an AOT target's abstract mesh) the kernel is
+  compiled for it: False, even with interpret mode on. Elsewhere it runs in
+  Pallas TPU interpret mode when that is on (`interpret_mode()`,
+  `TOKAMAX_GDN_INTERPRET=1`): True. Otherwise NotImplementedError naming the
+  op, so that `implementation=(..., "xla")` falls through to the next one.
+  """
+  if on_tpu():
+    return False
+  if interpret_enabled():
+    return True
+  raise NotImplementedError(
+      f"{op_name} needs a TPU (or Pallas interpret mode: TOKAMAX_GDN_INTERPRET=1 or"
+      " `with tokamax_gdn.config.interpret_mode():`).")
 
 
 def pallas_tpu_supported(device: jax.Device) -> bool:

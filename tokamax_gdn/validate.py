@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from tokamax_gdn import autotuning
 from tokamax_gdn import config
 from tokamax_gdn import registry
 from tokamax_gdn.ops.gated_delta_rule.arg_specs import random_inputs
@@ -78,7 +79,7 @@ def _runnable(impl_name: str, interpret: bool) -> str | None:
 
 def _check(op_name, impl_name, case, key):
   args, kwargs, diff_names, shape = case
-  spec = specs_lib.ArgSpec(name=op_name, make=lambda _: (args, kwargs),
+  spec = autotuning.ArgSpec(name=op_name, make=lambda _: (args, kwargs),
                            diff_argnames=diff_names)
   ref = registry.get(op_name, "reference")
   impl = registry.get(op_name, impl_name)

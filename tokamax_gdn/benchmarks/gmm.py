@@ -1,8 +1,7 @@
 """Benchmark of gmm on a TPU generation, by AOT compile and static cycle estimates.
 
-  tokamax-gdn bench --op gmm [--target v6e] [--m 8192 --k 2048 --n 1024 --g 8] [--json]
-
-No TPU is needed: every kernel is compiled for `--target` through libtpu and
+`run(target, m, k, n, g, dtype)` (`tokamax-gdn bench --op gmm`). No TPU is
+needed: every kernel is compiled for `target` through libtpu and
 the compiler's static cycle estimate is read back (`tokamax_gdn.aot`). One
 table, same shape and dtype for every row:
 - ours: `pallas_mosaic_tpu` gmm with its heuristics config (and `--tiles`),
@@ -14,57 +13,19 @@ table, same shape and dtype for every row:
 Columns: grid steps, estimated cycles, FLOP per cycle, % of the dense
 FLOP/cycle, and modelled HBM bytes per FLOP (lhs re-reads per n tile, rhs
 re-reads per step unless its block index stays put). The estimate is a proxy
-(TPU_ON_CPU.md); where the compiler reports 0 cycles (kernels with inner
+(see `tokamax_gdn.aot`); where the compiler reports 0 cycles (kernels with inner
 pipelines) the row says so and the structure columns are the comparison.
 """
 
-import argparse
 import functools
-import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import jax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
 from tokamax_gdn import aot
-from tokamax_gdn import config as gdn_config
 
 DENSE_TILES = ((512, 1024, 1024), (1024, 512, 1024), (1024, 1024, 1024), (512, 2048, 1024))
-
-
-def _dense_matmul(x, y, *, tm, tk, tn):
-  m, k = x.shape
-  n = y.shape[1]
-
-  def kernel(x_ref, y_ref, o_ref, acc_ref):
-    @pl.when(pl.program_id(2) == 0)
-    def _():
-      acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
-
-    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
-    def _():
-      o_ref[...] = acc_ref[...].astype(o_ref.dtype)
-
-  return pl.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
-      grid=(m // tm, n // tn, k // tk),
-      in_specs=[pl.BlockSpec((tm, tk), lambda i, j, kk: (i, kk)),
-                pl.BlockSpec((tk, tn), lambda i, j, kk: (kk, j))],
-      out_specs=pl.BlockSpec((tm, tn), lambda i, j, kk: (i, j)),
-      scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary"),
-          vmem_limit_bytes=100 << 20),
-      name="dense_matmul",
-  )(x, y)
 
 
 def _cycles(report: aot.CompileReport, prefix: str | None, fallback: bool = True) -> int | None:
@@ -96,31 +57,33 @@ def _traffic(m, k, n, g, tm, tk, tn, itemsize) -> tuple[int, int]:
   return tiles_n * steps * tiles_k, lhs + rhs + out
 
 
-def _tgmm_cycles(target: str, m: int, k: int, n: int, g: int, dtype) -> int | None:
+def tgmm_cases(mesh, m: int, k: int, n: int, g: int, dtype: str) -> list[aot.Case]:
+  """The pallas_mosaic_tpu tgmm on [M, K] x [M, N] (an `aot.compile_in_child` builder)."""
   from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
   tg = registry.get("tgmm", "pallas_mosaic_tpu")
-  rep = _compile(target, tg, ((m, k), dtype), ((m, n), dtype), ((g,), jnp.int32))
-  return _cycles(rep, "tokamax_gdn_tgmm")
+  return [("tgmm", tg, [aot.spec(mesh, (m, k), dtype), aot.spec(mesh, (m, n), dtype),
+                        aot.spec(mesh, (g,), jnp.int32)])]
 
 
 def _tgmm_cycles_isolated(target, m, k, n, g, dtype) -> tuple[int | None, str]:
   """tgmm's estimate from a child process: libtpu's static LLO profiler aborts
   the whole process ("No DMA issue node found for sync flag") on some tgmm
   grids although the kernel itself compiles; don't let that kill the bench."""
-  cmd = [sys.executable, "-m", "tokamax_gdn.benchmarks.gmm", "--target", target,
-         "--m", str(m), "--k", str(k), "--n", str(n), "--g", str(g),
-         "--dtype", jnp.dtype(dtype).name, "--tgmm-cycles-only"]
-  env = dict(os.environ)
-  env.pop("LIBTPU_INIT_ARGS", None)  # the child asks for its own dump folder
-  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-  if proc.returncode == 0 and proc.stdout.strip():
-    value = json.loads(proc.stdout.strip().splitlines()[-1])
-    return value, "" if value else "compiler reports 0 / no estimate"
-  return None, "compiles; libtpu's static profiler crashed on it (no estimate)"
+  (result,) = aot.compile_in_child(target, "tokamax_gdn.benchmarks.gmm:tgmm_cases",
+                                   dict(m=m, k=k, n=n, g=g, dtype=jnp.dtype(dtype).name))
+  if result.report is None:
+    return None, f"compiles; no estimate ({result.error[:120]})"
+  value = _cycles(result.report, "tokamax_gdn_tgmm")
+  return value, "" if value else "compiler reports 0 / no estimate"
 
 
 def run(target: str, m: int, k: int, n: int, g: int, dtype, tiles=None) -> list[dict[str, Any]]:
-  """Compiles ours, tokamax v1 and the dense matmul for `target`; one dict per row."""
+  """Compiles ours, tokamax v1 and the dense matmul for `target`; one dict per row.
+
+  Turns the cycle dump on in this process (`aot.enable_cycle_estimates`): call
+  it before anything else compiles for a TPU here.
+  """
+  aot.enable_cycle_estimates()
   import tokamax  # pylint: disable=g-import-not-at-top
   from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.gmm import pallas_mosaic_tpu  # pylint: disable=g-import-not-at-top
@@ -189,7 +152,7 @@ def run(target: str, m: int, k: int, n: int, g: int, dtype, tiles=None) -> list[
   for tm, tk, tn in dict.fromkeys((min(a, m), min(b, k), min(c, n)) for a, b, c in DENSE_TILES):
     if m % tm or k % tk or n % tn:
       continue
-    fn = functools.partial(_dense_matmul, tm=tm, tk=tk, tn=tn)
+    fn = functools.partial(aot.dense_matmul, tm=tm, tk=tk, tn=tn)
     try:
       rep = _compile(target, fn, ((m, k), dtype), ((k, n), dtype))
     except Exception:  # pylint: disable=broad-except
@@ -210,53 +173,3 @@ def run(target: str, m: int, k: int, n: int, g: int, dtype, tiles=None) -> list[
     r["hbm_bytes_per_flop"] = r["hbm_bytes"] / flops
     r.setdefault("note", "" if r["cycles"] else "compiler reports 0 / no estimate")
   return rows
-
-
-def _table(rows, title: str) -> str:
-  head = ["kernel", "config", "grid steps", "est. cycles", "FLOP/cycle", "% dense", "HBM B/FLOP"]
-  body = []
-  for r in rows:
-    fmt = lambda v, f: (f.format(v) if v is not None else "n/a")
-    body.append([r["kernel"], r["config"], str(r["grid_steps"]), fmt(r["cycles"], "{:,}"),
-                 fmt(r["flop_per_cycle"], "{:,.0f}"), fmt(r["pct_dense"], "{:.0f}%"),
-                 f"{r['hbm_bytes_per_flop']:.4f}"] + ([r["note"]] if r["note"] else []))
-  widths = [max(len(x[i]) for x in body + [head]) for i in range(len(head))]
-  line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)) + (
-      "  " + cells[-1] if len(cells) > len(widths) else "")
-  return "\n".join([title, line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
-
-
-def main(argv: list[str] | None = None) -> int:
-  """CLI entry point (`tokamax-gdn bench --op gmm`)."""
-  # Compiling for a TPU on CPU needs no exclusive libtpu lock; don't fail when
-  # another process on this machine holds it.
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  aot.enable_cycle_estimates()
-  p = argparse.ArgumentParser(prog="tokamax-gdn bench --op gmm", description=__doc__.split("\n")[0])
-  p.add_argument("--target", default="v6e", choices=sorted(gdn_config.TPU_GENERATIONS))
-  p.add_argument("--m", type=int, default=8192)
-  p.add_argument("--k", type=int, default=2048)
-  p.add_argument("--n", type=int, default=1024)
-  p.add_argument("--g", type=int, default=8)
-  p.add_argument("--dtype", default="bfloat16")
-  p.add_argument("--tiles", default=None, help="also compile ours with tm,tk,tn")
-  p.add_argument("--json", action="store_true", help="print the rows as JSON")
-  p.add_argument("--tgmm-cycles-only", action="store_true", help=argparse.SUPPRESS)
-  a = p.parse_args(argv)
-  if a.tgmm_cycles_only:
-    print(json.dumps(_tgmm_cycles(a.target, a.m, a.k, a.n, a.g, jnp.dtype(a.dtype))))
-    return 0
-  tiles = tuple(int(t) for t in a.tiles.split(",")) if a.tiles else None
-  rows = run(a.target, a.m, a.k, a.n, a.g, jnp.dtype(a.dtype), tiles)
-  if a.json:
-    print(json.dumps(dict(target=a.target, m=a.m, k=a.k, n=a.n, g=a.g, dtype=a.dtype,
-                          rows=rows), indent=1))
-  else:
-    title = (f"gmm M={a.m} K={a.k} N={a.n} G={a.g} {a.dtype} on {a.target}"
-             " (AOT, static cycle estimates)")
-    print(_table(rows, title))
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

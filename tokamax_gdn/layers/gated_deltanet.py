@@ -115,7 +115,9 @@ class GatedDeltaNetConfig:
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "GatedDeltaNetConfig":
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(d) - names - {"name"}
+    # A preset's `model:` section describes the decoder around the layer
+    # (tokamax_gdn.models.ModelConfig), not the layer.
+    unknown = set(d) - names - {"name", "model"}
     if unknown:
       raise ValueError(f"Unknown GatedDeltaNetConfig keys {sorted(unknown)}; valid: {sorted(names)}.")
     return cls(**{k: v for k, v in d.items() if k in names})

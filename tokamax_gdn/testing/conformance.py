@@ -17,6 +17,7 @@ import numpy as np
 import pydantic
 from tokamax._src.ops import op as op_lib
 
+from tokamax_gdn import autotuning
 from tokamax_gdn import config
 from tokamax_gdn import registry
 from tokamax_gdn.testing import specs as specs_lib
@@ -24,12 +25,12 @@ from tokamax_gdn.testing import specs as specs_lib
 INTERPRETED = "pallas_mosaic_tpu"
 
 
-def cases() -> list[tuple[str, str, specs_lib.ArgSpec]]:
+def cases() -> list[tuple[str, str, autotuning.ArgSpec]]:
   """(op, implementation, spec) triples to check."""
   out = []
   for op_name in registry.list_ops():
     try:
-      all_specs = specs_lib.arg_specs(op_name, "conformance")
+      all_specs = autotuning.arg_specs(op_name, "conformance")
     except ModuleNotFoundError:
       all_specs = []
     for impl_name in registry.implementations(op_name):
@@ -73,7 +74,7 @@ def assert_close(actual, expected, tol: float, what: str) -> None:
     assert err <= tol, f"{what}[{i}]: rel-RMS {err:.3g} > {tol:.3g}"
 
 
-def split_diff(spec: specs_lib.ArgSpec, op: op_lib.Op, args, kwargs):
+def split_diff(spec: autotuning.ArgSpec, op: op_lib.Op, args, kwargs):
   """Splits the call into differentiable float arrays (by name) and the rest."""
   ba = op.signature.bind(*args, **kwargs)
   diff = {n: v for n, v in ba.arguments.items()

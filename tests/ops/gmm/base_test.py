@@ -1,9 +1,13 @@
-"""gmm / tgmm argument checks (shared by every implementation): errors name the argument."""
+"""gmm / tgmm base (shared by every implementation): errors name the argument, empty
+shapes give zeros, group offsets are summed in int32 whatever the sizes' dtype."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from tokamax_gdn import config
+from tokamax_gdn import registry
 from tokamax_gdn.ops.gmm import base
 from tokamax_gdn.ops.gmm.api import gmm
 from tokamax_gdn.ops.tgmm.api import tgmm
@@ -13,12 +17,10 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 
 
 def _gmm_bind(lhs, rhs, gs, **kw):
-  from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
   return registry.get("gmm", "reference").bind(lhs, rhs, gs, **kw)
 
 
 def _tgmm_bind(lhs, rhs, gs, **kw):
-  from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
   return registry.get("tgmm", "reference").bind(lhs, rhs, gs, **kw)
 
 
@@ -86,3 +88,63 @@ def test_group_sizes_as_a_list_and_unknown_implementation():
   assert tgmm(lhs, jnp.ones((6, 3)), [2, 3], implementation="xla").shape == (2, 4, 3)
   with pytest.raises(ValueError, match="valid"):
     gmm(lhs, rhs, [2, 3], implementation="nope")
+
+
+# Every implementation goes through the shared base: empty shapes and the
+# dtype of group_sizes are handled there once.
+_IMPLS = [pytest.param(op, impl, id=f"{op}-{impl}")
+          for op in ("gmm", "tgmm") for impl in ("reference", "xla", "pallas_mosaic_tpu")]
+
+
+@pytest.fixture
+def interpret():
+  with config.interpret_mode(True):  # Pallas interpret mode off TPU, through the VJP too
+    yield
+
+
+def _call(op_name, impl, lhs, rhs, gs):
+  return registry.get(op_name, impl)(lhs, rhs, gs)
+
+
+@pytest.mark.parametrize("op_name,impl", _IMPLS)
+@pytest.mark.parametrize("m,k,n,g", [(0, 16, 8, 3), (12, 0, 8, 3), (12, 16, 0, 3), (12, 16, 8, 0)],
+                         ids=["M0", "K0", "N0", "G0"])
+def test_empty_shapes_give_zeros_of_the_right_shape(interpret, op_name, impl, m, k, n, g):
+  del interpret
+  key = jax.random.key(0)
+  lhs = jax.random.normal(key, (m, k), F32)
+  rhs = jax.random.normal(key, (g, k, n) if op_name == "gmm" else (m, n), F32)
+  gs = jnp.zeros((g,), jnp.int32).at[:1].set(m) if g else jnp.zeros((0,), jnp.int32)
+  out = _call(op_name, impl, lhs, rhs, gs)
+  assert out.shape == ((m, n) if op_name == "gmm" else (g, k, n))
+  assert not jnp.any(out)
+  loss = lambda a, b: jnp.sum(_call(op_name, impl, a, b, gs))
+  dlhs, drhs = jax.grad(loss, argnums=(0, 1))(lhs, rhs)
+  assert dlhs.shape == lhs.shape and drhs.shape == rhs.shape
+
+
+INT_DTYPES = [jnp.int8, jnp.uint8, jnp.int16, jnp.uint16, jnp.int32, jnp.uint32, jnp.int64]
+
+
+@pytest.mark.parametrize("op_name,impl", _IMPLS)
+@pytest.mark.parametrize("dtype", INT_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_group_offsets_do_not_overflow_the_group_sizes_dtype(interpret, op_name, impl, dtype):
+  """Sizes of 100 fit every integer dtype; their running sums (200, 260) do
+  not fit int8. Checked against a float64 numpy product per group."""
+  del interpret
+  sizes = np.array([100, 100, 60], np.int64)
+  m, k, n = 300, 8, 8
+  rng = np.random.default_rng(0)
+  lhs = rng.standard_normal((m, k)).astype(np.float32)
+  rows = np.split(np.arange(sizes.sum()), np.cumsum(sizes)[:-1])
+  gs = jnp.asarray(sizes).astype(dtype)
+  if op_name == "gmm":
+    rhs = rng.standard_normal((3, k, n)).astype(np.float32)
+    want = np.zeros((m, n))
+    for g, r in enumerate(rows):
+      want[r] = lhs[r].astype(np.float64) @ rhs[g]
+  else:
+    rhs = rng.standard_normal((m, n)).astype(np.float32)
+    want = np.stack([lhs[r].T.astype(np.float64) @ rhs[r] for r in rows])
+  out = _call(op_name, impl, jnp.asarray(lhs), jnp.asarray(rhs), gs)
+  np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-4)

@@ -100,17 +100,22 @@ def test_block_sizes_respect_each_operands_own_tiling():
   assert [kernel.sublane_tiling(d) for d in (F32, BF16, I8, jnp.float8_e5m2)] == [8, 16, 32, 32]
 
 
-def test_schedule_visits_each_tile_group_pair_once():
-  s = kernel.gmm_schedule(jnp.asarray([5, 0, 20, 3], jnp.int32), m=40, tm=8)
-  mode, tile, group = (np.asarray(s[k]) for k in ("mode", "tile", "group"))
+@pytest.mark.parametrize("visit_empty_groups", [False, True], ids=["gmm", "tgmm"])
+def test_schedule_visits_each_tile_group_pair_once(visit_empty_groups):
+  s = kernel.schedule(jnp.asarray([5, 0, 20, 3], jnp.int32), m=40, tm=8,
+                      visit_empty_groups=visit_empty_groups)
+  mode, tile, group = np.asarray(s.mode), np.asarray(s.tile), np.asarray(s.group)
   assert len(mode) == 5 + 4 - 1
   pairs = [(int(t), int(g)) for t, g, md in zip(tile, group, mode) if md == kernel.COMPUTE]
   assert pairs == [(0, 0), (0, 2), (1, 2), (2, 2), (3, 2), (3, 3)]
-  assert tile[mode == kernel.ZERO].tolist() == [4]
-  assert (mode == kernel.IDLE).sum() == 1
+  if visit_empty_groups:  # tgmm: the empty group 1 gets its zero output block
+    assert group[mode == kernel.ZERO].tolist() == [1]
+  else:  # gmm: the row tile past the 28 grouped rows is zeroed
+    assert tile[mode == kernel.ZERO].tolist() == [4]
+  assert (mode == kernel.IDLE).sum() == 1 and group[-1] == 3
   # Outside COMPUTE steps the input blocks stay put (no DMA).
-  in_tile = np.asarray(s["in_tile"])
-  assert in_tile[mode != kernel.COMPUTE].tolist() == [3, 3]
+  in_tile = np.asarray(s.in_tile)
+  assert in_tile[mode != kernel.COMPUTE].tolist() == ([0, 3] if visit_empty_groups else [3, 3])
 
 
 QWEN = [(8192, 2048, 1024, 8), (8192, 2048, 512, 128), (8192, 512, 2048, 128)]

@@ -1,11 +1,13 @@
 """The xla gmm (ragged_dot_general) against jax.lax.ragged_dot; VJP through xla gmm/tgmm."""
 
+import jax
 import jax.numpy as jnp
 import pytest
+from tokamax._src import hlo_utils
 
 from tokamax_gdn import registry
 
-from .cases import CASES, check_forward, check_vjp
+from .cases import CASES, SMALL, check_forward, check_vjp, inputs
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -19,13 +21,19 @@ def test_vjp(case):
 
 
 def test_preferred_element_type():
-  from .cases import SMALL, inputs  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.gmm.api import gmm  # pylint: disable=g-import-not-at-top
   lhs, rhs, gs = inputs(SMALL["bf16"])
   assert gmm(lhs, rhs, gs, preferred_element_type=jnp.float32,
              implementation="xla").dtype == jnp.float32
 
 
-def test_vjp_uses_the_xla_family():
-  impl = registry.get("gmm", "xla")
-  assert impl.vjp is not None
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_vjp_uses_the_xla_family(transpose_rhs):
+  """The backward runs xla gmm (dlhs) and xla tgmm (drhs), nothing else."""
+  case = SMALL["f32_transposed" if transpose_rhs else "f32_zeros_sum_lt_m"]
+  lhs, rhs, gs = inputs(case)
+  loss = lambda a, b: jnp.sum(registry.get("gmm", "xla")(a, b, gs, transpose_rhs=transpose_rhs))
+  found = hlo_utils.get_bound_args(jax.grad(loss, argnums=(0, 1)), lhs, rhs)
+  calls = sorted((type(ba.op).__name__, ba.kwargs.get("transpose_rhs")) for ba in found)
+  # The forward, dlhs = gmm(dout, rhs) in the flipped layout, drhs = tgmm(...).
+  assert calls == [("XlaGmm", False), ("XlaGmm", True), ("XlaTgmm", None)]

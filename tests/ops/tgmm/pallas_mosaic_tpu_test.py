@@ -2,14 +2,13 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from tokamax_gdn import config
 from tokamax_gdn import registry
 from tokamax_gdn.ops.gmm import pallas_mosaic_tpu as gmm_pallas
+from tokamax_gdn.ops.gmm import pallas_mosaic_tpu_kernel as kernel
 from tokamax_gdn.ops.tgmm import pallas_mosaic_tpu as pallas
-from tokamax_gdn.ops.tgmm import pallas_mosaic_tpu_kernel as kernel
 
 from .cases import BF16, CASES, F32, I8, SMALL, Case, check_forward, check_vjp
 
@@ -53,16 +52,6 @@ def test_block_sizes_respect_each_operands_own_tiling():
   assert kernel.tgmm_tiles(100, 256, 256, BF16, F32, F32, tm=40, tk=128, tn=128).tm == 32
   assert kernel.tgmm_tiles(100, 256, 256, F32, F32, F32, tm=40, tk=128, tn=128).tm == 40
   assert kernel.tgmm_tiles(100, 256, 256, I8, BF16, BF16, tm=48, tk=128, tn=128).tm == 32
-
-
-def test_schedule_gives_empty_groups_one_zero_step():
-  s = kernel.tgmm_schedule(jnp.asarray([5, 0, 20, 3], jnp.int32), m=40, tm=8)
-  mode, tile, group = (np.asarray(s[k]) for k in ("mode", "tile", "group"))
-  assert len(mode) == 5 + 4 - 1
-  compute = [(int(t), int(g)) for t, g, md in zip(tile, group, mode) if md == kernel.COMPUTE]
-  assert compute == [(0, 0), (0, 2), (1, 2), (2, 2), (3, 2), (3, 3)]
-  assert group[mode == kernel.ZERO].tolist() == [1]
-  assert (mode == kernel.IDLE).sum() == 1 and group[-1] == 3
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "v5p", "tpu7x"])

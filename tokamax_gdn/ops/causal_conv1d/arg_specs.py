@@ -9,7 +9,7 @@ model shapes are the GatedDeltaNet conv: D = 2*Hk*K + Hv*V channels, W = 4.
 import jax
 import jax.numpy as jnp
 
-from tokamax_gdn.testing.specs import ArgSpec
+from tokamax_gdn.autotuning import ArgSpec
 
 DIFF = ("x", "weight", "bias", "initial_state")
 

@@ -32,6 +32,7 @@ from tokamax_gdn.ops import partitioning
 from tokamax_gdn.ops.causal_conv1d import base
 from tokamax_gdn.ops.causal_conv1d import pallas_mosaic_tpu_kernel as kernel
 from tokamax_gdn.ops.causal_conv1d import xla
+from tokamax_gdn.ops.tiling import round_up  # pylint: disable=g-importing-member
 
 _MIB = 1 << 20
 _LANES = 128
@@ -46,24 +47,20 @@ class Config:
   block_t: Annotated[int, pydantic.Field(gt=0, multiple_of=_SUBLANES)] = 256
 
 
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
 def _tiles(cfg: Config, t: int, d: int) -> tuple[int, int]:
   """Effective (block_t, block_d): never larger than the (rounded-up) array."""
-  return (min(cfg.block_t, _round_up(max(t, 1), _SUBLANES)),
-          min(cfg.block_d, _round_up(d, _LANES)))
+  return (min(cfg.block_t, round_up(max(t, 1), _SUBLANES)),
+          min(cfg.block_d, round_up(d, _LANES)))
 
 
 def _heuristics(ba: op.BoundArguments) -> Config:
   x = ba.arguments["x"]
   t, d = x.shape[1], x.shape[2]
-  dp = _round_up(d, _LANES)
+  dp = round_up(d, _LANES)
   block_d = next(c for c in (512, 256, 128) if dp % c == 0)
   # v6e static estimates at T=4096, D=8192 bf16 are within ~10 % across
   # 512-1024 x 256-512 tiles; 512x256 keeps VMEM small (see module doc).
-  return Config(block_d=block_d, block_t=min(256, _round_up(max(t, 1), _SUBLANES)))
+  return Config(block_d=block_d, block_t=min(256, round_up(max(t, 1), _SUBLANES)))
 
 
 def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
@@ -71,8 +68,8 @@ def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
   x = ba.arguments["x"]
   t, d = x.shape[1], x.shape[2]
   space = {Config(block_d=bd, block_t=bt)
-           for bd in (128, 256, 512, 1024) if bd <= _round_up(d, _LANES)
-           for bt in (64, 128, 256, 512, 1024) if bt <= _round_up(max(t, 1), _SUBLANES)}
+           for bd in (128, 256, 512, 1024) if bd <= round_up(d, _LANES)
+           for bt in (64, 128, 256, 512, 1024) if bt <= round_up(max(t, 1), _SUBLANES)}
   return space | {_heuristics(ba)}
 
 
@@ -87,10 +84,7 @@ def _vmem_limit(bt: int, bd: int, width: int, itemsize: int) -> int:
 
 def _check_supported(x: jax.Array, width: int) -> bool:
   """Returns interpret mode; raises NotImplementedError where the kernels can't run."""
-  interpret = gdn_config.interpret_enabled()
-  if not interpret and not gdn_config.on_tpu():
-    raise NotImplementedError(
-        "pallas_mosaic_tpu needs a TPU (or tokamax_gdn.config.interpret_mode()).")
+  interpret = gdn_config.require_pallas_tpu("causal_conv1d pallas_mosaic_tpu")
   if x.dtype not in (jnp.float32, jnp.bfloat16):
     raise NotImplementedError(f"pallas_mosaic_tpu supports float32/bfloat16 x; got {x.dtype}.")
   if width - 1 > kernel.HALO:
@@ -113,7 +107,7 @@ def _prepare(x, weight, bias, initial_state, reach, cfg: Config) -> _Prepared:
   b, t, d = x.shape
   width = weight.shape[1]
   bt, bd = _tiles(cfg, t, d)
-  tp, dp = _round_up(max(t, 1), bt), _round_up(d, bd)
+  tp, dp = round_up(max(t, 1), bt), round_up(d, bd)
   xp = jnp.pad(x, ((0, 0), (0, tp - t), (0, dp - d)))
   state = (jnp.zeros((b, width - 1, d), jnp.float32) if initial_state is None
            else initial_state.astype(jnp.float32))

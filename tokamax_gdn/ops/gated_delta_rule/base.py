@@ -53,16 +53,18 @@ Output: TypeAlias = tuple[jax.Array, jax.Array | None]
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["states"], meta_fields=[])
+                   data_fields=["states", "tmats"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Residuals:
   """What a forward hands its analytical backward besides the op inputs.
 
-  states: float32 states saved at N points of the sequence (chunk or block
-    entries; which ones is the implementation's business), or None.
+  states: states saved at N points of the sequence (chunk or block entries;
+    which ones, and their layout, is the implementation's business), or None.
+  tmats: per-chunk WY inverses, for implementations that save them, or None.
   """
 
-  states: Float[Array, "B Hv N K V"] | None = None
+  states: Float[Array, "..."] | None = None
+  tmats: Float[Array, "..."] | None = None
 
 L2NORM_EPS = 1e-6
 

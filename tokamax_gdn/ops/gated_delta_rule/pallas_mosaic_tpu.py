@@ -1,37 +1,37 @@
 """Pallas Mosaic TPU gated delta rule: Op wrapper (config, heuristics, VMEM, VJP).
 
-The kernels (chunked WY forward, reverse-chunk analytical backward) live in
-`pallas_mosaic_tpu_kernel.py`; their math is at the top of that module.
+The kernels live in `pallas_mosaic_tpu_kernel.py` (their TPU-specific design
+at the top of that module; the math in `math.md`).
 
-The shared prologue (q/k L2-norm, gate activation -exp(a_log)·softplus(g+dt_bias))
-runs in XLA before the kernel (`base.prologue`) and is differentiated by
-autodiff in `base.GatedDeltaRuleVjp`; beta scaling, the in-chunk decay masks,
-segment resets and the tail mask are inside the kernels.
+The shared prologue (q/k L2-norm, gate activation -exp(a_log)·softplus(g+dt_bias),
+the -30 floor) runs in XLA before the kernels (`base.prologue`), pointwise, and
+is differentiated by autodiff in `base.GatedDeltaRuleVjp`. The in-chunk gate
+cumsum, decay masks, segment resets, the partial last chunk and d log-decay
+per token are inside the kernels.
 
 Residuals for the backward, per token and value head, beyond the op inputs
 tokamax keeps anyway:
-  - `save_states=False` (heuristic default): 0 bytes; the backward recomputes
-    the chunk-entry states with one extra forward-kernel pass (transient
-    K·V·4/C bytes per token per head, 0.5 KiB at K=V=128 and the default
-    C=128, live only during the backward).
-  - `save_states=True`: the float32 chunk-entry states, K·V·4/C bytes
-    (0.5 KiB/token/head at K=V=128 and the default C=128; 1 KiB at C=64),
-    kept from forward to backward.
+  - `save_states=False` (heuristic default): 0 bytes; the backward first
+    reruns the forward kernel without outputs to get the state entering each
+    chunk and the chunk's WY inverse T' (K·V/C + C elements per token and
+    head, bf16 for bf16 inputs: 384 B at K=V=C=128, live only during the
+    backward).
+  - `save_states=True`: the forward emits those and they are kept from
+    forward to backward (the backward skips its first pass).
 """
 
 import dataclasses
-import functools
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int  # pylint: disable=g-multiple-import,g-importing-member
 import pydantic
 from tokamax._src.ops import op
 from typing_extensions import override
 
 from tokamax_gdn import config as gdn_config
 from tokamax_gdn.ops import partitioning
+from tokamax_gdn.ops.tiling import round_up
 from tokamax_gdn.ops.gated_delta_rule import base
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as kernel
 
@@ -43,65 +43,16 @@ class Config:
   """Tiling of the Mosaic TPU GDN kernels.
 
   chunk_size: tokens per chunk C (the WY block; the inverse costs O(C) per token).
-  block_heads: value heads per grid step (a multiple of Hv/Hk dividing Hv; on
-    TPU also the whole head axis or a multiple of the sublane tiling, see
-    `valid_block_heads`; other values are rounded up to a valid one). Lets the
-    backward sum dq/dk over a GVA group inside the kernel.
-  save_states: keep the f32 chunk-entry states from the forward (K·V·4/C bytes
-    per token·head) instead of recomputing them in the backward.
+  interleave: value heads whose stages run interleaved (each stage for all of
+    them before the next): more hides more MXU latency but keeps more C×C
+    tiles live in VMEM.
+  save_states: keep the chunk-entry states and WY inverses from the forward
+    (see the module docstring) instead of recomputing them in the backward.
   """
 
-  chunk_size: Literal[32, 64, 128] = 128
-  block_heads: Annotated[int, pydantic.Field(gt=0)] = 2
+  chunk_size: Literal[64, 128, 256] = 128
+  interleave: Annotated[int, pydantic.Field(gt=0)] = 16
   save_states: bool = False
-
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
-def valid_block_heads(hv: int, hk: int, itemsize: int = 4, tpu: bool = True) -> list[int]:
-  """Value-head tiles the kernels accept.
-
-  A multiple of the GVA group dividing Hv; on a TPU the head axis of a block is
-  the sublane axis of the (C, heads, D) tile, so both the value-head tile and
-  its key-head tile must be the whole axis or a multiple of the dtype's
-  sublane tiling (8 rows of 32-bit, 16 of 16-bit).
-  """
-  group = hv // hk
-  sub = 32 // itemsize
-  ok = lambda n, full: n == full or n % sub == 0
-  return [h for h in range(group, hv + 1, group) if hv % h == 0
-          and (not tpu or (ok(h, hv) and ok(h // group, hk)))]
-
-
-def _effective_block_heads(requested: int, hv: int, hk: int, itemsize: int = 4,
-                           tpu: bool = True) -> int:
-  valid = valid_block_heads(hv, hk, itemsize, tpu)
-  at_least = [h for h in valid if h >= requested]
-  return at_least[0] if at_least else valid[-1]
-
-
-def vmem_estimate(*, chunk: int, block_heads: int, group: int, dk: int, dv: int,
-                  itemsize: int) -> int:
-  """Upper estimate of the backward kernel's VMEM (the larger of the two)."""
-  dk, dv = _round_up(dk, 128), _round_up(dv, 128)
-  kb = max(block_heads // group, 1)
-  key_blk = chunk * kb * dk * itemsize
-  val_blk = chunk * block_heads * dv * itemsize
-  scal_blk = block_heads * 8 * _round_up(chunk, 128) * 4  # (8, C) f32 scalar packs
-  state_blk = block_heads * dk * dv * 4
-  # in: q, k, v, dO, states, dS_T; out: dq, dk, dv, dg packs, dh0 — double-buffered.
-  blocks = 2 * (4 * key_blk + 3 * val_blk + 2 * scal_blk + 3 * state_blk)
-  scratch = state_blk
-  # The head loop is unrolled and Mosaic keeps per-head values live: calibrated
-  # on the Qwen3-Next shape (hb=32, C=128 needs 48-58 MiB on tpu7x/v6e).
-  temps = block_heads * 8 * chunk * (chunk + max(dk, dv)) * 4 + 2 * kb * chunk * dk * 4
-  return blocks + scratch + temps
-
-
-def _vmem_limit(gen: gdn_config.TpuGeneration, estimate: int) -> int:
-  return int(min(gen.vmem_bytes * 3 // 4, max(2 * estimate, 32 * _MIB)))
 
 
 def _shapes(ba: op.BoundArguments) -> tuple[int, int, int, int, int]:
@@ -109,66 +60,86 @@ def _shapes(ba: op.BoundArguments) -> tuple[int, int, int, int, int]:
   return q.shape[-2], v.shape[-2], q.shape[-1], v.shape[-1], jnp.dtype(q.dtype).itemsize
 
 
-def _heuristics(ba: op.BoundArguments) -> Config:
+def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, itemsize: int,
+                  interleave: int) -> int:
+  """Upper estimate of the backward kernel's VMEM (the larger of the two).
+
+  Double-buffered blocks (q, k, v, dO, dq, dk, dv; states and WY inverses in
+  the input dtype; f32 per-token gate blocks), the f32 dS scratch, the
+  head-major f32 copies of the blocks, and ~12 live C×C / C×D f32 tiles per
+  interleaved head.
+  """
+  dim_k, dim_v = round_up(dim_k, 128), round_up(dim_v, 128)
+  tok = chunk * (2 * hk * dim_k + 2 * hv * dim_v) * itemsize         # q, k, v, dO
+  grads = chunk * (2 * hk * dim_k + hv * dim_v) * itemsize           # dq, dk, dv
+  res = hv * (dim_k * dim_v + chunk * chunk) * itemsize               # states, T'
+  gates = 4 * chunk * round_up(hv, 128) * 4
+  blocks = 2 * (tok + grads + res + gates)
+  scratch = hv * dim_k * dim_v * 4
+  copies = chunk * (2 * hk * dim_k + 2 * hv * dim_v) * 4
+  live = interleave * 12 * chunk * max(chunk, dim_k, dim_v) * 4
+  return blocks + scratch + copies + live
+
+
+def _vmem_limit(gen: gdn_config.TpuGeneration, estimate: int) -> int:
+  return int(min(gen.vmem_bytes * 7 // 8, max(2 * estimate, 32 * _MIB)))
+
+
+def _fits(cfg: Config, ba: op.BoundArguments) -> bool:
   hk, hv, dk, dv, isz = _shapes(ba)
-  gen = gdn_config.target_generation()
-  # Two value heads per step (or one GVA group, if larger) keeps the unrolled
-  # body small and leaves B·Hv/hb parallel steps for both TensorCores.
-  tpu = not gdn_config.interpret_enabled()
-  hb = _effective_block_heads(2, hv, hk, isz, tpu)
-  # Static cycle estimates (T=256, Hv=2, bf16, K=V=128): C=128 beats C=64 on
-  # v5e (fwd 18.6k vs ~23k cycles) and v6e (17.7k vs 23.5k; bwd 23.9k vs 33.8k):
-  # per-grid-step overhead dominates at these sizes; it also halves saved states.
-  chunk = 128
-  budget = gen.vmem_bytes * 5 // 8
-  while vmem_estimate(chunk=chunk, block_heads=hb, group=hv // hk, dk=dk, dv=dv,
-                      itemsize=isz) > budget:
-    smaller = [h for h in valid_block_heads(hv, hk, isz, tpu) if h < hb]
-    if smaller:
-      hb = smaller[-1]
-    elif chunk > 32:
-      chunk //= 2
+  est = vmem_estimate(chunk=cfg.chunk_size, hv=hv, hk=hk, dim_k=dk, dim_v=dv, itemsize=isz,
+                      interleave=min(cfg.interleave, hv))
+  return est <= gdn_config.target_generation().vmem_bytes * 3 // 4
+
+
+def _heuristics(ba: op.BoundArguments) -> Config:
+  """C = 128 and 16 heads interleaved, fewer where VMEM is short.
+
+  Static cycle estimates, v6e, B=1 T=256 Hk=16 Hv=32 K=V=128 bf16, forward
+  kernel: interleave 8 / 16 / 32 heads: 51.7 k / 41.2 k / 42.9 k cycles.
+  """
+  hk, hv, *_ = _shapes(ba)
+  cfg = Config(chunk_size=128, interleave=min(16, hv))
+  while not _fits(cfg, ba) and (cfg.interleave > 1 or cfg.chunk_size > 64):
+    if cfg.interleave > 4:
+      cfg = Config(chunk_size=cfg.chunk_size, interleave=cfg.interleave // 2)
+    elif cfg.chunk_size > 64:
+      cfg = Config(chunk_size=cfg.chunk_size // 2, interleave=cfg.interleave)
     else:
-      break
-  return Config(chunk_size=chunk, block_heads=hb, save_states=False)
+      cfg = Config(chunk_size=cfg.chunk_size, interleave=max(1, cfg.interleave // 2))
+  return cfg
 
 
 def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
-  hk, hv, dk, dv, isz = _shapes(ba)
-  gen = gdn_config.target_generation()
-  budget = gen.vmem_bytes * 5 // 8
+  hk, hv, *_ = _shapes(ba)
   configs = {_heuristics(ba)}
-  tpu = not gdn_config.interpret_enabled()
-  for chunk in (32, 64, 128):
-    for hb in valid_block_heads(hv, hk, isz, tpu)[:4]:
-      est = vmem_estimate(chunk=chunk, block_heads=hb, group=hv // hk, dk=dk, dv=dv,
-                          itemsize=isz)
-      if est <= budget:
-        configs.add(Config(chunk_size=chunk, block_heads=hb, save_states=False))
+  for chunk in (64, 128, 256):
+    for ilv in (4, 8, 16, 32):
+      cfg = Config(chunk_size=chunk, interleave=min(ilv, hv))
+      if _fits(cfg, ba):
+        configs.add(cfg)
   return configs
 
 
 def _check_supported(q: jax.Array, v: jax.Array) -> bool:
   """Returns interpret mode; raises NotImplementedError where the kernels can't run."""
-  interpret = gdn_config.interpret_enabled()
-  if not interpret and not gdn_config.on_tpu():
-    raise NotImplementedError(
-        "pallas_mosaic_tpu needs a TPU (or tokamax_gdn.config.interpret_mode()).")
+  interpret = gdn_config.require_pallas_tpu("gated_delta_rule pallas_mosaic_tpu")
   if q.dtype not in (jnp.float32, jnp.bfloat16) or v.dtype != q.dtype:
     raise NotImplementedError(
         f"pallas_mosaic_tpu supports float32/bfloat16 q, k, v of one dtype; got"
         f" {q.dtype}, {v.dtype}.")
+  if v.shape[2] > 128:
+    raise NotImplementedError(f"pallas_mosaic_tpu supports up to 128 value heads; got {v.shape[2]}.")
   return interpret
 
 
-def _kernel_tiling(config: Config, q: jax.Array, v: jax.Array, interpret: bool) -> dict:
-  """Kernel tiling keywords for these (per-device) shapes."""
+def _kernel_args(config: Config, q: jax.Array, v: jax.Array, interpret: bool) -> dict:
+  """Kernel keywords for these (per-device) shapes."""
   hk, hv = q.shape[2], v.shape[2]
-  hb = _effective_block_heads(config.block_heads, hv, hk, q.dtype.itemsize, not interpret)
-  est = vmem_estimate(chunk=config.chunk_size, block_heads=hb, group=hv // hk,
-                      dk=q.shape[3], dv=v.shape[3], itemsize=q.dtype.itemsize)
-  return dict(chunk=config.chunk_size, block_heads=hb, lane_pad=not interpret,
-              interpret=interpret,
+  est = vmem_estimate(chunk=config.chunk_size, hv=hv, hk=hk, dim_k=q.shape[3],
+                      dim_v=v.shape[3], itemsize=q.dtype.itemsize,
+                      interleave=min(config.interleave, hv))
+  return dict(chunk=config.chunk_size, interleave=config.interleave, interpret=interpret,
               vmem_limit_bytes=_vmem_limit(gdn_config.target_generation(), est))
 
 
@@ -176,7 +147,7 @@ def _kernel_tiling(config: Config, q: jax.Array, v: jax.Array, interpret: bool) 
 _LABELS = dict(
     q="b t h k", k="b t h k", v="b t hv v", log_decay="b t hv", beta="b t hv",
     d_out="b t hv v", d_final="b hv k v", initial_state="b hv k v",
-    states="b hv n kp vp", segment_ids="b t",
+    states="b n hv kp vp", tmats="b n hv c1 c2", segment_ids="b t",
 )
 
 
@@ -215,20 +186,22 @@ class PallasMosaicTpuGatedDeltaRule(base.GatedDeltaRule[Config, None]):
     interpret = _check_supported(q, v)
 
     def body(q, k, v, log_decay, beta, initial_state, segment_ids):
-      return kernel.gdn_fwd(
+      out, final, res = kernel.gdn_fwd(
           q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
-          segment_ids=segment_ids, emit_states=config.save_states,
-          **_kernel_tiling(config, q, v, interpret))
+          segment_ids=segment_ids, emit_residuals=config.save_states,
+          **_kernel_args(config, q, v, interpret))
+      return (out, final) + (tuple(res) if res is not None else ())
 
     out_labels = [_LABELS["d_out"], _LABELS["d_final"]]
     if config.save_states:
-      out_labels.append(_LABELS["states"])
+      out_labels += [_LABELS["states"], _LABELS["tmats"]]
     res = _per_shard(body, out_labels, q.shape[2], v.shape[2], dict(
         q=q, k=k, v=v, log_decay=log_decay, beta=beta,
         initial_state=initial_state, segment_ids=segment_ids))
     out, final = res[:2]
-    states = res[2] if config.save_states else None
-    return out, final, base.Residuals(states=states)
+    if config.save_states:
+      return out, final, base.Residuals(states=res[2], tmats=res[3])
+    return out, final, base.Residuals()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -255,21 +228,24 @@ class PallasMosaicTpuGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, None]):
     interpret = _check_supported(q, v)
     t = q.shape[1]
     states = getattr(residuals, "states", None)
-    # States saved under another chunk size can't be reused: recompute.
-    if states is not None and states.shape[2] != -(-t // config.chunk_size):
-      states = None
+    tmats = getattr(residuals, "tmats", None)
+    # Residuals saved under another chunk size can't be reused: recompute.
+    if states is None or tmats is None or tmats.shape[-1] != config.chunk_size or (
+        states.shape[1] != -(-t // config.chunk_size)):
+      states = tmats = None
 
-    def body(q, k, v, log_decay, beta, d_out, d_final, states, initial_state,
+    def body(q, k, v, log_decay, beta, d_out, d_final, states, tmats, initial_state,
              segment_ids):
       return kernel.gdn_bwd(
-          q, k, v, log_decay, beta, d_out, d_final, states, scale=scale,
+          q, k, v, log_decay, beta, d_out, d_final, scale=scale,
           initial_state=initial_state, segment_ids=segment_ids,
-          **_kernel_tiling(config, q, v, interpret))
+          residuals=None if states is None else (states, tmats),
+          **_kernel_args(config, q, v, interpret))
 
     out_labels = [_LABELS[n] for n in ("q", "k", "v", "log_decay", "beta", "d_final")]
     return _per_shard(body, out_labels, q.shape[2], v.shape[2], dict(
         q=q, k=k, v=v, log_decay=log_decay, beta=beta, d_out=d_out,
-        d_final=d_final, states=states, initial_state=initial_state,
+        d_final=d_final, states=states, tmats=tmats, initial_state=initial_state,
         segment_ids=segment_ids))
 
 

@@ -1,36 +1,65 @@
-"""Pallas Mosaic TPU kernels for the chunked gated delta rule (forward + VJP).
+"""Pallas Mosaic TPU kernels of the chunked gated delta rule (forward + VJP).
 
-Per value head, chunk of C tokens (G = in-chunk cumsum of the log-decay g,
-s = in-chunk segment index, 0 for the segment continuing from the carry):
+The math, its notation and the backward equations are in `math.md` (same
+names here); this module is its TPU form. What is specific to it:
 
-  Γ_ij = exp(G_i - G_j)  if j <= i and s_i == s_j  else 0   (masked BEFORE exp)
-  A    = strict_lower(β_i (K Kᵀ)_ij Γ_ij);   Tm = (I + A)⁻¹
-  Kb   = β ⊙ exp(G) ⊙ K ⊙ [s == 0];          Vb = β ⊙ V
-  V'   = Tm Vb - (Tm Kb) S
-  O    = scale [ (Q ⊙ exp(G) ⊙ [s == 0]) S + (Q Kᵀ ⊙ Γ) V' ]
-  S   <- [no reset in chunk] exp(G_last) S + (K ⊙ exp(G_last - G) ⊙ [s == s_last])ᵀ V'
+Factored beta. T = (I + A)⁻¹ with A = D_β M, M = strict_lower(K Kᵀ ⊙ Γ),
+D_β = diag(β). The kernels invert A' = M D_β instead and use the
+push-through identity T D_β = D_β T', T' = (I + A')⁻¹:
 
-Every exponent is <= 0 (G is non-increasing), so nothing overflows for any
-gate, including g = 0 and g = -80. Tm = (I + A)⁻¹ comes from Neumann
-products on 8×8 diagonal blocks merged blockwise up to C (see
-`_unit_lower_inverse`; stable where a whole-chunk Neumann series is not).
+  [W̃ | Ũ] = T' [K ⊙ decay_in | V]        (W = D_β W̃, U = D_β Ũ)
+  V″ = Ũ − W̃ S                            (V′ = D_β V″)
+  O  = scale [(Q ⊙ decay_in) S + (P̃ ⊙ β_j) V″],     P̃ = (Q Kᵀ) ⊙ Γ
+  S′ = decay_chunk S + (Kᵀ ⊙ (decay_out β)_j) V″
 
-The backward walks the chunks in reverse carrying dS (K×V, f32, in VMEM),
-recomputes Γ, Tm, V' from the chunk-entry states, and emits per-chunk dG as a
-column part and a row part; the wrapper adds them and undoes the in-chunk
-cumsum (reverse cumsum) to get dg per token.
+so β only ever scales columns (j), a sublane broadcast, never rows: a
+per-row scale of a C×C tile is a lane broadcast, which costs as much as a
+128³ matmul on the vector units.
 
-Layout: q, k, v, o stay [B, T, H, D] in HBM; a grid step reads the 4D block
-(C, hb, D) of `block_heads` value heads and (C, hb / (Hv/Hk), K) of key heads
-(GVA is the index map: no repeated q/k in HBM) and picks one head with
-`ref[:, h, :]`. Any reshape to [B, T, H*D] would be a relayout copy on TPU
-(the (H, D) tile differs from the (T, H*D) one), costing HBM temp and XLA time.
-On a TPU K and V are padded to multiples of 128 by the wrapper (no-op for 128).
-Per-token scalars travel as one row pack [B, Hv, NC, 8, C] f32 (rows G, β, s;
-T in lanes, so HBM padding stays 2x at most) and are transposed in VMEM to get
-the column orientation; the backward returns dG and dβ the same way.
+Layout and grid. q, k, v, o stay [B, T, H, D] in HBM, g and beta [B, T, Hv].
+A grid step (b, chunk) loads every head of its chunk: the (C, H, D) block is
+one contiguous DMA. (Splitting heads over the grid makes it a strided 3-D DMA,
+which libtpu's static cycle estimator does not model: it reports 0.) The
+block is relaid out head-major once (`einshape`, in f32: the estimator's type
+check rejects the packed-bf16 form), which costs ~2.5× less than gathering
+each head's rows. The chunk axis is sequential: S (and dS in the backward)
+stays in VMEM.
+
+Heads stage-major. Each stage (gates, Γ, K Kᵀ, every level of the inverse,
+W/U, the state products) runs for `interleave` heads before the next stage
+starts: a dependent chain of 128² matmuls is latency-bound (~180 cycles
+each), independent ones are throughput-bound (~16). Measured (v6e, T=256,
+Hv=32, C=128, bf16): one head at a time 277 k cycles, stage-major 16 heads
+41 k.
+
+Gates in-kernel. The log-decay and beta blocks are transposed to rows
+(heads in sublanes, tokens in lanes); the in-chunk cumsum is a
+Hillis–Steele scan over lanes for all heads at once, restarted at segment
+starts and compensated (TwoSum): G = hi + lo, and G_i − G_j is taken as
+(hi_i − hi_j) + (lo_i − lo_j), so a chunk that sits at the −30 floor for half
+its tokens keeps the small gates after it (the float32 contract at every
+chunk size). Per-token columns reach C×C tiles by lane broadcasts on the
+XLU, which these kernels otherwise leave idle.
+
+Precision. bfloat16 inputs: one bf16 MXU pass per product (f32
+accumulation), except the inverse (below). float32 inputs: three bf16
+passes (hi·hi + hi·lo + lo·hi of a hi/lo split), ~2⁻¹⁶ relative per
+product; both the same in Pallas interpret mode on CPU, so tests there see
+the TPU's rounding. The inverse: T0 by Neumann products on 8×8 diagonal
+blocks merged blockwise up to C, all in bf16 passes, then Newton steps
+T ← T + T (I − (I + A') T), the residual with A' split hi + lo: one step
+for bf16 inputs (errors of a bf16 T0, up to 1e-2 on correlated keys, fall to
+~1e-4), two for float32 (~1e-5).
+
+Backward. Pass 1 is the forward kernel without outputs, emitting the state
+entering every chunk and T' (bf16 for bf16 inputs: the forward's products
+use them rounded to bf16 anyway). Pass 2 walks the chunks in reverse
+carrying dS, recomputes Γ and the WY factors from T', and produces every
+gradient of the chunk, including d log-decay per token (reverse segmented
+cumsum in-kernel).
 """
 
+import dataclasses
 import functools
 import math
 
@@ -40,413 +69,673 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
-_F32 = jnp.float32
+F32, BF16 = jnp.float32, jnp.bfloat16
 _NEG_INF = -jnp.inf
 _INVERSE_BASE_BLOCK = 8
 
 
-def _dot(a, b, *, ta=False, tb=False, dtype=None):
-  """a @ b with optional transposes, f32 accumulation; f32 operands at HIGHEST."""
-  if dtype is not None:
-    a, b = a.astype(dtype), b.astype(dtype)
-  prec = lax.Precision.HIGHEST if a.dtype == _F32 else lax.Precision.DEFAULT
+# ----------------------------------------------------------------------------
+# Precision helpers.
+# ----------------------------------------------------------------------------
+
+
+def _mm(a, b, *, ta=False, tb=False):
+  """One MXU pass: a @ b (optionally transposed) with f32 accumulation."""
   dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-  return lax.dot_general(a, b, dims, preferred_element_type=_F32, precision=prec)
+  return lax.dot_general(a, b, dims, preferred_element_type=F32)
 
 
-def _unit_lower_inverse(a):
-  """(I + a)⁻¹ for strictly lower-triangular a (C×C, C a power of two), f32.
+def split_bf16(x, n):
+  """x (f32) as n bf16 pieces whose sum is x (exactly for n = 3)."""
+  pieces, rest = [], x
+  for i in range(n):
+    piece = rest.astype(BF16)
+    pieces.append(piece)
+    if i + 1 < n:
+      rest = rest - piece.astype(F32)
+  return pieces
 
-  A Neumann product over the whole chunk is unstable: powers of a grow like
-  binomial coefficients (C(127, 63) at C=128) before cancelling, so a repeated
-  key with beta = 1 gave errors of 1e29. Instead: Neumann products only on the
-  8×8 diagonal blocks (intermediates bounded by C(7, 3) = 35 |a|^k), then
-  exact block merges 8 → 16 → … → C: for a diagonal block of size 2s,
-  inv([[A11, 0], [A21, A22]]) has (2,1) block −T22·A21·T11, i.e.
-  T ← T − T·a_off·T with a_off the (2,1) blocks of that level. Same matmul
-  count as the whole-chunk doubling.
+
+def mxu(a, b, *, passes, tb=False):
+  """a @ b (b transposed if tb), f32 accumulation, in `passes` bf16 passes.
+
+  1: both operands rounded to bf16. 3: each f32 operand split hi + lo and
+  hi·hi + hi·lo + lo·hi summed (an exact bf16 operand is not split).
   """
-  c = a.shape[0]
+  if passes == 1:
+    return _mm(a.astype(BF16), b.astype(BF16), tb=tb)
+  ah, al = (a, None) if a.dtype == BF16 else split_bf16(a, 2)
+  bh, bl = (b, None) if b.dtype == BF16 else split_bf16(b, 2)
+  out = _mm(ah, bh, tb=tb)
+  if bl is not None:
+    out = out + _mm(ah, bl, tb=tb)
+  if al is not None:
+    out = out + _mm(al, bh, tb=tb)
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Per-token stages, all heads at once (rows: heads in sublanes, tokens in lanes).
+# ----------------------------------------------------------------------------
+
+
+def _two_sum(a, b):
+  s = a + b
+  bb = s - a
+  return s, (a - (s - bb)) + (b - bb)
+
+
+def chunk_cumsum(x, starts, *, reverse=False):
+  """Segment-local inclusive prefix sums along lanes, compensated.
+
+  x: (H, C) f32; starts: (1, C) f32, 1 where a segment starts, or None.
+  Returns (hi, lo) with hi + lo the sum to ~f32 precision of each term
+  (TwoSum in a Hillis–Steele scan). `reverse`: suffix sums, each stopping
+  before the next segment start (the transpose of the forward sum).
+  """
+  c = x.shape[-1]
+  lane = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+  hi, lo = x, jnp.zeros_like(x)
+  if starts is None:
+    flag = None
+  elif reverse:   # a token ends its segment where the next one starts
+    flag = jnp.broadcast_to(pltpu.roll(starts, c - 1, 1), x.shape)
+    flag = jnp.where(lane == c - 1, 0.0, flag)
+  else:
+    flag = jnp.broadcast_to(starts, x.shape)
+  shift = 1
+  while shift < c:
+    if reverse:
+      ok = lane < c - shift
+      take = lambda y: pltpu.roll(y, c - shift, 1)
+    else:
+      ok = lane >= shift
+      take = lambda y: pltpu.roll(y, shift, 1)
+    if flag is not None:
+      ok = ok & (flag == 0.0)
+      other_flag = take(flag)
+    new_hi, err = _two_sum(take(hi), hi)
+    lo = jnp.where(ok, lo + take(lo) + err, lo)
+    hi = jnp.where(ok, new_hi, hi)
+    if flag is not None:
+      flag = jnp.where(lane < c - shift if reverse else lane >= shift,
+                       jnp.maximum(flag, other_flag), flag)
+    shift *= 2
+  return hi, lo
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkGate:
+  """`chunk_gate` of math.md for every head of a grid step."""
+
+  g_hi: jax.Array          # (H, C) gcum = g_hi + g_lo
+  g_lo: jax.Array
+  hi_cols: jax.Array       # (C, H) the same as columns
+  lo_cols: jax.Array
+  decay_chunk: jax.Array   # (H, 1)
+  decay_out: jax.Array     # (H, C)
+  run: jax.Array | None    # (1, C) in-chunk segment index (None: no segments)
+  run_col: jax.Array | None
+  causal: jax.Array        # (C, C) j <= i, same segment
+  strict: jax.Array        # (C, C) j < i, same segment
+
+
+def chunk_gate(g_rows, starts):
+  """Gates of one chunk: g_rows (H, C) f32 log-decays, starts (1, C) or None."""
+  c = g_rows.shape[-1]
+  run = None if starts is None else chunk_cumsum(starts, None)[0]
+  g_hi, g_lo = chunk_cumsum(g_rows, starts)
+  last_hi, last_lo = g_hi[:, c - 1:c], g_lo[:, c - 1:c]
+  decay_chunk = jnp.exp(last_hi + last_lo)
+  decay_out = jnp.exp((last_hi - g_hi) + (last_lo - g_lo))
+  row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+  col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+  causal, strict = row >= col, row > col
+  run_col = None
+  if run is not None:
+    decay_chunk = jnp.where(run[:, c - 1:c] == 0.0, decay_chunk, 0.0)
+    decay_out = jnp.where(run == run[:, c - 1:c], decay_out, 0.0)
+    run_col = run.T
+    same = jnp.broadcast_to(run_col, (c, c)) == run
+    causal, strict = causal & same, strict & same
+  return ChunkGate(g_hi, g_lo, g_hi.T, g_lo.T, decay_chunk, decay_out, run,
+                   run_col, causal, strict)
+
+
+def gamma_decay_in(gate_rows, masks, dim_k: int):
+  """Γ (C×C) and decay_in broadcast over the key dim (C×dim_k) of one head.
+
+  gate_rows: the head's (1, C) rows g_hi, g_lo and, with segments, run.
+  Columns come from transposing the row broadcast (XLU).
+  """
+  g_hi, g_lo, run = gate_rows
+  causal, _ = masks
+  c = g_hi.shape[-1]
+  width = max(c, dim_k)
+  hc = jnp.broadcast_to(g_hi, (width, c)).T             # (C, width): G_i in row i
+  lc = jnp.broadcast_to(g_lo, (width, c)).T
+  diff = (hc[:, :c] - g_hi) + (lc[:, :c] - g_lo)
+  gamma = jnp.exp(jnp.where(causal, diff, _NEG_INF))
+  decay_in = jnp.exp(hc[:, :dim_k] + lc[:, :dim_k])
+  if run is not None:
+    first = jnp.broadcast_to(run, (dim_k, c)).T == 0.0
+    decay_in = jnp.where(first, decay_in, 0.0)
+  return gamma, decay_in
+
+
+def rowsum_row(x):
+  """Row sums of x (C×n f32) as a (1, C) row, by the MXU against ones (NT).
+
+  A lane reduction on the vector units costs ~9 cycles per vreg; the MXU sums
+  exactly per bf16 piece, and two pieces (hi + lo) keep ~2⁻¹⁶ of each term.
+  """
+  c = x.shape[0]
+  hi, lo = split_bf16(x, 2)
+  ones = jnp.ones((8, x.shape[1]), BF16)
+  y = _mm(ones, jnp.concatenate([hi, lo], 0), tb=True)   # (8, 2C)
+  return y[0:1, :c] + y[0:1, c:]
+
+
+# ----------------------------------------------------------------------------
+# The inverse.
+# ----------------------------------------------------------------------------
+
+
+def invert_unit_lower(a_list, *, newton):
+  """(I + a)⁻¹ for a list of strictly lower-triangular a (C×C f32).
+
+  Level-major over the list (each stage for every matrix before the next),
+  so the MXU always has independent work. T0: Neumann products on 8×8
+  diagonal blocks, then exact block merges T ← T − T a_off T for sizes
+  8 → 16 → … → C (a whole-chunk Neumann series is unstable: powers of a
+  grow like binomials before they cancel; the merges do not), in bf16
+  passes. Then `newton` steps T ← T + T (I − (I + a) T), the residual with a
+  split hi + lo, each of which squares the error of T.
+  """
+  c = a_list[0].shape[0]
   row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
   col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
   block_of = lambda x, size: lax.shift_right_logical(x, jnp.int32(int(math.log2(size))))
   base = min(_INVERSE_BASE_BLOCK, c)
-  power = jnp.where(block_of(row, base) == block_of(col, base), -a, 0.0)
-  inv = (row == col).astype(_F32) + power
+  a_bf = [a.astype(BF16) for a in a_list]
+  zero = jnp.zeros((), BF16)
+  diag = block_of(row, base) == block_of(col, base)
+  powers = [jnp.where(diag, -a, zero) for a in a_bf]
+  eye = (row == col).astype(F32)
+  invs = [eye + p.astype(F32) for p in powers]
   for _ in range(max(int(math.log2(base)) - 1, 0)):
-    power = _dot(power, power)
-    inv = inv + _dot(inv, power)
+    powers = [_mm(p, p).astype(BF16) for p in powers]
+    invs = [inv + _mm(inv.astype(BF16), p) for inv, p in zip(invs, powers)]
   size = base
   while size < c:
     off = ((block_of(row, 2 * size) == block_of(col, 2 * size))
            & (block_of(row, size) != block_of(col, size)))
-    inv = inv - _dot(inv, _dot(jnp.where(off, a, 0.0), inv))
+    inv_bf = [inv.astype(BF16) for inv in invs]
+    tmp = [_mm(jnp.where(off, a, zero), ib).astype(BF16) for a, ib in zip(a_bf, inv_bf)]
+    invs = [inv - _mm(ib, t) for inv, ib, t in zip(invs, inv_bf, tmp)]
     size *= 2
-  return inv
+  strict = row > col
+  ts = [inv.astype(BF16) for inv in invs]
+  for _ in range(newton):
+    staged = []
+    for t, a in zip(ts, a_list):
+      a_hi, a_lo = split_bf16(a, 2)
+      stacked = jnp.concatenate([a_hi, a_lo], axis=0)       # one weight push of T
+      if t.dtype == BF16:
+        t_parts, tf = [t], t.astype(F32)
+        at2 = _mm(stacked, t)
+        at = at2[:c] + at2[c:]
+      else:
+        t_parts, tf = split_bf16(t, 2), t
+        at2 = _mm(stacked, t_parts[0])
+        at = at2[:c] + (at2[c:] + _mm(a_hi, t_parts[1]))
+      staged.append((t_parts, tf, at))
+    ts = []
+    for t_parts, tf, at in staged:
+      r = jnp.where(strict, -((tf - eye) + at), 0.0).astype(BF16)   # I − (I + a) T
+      corr = _mm(t_parts[0], r)
+      for p in t_parts[1:]:
+        corr = corr + _mm(p, r)
+      ts.append(tf + corr)
+  return [t.astype(F32) for t in ts]
 
 
-def _chunk_terms(k, v, gcol, bcol, scol, grow, srow, mm):
-  """Everything of a chunk that does not depend on the carried state."""
-  c = k.shape[0]
-  row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
-  col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
-  same = scol == srow
-  causal = same & (row >= col)
-  strict = same & (row > col)
-  gamma = jnp.exp(jnp.where(causal, gcol - grow, _NEG_INF))
-  g_last = gcol[c - 1:c, :]
-  s_last = scol[c - 1:c, :]
-  first = scol == 0.0
-  eg = jnp.exp(jnp.where(first, gcol, _NEG_INF))                  # (C,1)
-  ed = jnp.exp(jnp.where(scol == s_last, g_last - gcol, _NEG_INF))  # (C,1)
-  decay_all = jnp.where(s_last == 0.0, jnp.exp(g_last), 0.0)       # (1,1)
-  kk = _dot(k, k, tb=True, dtype=mm)
-  a = jnp.where(strict, bcol * kk * gamma, 0.0)
-  tm = _unit_lower_inverse(a)
-  kf = k.astype(_F32)
-  kb = (bcol * eg) * kf
-  vb = bcol * v.astype(_F32)
-  w = _dot(tm, kb, dtype=mm)
-  u = _dot(tm, vb, dtype=mm)
-  return dict(gamma=gamma, strict=strict, eg=eg, ed=ed, decay_all=decay_all,
-              kk=kk, tm=tm, kb=kb, vb=vb, w=w, u=u, kd=kf * ed)
+# ----------------------------------------------------------------------------
+# Kernels.
+# ----------------------------------------------------------------------------
 
 
-_PACK = 8  # sublane rows of the scalar packs: G, beta, s, then zeros
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Compile-time facts shared by the kernels."""
+
+  t_len: int
+  chunk: int
+  hk: int
+  hv: int
+  dim_k: int
+  dim_v: int
+  scale: float
+  passes: int
+  newton: int
+  interleave: int     # value heads per group: a multiple of the GVA group dividing Hv
+  has_seg: bool
+  has_h0: bool
+
+  @property
+  def group(self) -> int:
+    return self.hv // self.hk
+
+  @property
+  def mm(self):
+    return BF16 if self.passes == 1 else F32
+
+  @property
+  def tail(self) -> bool:
+    return self.t_len % self.chunk != 0
 
 
-def _unpack(rowp):
-  """(8, C) pack -> gcol, bcol, scol (C,1) and grow, srow (1,C)."""
-  colp = rowp.T
-  return colp[:, 0:1], colp[:, 1:2], colp[:, 2:3], rowp[0:1, :], rowp[2:3, :]
+def _heads(ref):
+  """A (C, H, D) block as H head-major (C, D) f32 tiles (one relayout)."""
+  return pltpu.einshape("chd->hcd", ref[...].astype(F32))
 
 
-def _load_heads(*refs):
-  """Whole (C, heads, D) blocks, as f32 values.
-
-  Per-head `ref[:, h, :]` loads/stores of 16-bit blocks compile, but crash
-  libtpu's static cycle estimator (LLO type check on packed bf16 vectors, same
-  as tokamax KDA's backward); whole-block f32 values, sliced per head, and one
-  whole-block store avoid that and cost about the same.
-  """
-  return [r[...].astype(_F32) for r in refs]
-
-
-def _split_heads(block_heads, group):
-  """Static (value head i in block) -> key head index in the key slab."""
-  return [i // group for i in range(block_heads)]
-
-
-# --------------------------------------------------------------------------
-# Forward
-# --------------------------------------------------------------------------
-
-
-def _fwd_kernel(q_ref, k_ref, v_ref, row_ref, h0_ref, *rest, scale, group, dk,
-                dv, mm, emit_states, write_out):
-  rest = list(rest)
-  o_ref = rest.pop(0) if write_out else None
-  hT_ref = rest.pop(0)
-  states_ref = rest.pop(0) if emit_states else None
-  (s_ref,) = rest
-  c_idx = pl.program_id(2)
-  hb = s_ref.shape[0]
-
-  @pl.when(c_idx == 0)
-  def _init():
-    s_ref[...] = h0_ref[...].astype(_F32)
-
-  q_all, k_all, v_all = _load_heads(q_ref, k_ref, v_ref)
-  outs = []
-  for i, j in enumerate(_split_heads(hb, group)):
-    q, k, v = q_all[:, j, :], k_all[:, j, :], v_all[:, i, :]
-    gcol, bcol, scol, grow, srow = _unpack(row_ref[i])
-    s = s_ref[i]
-    if emit_states:
-      states_ref[i] = s
-    t = _chunk_terms(k, v, gcol, bcol, scol, grow, srow, mm)
-    vp = t["u"] - _dot(t["w"], s, dtype=mm)
-    if write_out:
-      qk = _dot(q, k, tb=True, dtype=mm)
-      qg = q.astype(_F32) * t["eg"]
-      o = _dot(qg, s, dtype=mm) + _dot(qk * t["gamma"], vp, dtype=mm)
-      outs.append(scale * o)
-    s_new = t["decay_all"] * s + _dot(t["kd"], vp, ta=True, dtype=mm)
-    s_ref[i] = s_new
-
-  if write_out:
-    o_ref[...] = jnp.stack(outs, axis=1).astype(o_ref.dtype)
-
-  @pl.when(c_idx == pl.num_programs(2) - 1)
-  def _final():
-    hT_ref[...] = s_ref[...]
-
-
-def _pack_scalars(log_decay, beta, segment_ids, chunk):
-  """Pads T to a chunk multiple; returns the row pack [B, Hv, NC, 8, C] f32."""
-  b, t, hv = log_decay.shape
-  nc = -(-t // chunk)
-  pad = nc * chunk - t
-  g = jnp.pad(log_decay.astype(_F32), ((0, 0), (0, pad), (0, 0)))
-  bt = jnp.pad(beta.astype(_F32), ((0, 0), (0, pad), (0, 0)))
-  if segment_ids is None:
-    starts = jnp.zeros((b, nc * chunk), _F32)
-  else:
-    changed = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(_F32)
-    starts = jnp.concatenate(
-        [jnp.zeros((b, 1), _F32), changed, jnp.zeros((b, pad), _F32)], axis=1)
-  gc = jnp.cumsum(g.reshape(b, nc, chunk, hv), axis=2)              # B NC C Hv
-  sc = jnp.cumsum(starts.reshape(b, nc, chunk), axis=2)              # B NC C
-  sc = jnp.broadcast_to(sc[..., None], gc.shape)
-  bc = bt.reshape(b, nc, chunk, hv)
-  zero = jnp.zeros_like(gc)
-  rows = [gc, bc, sc] + [zero] * (_PACK - 3)
-  return jnp.stack(rows, axis=-1).transpose(0, 3, 1, 4, 2)          # B Hv NC 8 C
-
-
-def _flat(x, t_pad, d_pad):
-  """[B, T, H, D] -> [B, Tp, H, Dp] (zero padding; no copy when aligned)."""
-  b, t, h, d = x.shape
-  if (t_pad, d_pad) == (t, d):
+def _tail_mask(x, st: _Static, c_idx):
+  """Zero the rows of tokens at or past T (a partial last block holds garbage)."""
+  if not st.tail:
     return x
-  return jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, d_pad - d)))
+  pos = c_idx * st.chunk + lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 2)
+  return jnp.where(pos < st.t_len, x, 0.0)
 
 
-def _pad_state(s, dk_pad, dv_pad):
-  return jnp.pad(s, ((0, 0), (0, 0), (0, dk_pad - s.shape[2]), (0, dv_pad - s.shape[3])))
+# Rows of the per-step row scratch (each (Hv, C) f32).
+_G_HI, _G_LO, _BETA, _KOUT, _DECAY_CHUNK, _DECAY_OUT = range(6)
+_N_ROWS = 6
 
 
-def _round_up(x, m):
-  return -(-x // m) * m
+def _step_prologue(g_ref, b_ref, st_ref, rows_scr, st: _Static, c_idx):
+  """Gates of the chunk for every head, into `rows_scr`; returns (gate, masks).
 
-
-def _prepare(q, k, v, chunk, lane_pad):
-  b, t, hk, dk = q.shape
-  hv, dv = v.shape[2], v.shape[3]
-  nc = -(-t // chunk)
-  dk_p = _round_up(dk, 128) if lane_pad else dk
-  dv_p = _round_up(dv, 128) if lane_pad else dv
-  return b, t, hk, hv, dk, dv, nc, dk_p, dv_p
-
-
-def _compiler_params(vmem_limit_bytes):
-  return pltpu.CompilerParams(
-      dimension_semantics=("parallel", "parallel", "arbitrary"),
-      vmem_limit_bytes=vmem_limit_bytes)
-
-
-def gdn_fwd(q, k, v, log_decay, beta, *, scale, initial_state, segment_ids,
-            chunk, block_heads, emit_states, lane_pad, interpret,
-            vmem_limit_bytes=None, write_out=True):
-  """Chunked GDN forward.
-
-  Returns (out [B,T,Hv,V] in v.dtype or None without `write_out`,
-  final_state [B,Hv,K,V] f32, states [B,Hv,NC,Kp,Vp] f32 chunk-entry states
-  or None).
+  masks: (causal, strict) C×C, with segments restricted to one segment.
   """
-  b, t, hk, hv, dk, dv, nc, dk_p, dv_p = _prepare(q, k, v, chunk, lane_pad)
-  group = hv // hk
-  hb = block_heads
-  kb = hb // group
-  tp = nc * chunk
-  mm = q.dtype
-  q2, k2 = _flat(q, tp, dk_p), _flat(k, tp, dk_p)
-  v2 = _flat(v, tp, dv_p)
-  row = _pack_scalars(log_decay, beta, segment_ids, chunk)
-  h0 = (jnp.zeros((b, hv, dk_p, dv_p), _F32) if initial_state is None
-        else _pad_state(initial_state.astype(_F32), dk_p, dv_p))
-
-  in_specs = [
-      pl.BlockSpec((None, chunk, kb, dk_p), lambda bi, h, c: (bi, c, h, 0)),
-      pl.BlockSpec((None, chunk, kb, dk_p), lambda bi, h, c: (bi, c, h, 0)),
-      pl.BlockSpec((None, chunk, hb, dv_p), lambda bi, h, c: (bi, c, h, 0)),
-      pl.BlockSpec((None, hb, None, _PACK, chunk), lambda bi, h, c: (bi, h, c, 0, 0)),
-      pl.BlockSpec((None, hb, dk_p, dv_p), lambda bi, h, c: (bi, h, 0, 0)),
-  ]
-  out_specs = [pl.BlockSpec((None, hb, dk_p, dv_p), lambda bi, h, c: (bi, h, 0, 0))]
-  out_shape = [jax.ShapeDtypeStruct((b, hv, dk_p, dv_p), _F32)]
-  if write_out:
-    out_specs.insert(0, pl.BlockSpec((None, chunk, hb, dv_p), lambda bi, h, c: (bi, c, h, 0)))
-    out_shape.insert(0, jax.ShapeDtypeStruct((b, tp, hv, dv_p), v.dtype))
-  if emit_states:
-    out_specs.append(
-        pl.BlockSpec((None, hb, None, dk_p, dv_p), lambda bi, h, c: (bi, h, c, 0, 0)))
-    out_shape.append(jax.ShapeDtypeStruct((b, hv, nc, dk_p, dv_p), _F32))
-  kernel = functools.partial(
-      _fwd_kernel, scale=scale, group=group, dk=dk_p, dv=dv_p, mm=mm,
-      emit_states=emit_states, write_out=write_out)
-  res = pl.pallas_call(
-      kernel,
-      grid=(b, hv // hb, nc),
-      in_specs=in_specs,
-      out_specs=out_specs,
-      out_shape=out_shape,
-      scratch_shapes=[pltpu.VMEM((hb, dk_p, dv_p), _F32)],
-      compiler_params=_compiler_params(vmem_limit_bytes),
-      interpret=interpret,
-      name="gdn_fwd",
-  )(q2, k2, v2, row, h0)
-  res = list(res)
-  out = res.pop(0)[:, :t, :, :dv] if write_out else None
-  final = res.pop(0)[:, :, :dk, :dv]
-  states = res.pop(0) if emit_states else None
-  return out, final, states
+  g_rows = _tail_mask(g_ref[...].astype(F32), st, c_idx).T
+  b_rows = _tail_mask(b_ref[...].astype(F32), st, c_idx).T
+  starts = None
+  if st.has_seg:
+    starts = _tail_mask(st_ref[...].astype(F32).T, st, c_idx).T   # (1, C)
+  gate = chunk_gate(g_rows, starts)
+  rows_scr[_G_HI] = gate.g_hi
+  rows_scr[_G_LO] = gate.g_lo
+  rows_scr[_BETA] = b_rows
+  rows_scr[_KOUT] = gate.decay_out * b_rows            # (decay_out β)_j
+  rows_scr[_DECAY_CHUNK] = jnp.broadcast_to(gate.decay_chunk, b_rows.shape)
+  rows_scr[_DECAY_OUT] = gate.decay_out
+  return gate, (gate.causal, gate.strict)
 
 
-# --------------------------------------------------------------------------
-# Backward
-# --------------------------------------------------------------------------
+def _row(rows_scr, kind, i):
+  return rows_scr[kind, pl.ds(i, 1), :]
 
 
-def _bwd_kernel(q_ref, k_ref, v_ref, row_ref, st_ref, do_ref, dht_ref,
-                dq_ref, dk_ref, dv_ref, dpack_ref, dh0_ref,
-                ds_ref, *, scale, group, dk, dv, mm):
-  c_idx = pl.program_id(2)
-  hb = ds_ref.shape[0]
-  kb = hb // group
-  chunk = q_ref.shape[0]
+def _group_heads(st: _Static, gi):
+  """(value heads u -> index, key heads ku -> index) of head group `gi`."""
+  kpg = st.interleave // st.group
+  return ({u: gi * st.interleave + u for u in range(st.interleave)},
+          {ku: gi * kpg + ku for ku in range(kpg)})
+
+
+def _fwd_kernel(*refs, st: _Static, write_out: bool, emit: bool):
+  refs = list(refs)
+  q_ref, k_ref, v_ref, g_ref, b_ref = (refs.pop(0) for _ in range(5))
+  st_ref = refs.pop(0) if st.has_seg else None
+  h0_ref = refs.pop(0) if st.has_h0 else None
+  o_ref = refs.pop(0) if write_out else None
+  ht_ref = refs.pop(0)
+  states_ref, tm_ref = (refs.pop(0), refs.pop(0)) if emit else (None, None)
+  s_scr, rows_scr, qh_scr, kh_scr, vh_scr = (refs.pop(0) for _ in range(5))
+  out_scr = refs.pop(0) if write_out else None
+  assert not refs
+  c, c_idx = st.chunk, pl.program_id(1)
+  dim_k, mm, passes = st.dim_k, st.mm, st.passes
 
   @pl.when(c_idx == 0)
   def _init():
-    ds_ref[...] = dht_ref[...].astype(_F32)
+    s_scr[...] = h0_ref[...].astype(F32) if st.has_h0 else jnp.zeros(s_scr.shape, F32)
 
-  dq_acc = [jnp.zeros((chunk, dk), _F32) for _ in range(kb)]
-  dk_acc = [jnp.zeros((chunk, dk), _F32) for _ in range(kb)]
-  dv_out = []
-  q_all, k_all, v_all, do_all = _load_heads(q_ref, k_ref, v_ref, do_ref)
-  for i, j in enumerate(_split_heads(hb, group)):
-    q, k, v = q_all[:, j, :], k_all[:, j, :], v_all[:, i, :]
-    gcol, bcol, scol, grow, srow = _unpack(row_ref[i])
-    s = st_ref[i]
-    dsn = ds_ref[i]
-    t = _chunk_terms(k, v, gcol, bcol, scol, grow, srow, mm)
-    gamma, tm, kk, eg = t["gamma"], t["tm"], t["kk"], t["eg"]
-    vp = t["u"] - _dot(t["w"], s, dtype=mm)
-    qk = _dot(q, k, tb=True, dtype=mm)
-    p = qk * gamma
-    qf, kf, vf = q.astype(_F32), k.astype(_F32), v.astype(_F32)
-    qg = qf * eg
-    dos = scale * do_all[:, i, :]
+  gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx)
+  _, strict = masks
+  for ref, scr in ((q_ref, qh_scr), (k_ref, kh_scr), (v_ref, vh_scr)):
+    scr[...] = _tail_mask(_heads(ref), st, c_idx)
 
-    dqg = _dot(dos, s, tb=True, dtype=mm)                 # C×K
-    ds_acc = _dot(qg, dos, ta=True, dtype=mm)            # K×V
-    dp = _dot(dos, vp, tb=True, dtype=mm)                 # C×C
-    dvp = _dot(p, dos, ta=True, dtype=mm)                 # C×V
-    dkd = _dot(vp, dsn, tb=True, dtype=mm)                # C×K
-    dvp = dvp + _dot(t["kd"], dsn, dtype=mm)
-    dw = -_dot(dvp, s, tb=True, dtype=mm)                 # C×K
-    ds_acc = ds_acc - _dot(t["w"], dvp, ta=True, dtype=mm)
-    ds_acc = ds_acc + t["decay_all"] * dsn
-    dtm = _dot(dvp, t["vb"], tb=True, dtype=mm) + _dot(dw, t["kb"], tb=True, dtype=mm)
-    dvb = _dot(tm, dvp, ta=True, dtype=mm)                # C×V
-    dkb = _dot(tm, dw, ta=True, dtype=mm)                 # C×K
-    da = -_dot(_dot(tm, dtm, ta=True), tm, tb=True)       # f32, C×C
-    da = jnp.where(t["strict"], da, 0.0)
-    dkk = da * bcol * gamma
-    dgam = da * bcol * kk + dp * qk
-    dqk = dp * gamma
-    dbeta = jnp.sum(da * kk * gamma, axis=1, keepdims=True)
-    dbeta = dbeta + jnp.sum(dkb * eg * kf, axis=1, keepdims=True)
-    dbeta = dbeta + jnp.sum(dvb * vf, axis=1, keepdims=True)
+  def group(gi, carry):
+    heads, kheads = _group_heads(st, gi)
+    kj = lambda u: u // st.group
+    q = {ku: qh_scr[j] for ku, j in kheads.items()}
+    k = {ku: kh_scr[j] for ku, j in kheads.items()}
+    v = {u: vh_scr[i] for u, i in heads.items()}
+    s = {u: s_scr[i] for u, i in heads.items()}
+    beta = {u: _row(rows_scr, _BETA, i) for u, i in heads.items()}
+    gammas, dins = {}, {}
+    for u, i in heads.items():
+      gammas[u], dins[u] = gamma_decay_in(
+          (_row(rows_scr, _G_HI, i), _row(rows_scr, _G_LO, i), gate.run), masks, dim_k)
+    qkk = {ku: mxu(jnp.concatenate([q[ku], k[ku]], 0), k[ku], passes=passes, tb=True)
+           for ku in kheads}                               # [Q; K] Kᵀ
+    a_list = [jnp.where(strict, qkk[kj(u)][c:] * gammas[u] * beta[u], 0.0) for u in heads]
+    tmats = dict(zip(heads, invert_unit_lower(a_list, newton=st.newton)))   # T' = (I + M D_β)⁻¹
+    wu = {u: mxu(tmats[u], jnp.concatenate(
+        [(k[kj(u)] * dins[u]).astype(mm), v[u].astype(mm)], 1), passes=passes)
+          for u in heads}                                  # [W̃ | Ũ]
+    v_new = {u: wu[u][:, dim_k:] - mxu(wu[u][:, :dim_k], s[u], passes=passes)
+             for u in heads}                               # V″
+    if write_out:
+      for u, i in heads.items():
+        lhs = jnp.concatenate([(q[kj(u)] * dins[u]).astype(mm),
+                               (qkk[kj(u)][:c] * gammas[u] * beta[u]).astype(mm)], 1)
+        rhs = jnp.concatenate([s[u].astype(mm), v_new[u].astype(mm)], 0)
+        out_scr[i] = st.scale * mxu(lhs, rhs, passes=passes)
+    k_t = {ku: k[ku].T for ku in kheads}
+    for u, i in heads.items():
+      lam = _row(rows_scr, _DECAY_CHUNK, i)[:, 0:1]
+      s_scr[i] = lam * s[u] + mxu(k_t[kj(u)] * _row(rows_scr, _KOUT, i), v_new[u],
+                                  passes=passes)
+      if emit:
+        states_ref[i] = s[u].astype(states_ref.dtype)
+        tm_ref[i] = tmats[u].astype(tm_ref.dtype)
+    return carry
 
-    dq_h = _dot(dqk, k, dtype=mm) + dqg * eg
-    dk_h = (_dot(dkk, k, dtype=mm) + _dot(dkk, k, ta=True, dtype=mm)
-            + _dot(dqk, q, ta=True, dtype=mm) + dkb * (bcol * eg) + dkd * t["ed"])
-    dv_out.append(dvb * bcol)
+  lax.fori_loop(0, st.hv // st.interleave, group, 0)
+  if write_out:
+    o_ref[...] = pltpu.einshape("hcd->chd", out_scr[...]).astype(o_ref.dtype)
 
-    e = dgam * gamma
-    r = jnp.sum(dkd * t["kd"], axis=1, keepdims=True)     # (C,1)
-    dg_col = (jnp.sum(dqg * qg, axis=1, keepdims=True)
-              + jnp.sum(dkb * t["kb"], axis=1, keepdims=True)
-              - r + jnp.sum(e, axis=1, keepdims=True))
-    dg_last = jnp.sum(r, axis=0, keepdims=True) + t["decay_all"] * jnp.sum(
-        jnp.sum(dsn * s, axis=1, keepdims=True), axis=0, keepdims=True)
-    last = lax.broadcasted_iota(jnp.int32, (1, chunk), 1) == chunk - 1
-    dg_row = -jnp.sum(e, axis=0, keepdims=True) + jnp.where(last, dg_last, 0.0)
-    lane = lax.broadcasted_iota(jnp.int32, (chunk, _PACK), 1)
-    dcols = jnp.where(lane == 0, dg_col, jnp.where(lane == 1, dbeta, 0.0))
-    sub = lax.broadcasted_iota(jnp.int32, (_PACK, chunk), 0)
-    dpack_ref[i] = dcols.T + jnp.where(sub == 0, dg_row, 0.0)
-    ds_ref[i] = ds_acc
-    dq_acc[i // group] = dq_acc[i // group] + dq_h
-    dk_acc[i // group] = dk_acc[i // group] + dk_h
-
-  dq_ref[...] = jnp.stack(dq_acc, axis=1).astype(dq_ref.dtype)
-  dk_ref[...] = jnp.stack(dk_acc, axis=1).astype(dk_ref.dtype)
-  dv_ref[...] = jnp.stack(dv_out, axis=1).astype(dv_ref.dtype)
-
-  @pl.when(c_idx == pl.num_programs(2) - 1)
+  @pl.when(c_idx == pl.num_programs(1) - 1)
   def _final():
-    dh0_ref[...] = ds_ref[...]
+    ht_ref[...] = s_scr[...]
 
 
-def gdn_bwd(q, k, v, log_decay, beta, d_out, d_final, states, *, scale,
-            initial_state, segment_ids, chunk, block_heads, lane_pad, interpret,
-            vmem_limit_bytes=None):
-  """Chunked GDN backward.
+def _bwd_kernel(*refs, st: _Static):
+  refs = list(refs)
+  q_ref, k_ref, v_ref, g_ref, b_ref = (refs.pop(0) for _ in range(5))
+  st_ref = refs.pop(0) if st.has_seg else None
+  states_ref, tm_ref, do_ref, dht_ref = (refs.pop(0) for _ in range(4))
+  dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref = (refs.pop(0) for _ in range(6))
+  (ds_scr, rows_scr, qh_scr, kh_scr, vh_scr, doh_scr, dq_scr, dk_scr, dv_scr,
+   dgr_scr, dbr_scr) = refs
+  c, c_idx = st.chunk, pl.num_programs(1) - 1 - pl.program_id(1)
+  dim_k, mm, passes = st.dim_k, st.mm, st.passes
 
-  `states` are the chunk-entry states from `gdn_fwd(emit_states=True)` (or
-  None: recomputed here by the forward kernel).
-  Returns (dq, dk, dv, d_log_decay, dbeta, d_initial_state f32).
+  @pl.when(pl.program_id(1) == 0)
+  def _init():
+    ds_scr[...] = dht_ref[...].astype(F32)
+
+  gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx)
+  causal, strict = masks
+  for ref, scr in ((q_ref, qh_scr), (k_ref, kh_scr), (v_ref, vh_scr), (do_ref, doh_scr)):
+    scr[...] = _tail_mask(_heads(ref), st, c_idx)
+  lane = lax.broadcasted_iota(jnp.int32, (1, c), 1)
+
+  def group(gi, carry):
+    heads, kheads = _group_heads(st, gi)
+    kj = lambda u: u // st.group
+    q = {ku: qh_scr[j] for ku, j in kheads.items()}
+    k = {ku: kh_scr[j] for ku, j in kheads.items()}
+    k_t = {ku: k[ku].T for ku in kheads}
+    v = {u: vh_scr[i] for u, i in heads.items()}
+    do_s = {u: st.scale * doh_scr[i] for u, i in heads.items()}
+    s = {u: states_ref[i].astype(F32) for u, i in heads.items()}
+    tm = {u: tm_ref[i].astype(F32) for u, i in heads.items()}
+    dsn = {u: ds_scr[i] for u, i in heads.items()}
+    beta = {u: _row(rows_scr, _BETA, i) for u, i in heads.items()}
+    kout = {u: _row(rows_scr, _KOUT, i) for u, i in heads.items()}
+    lam = {u: _row(rows_scr, _DECAY_CHUNK, i)[:, 0:1] for u, i in heads.items()}
+    gammas, dins = {}, {}
+    for u, i in heads.items():
+      gammas[u], dins[u] = gamma_decay_in(
+          (_row(rows_scr, _G_HI, i), _row(rows_scr, _G_LO, i), gate.run), masks, dim_k)
+    qkk = {ku: mxu(jnp.concatenate([q[ku], k[ku]], 0), k[ku], passes=passes, tb=True)
+           for ku in kheads}
+    # Forward recompute: [W̃ | Ũ] = T' [K_in | V], V″ = Ũ − W̃ S.
+    wu = {u: mxu(tm[u], jnp.concatenate(
+        [(k[kj(u)] * dins[u]).astype(mm), v[u].astype(mm)], 1), passes=passes) for u in heads}
+    v_new = {u: wu[u][:, dim_k:] - mxu(wu[u][:, :dim_k], s[u], passes=passes) for u in heads}
+    pq = {u: qkk[kj(u)][:c] * gammas[u] for u in heads}                 # (Q Kᵀ) ⊙ Γ
+    mk = {u: jnp.where(strict, qkk[kj(u)][c:] * gammas[u], 0.0) for u in heads}   # M
+    # State part: dV″ = P̃ᵀ dO + (K ⊙ kout_i) dS′;  dS = Q_inᵀ dO − W̃ᵀ dV″ + λ dS′.
+    d_vnew = {}
+    for u in heads:
+      k_db = (kout[u] * k_t[kj(u)]).T                                   # K ⊙ (decay_out β)_i
+      d_vnew[u] = mxu(jnp.concatenate([(pq[u] * beta[u]).T.astype(mm), k_db.astype(mm)], 1),
+                      jnp.concatenate([do_s[u].astype(mm), dsn[u].astype(mm)], 0), passes=passes)
+    for u, i in heads.items():
+      lhs_t = jnp.concatenate([q[kj(u)] * dins[u], -wu[u][:, :dim_k]], 0).T
+      ds_scr[i] = lam[u] * dsn[u] + mxu(
+          lhs_t, jnp.concatenate([do_s[u], d_vnew[u]], 0), passes=passes)
+    dqw = {u: mxu(jnp.concatenate([do_s[u], -d_vnew[u]], 0), s[u], passes=passes, tb=True)
+           for u in heads}                                              # [dO Sᵀ; dW̃]
+    dpk = {u: mxu(jnp.concatenate([do_s[u], dsn[u]], 0), v_new[u], passes=passes, tb=True)
+           for u in heads}                                              # [dP̃; d(Kᵀ kout)]
+    # WY part: [dK_in | dV] = T'ᵀ [dW̃ | dŨ];  dA' = −[dK_in | dV] [W̃ | Ũ]ᵀ.
+    d_xin = {u: mxu(tm[u].T, jnp.concatenate([dqw[u][c:], d_vnew[u]], 1), passes=passes)
+             for u in heads}
+    d_a = {u: jnp.where(strict, -mxu(d_xin[u], wu[u], passes=passes, tb=True), 0.0)
+           for u in heads}
+    dq_acc = {ku: jnp.zeros((c, dim_k), F32) for ku in kheads}
+    dk_acc = {ku: jnp.zeros((c, dim_k), F32) for ku in kheads}
+    for u, i in heads.items():
+      ku = kj(u)
+      d_p, d_kb = dpk[u][:c], dpk[u][c:]
+      dv_scr[i] = d_xin[u][:, dim_k:]
+      d_m = d_a[u] * beta[u]
+      d_kk = d_m * gammas[u]
+      d_pq = d_p * beta[u]
+      d_qk = jnp.where(causal, d_pq * gammas[u], 0.0)
+      e = d_m * mk[u] + d_pq * pq[u]                                   # dΓ ⊙ Γ
+      dqk = jnp.concatenate([d_qk, d_kk], 0)
+      both = mxu(dqk, k[ku], passes=passes)                            # [d_QK K; d_KK K]
+      back = mxu(dqk.T, jnp.concatenate([q[ku], k[ku]], 0), passes=passes)
+      dq_acc[ku] = dq_acc[ku] + dqw[u][:c] * dins[u] + both[:c]
+      dk_acc[ku] = dk_acc[ku] + d_xin[u][:, :dim_k] * dins[u] + both[c:] + back + (
+          d_kb * kout[u]).T
+      # Per-token parts of dβ and d_gcum (math.md), as rows.
+      d_kout = jnp.sum(d_kb * k_t[ku], axis=0, keepdims=True)          # d(decay_out β)_j
+      decay_out = _row(rows_scr, _DECAY_OUT, i)
+      d_dout = d_kout * kout[u]                                          # d decay_out · decay_out
+      d_lam = jnp.sum(dsn[u] * s[u]) * lam[u]
+      dbr_scr[pl.ds(i, 1), :] = (jnp.sum(d_a[u] * mk[u], axis=0, keepdims=True)
+                                 + jnp.sum(d_p * pq[u], axis=0, keepdims=True)
+                                 + d_kout * decay_out)
+      dgr_scr[pl.ds(i, 1), :] = (
+          rowsum_row(jnp.concatenate(
+              [e, (d_xin[u][:, :dim_k] * k[ku] + dqw[u][:c] * q[ku]) * dins[u]], 1))
+          - jnp.sum(e, axis=0, keepdims=True) - d_dout
+          + jnp.where(lane == c - 1, jnp.sum(d_dout) + d_lam, 0.0))
+    for ku, j in kheads.items():
+      dq_scr[j] = dq_acc[ku]
+      dk_scr[j] = dk_acc[ku]
+    return carry
+
+  lax.fori_loop(0, st.hv // st.interleave, group, 0)
+  starts = None if gate.run is None else _starts_row(gate)
+  d_g = chunk_cumsum(dgr_scr[...], starts, reverse=True)
+  dg_ref[...] = (d_g[0] + d_g[1]).T.astype(dg_ref.dtype)
+  db_ref[...] = dbr_scr[...].T.astype(db_ref.dtype)
+  for ref, scr in ((dq_ref, dq_scr), (dk_ref, dk_scr), (dv_ref, dv_scr)):
+    ref[...] = pltpu.einshape("hcd->chd", scr[...]).astype(ref.dtype)
+
+  @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)
+  def _final():
+    dh0_ref[...] = ds_scr[...]
+
+
+def _starts_row(gate: ChunkGate):
+  """The (1, C) start flags back from the in-chunk segment index."""
+  run = gate.run
+  prev = pltpu.roll(run, 1, 1)
+  lane = lax.broadcasted_iota(jnp.int32, run.shape, 1)
+  return jnp.where(lane == 0, run, run - prev)
+
+
+# ----------------------------------------------------------------------------
+# Wrappers.
+# ----------------------------------------------------------------------------
+
+
+def _starts(segment_ids):
+  """[B, 1, T] int32: 1 where a segment starts (never at t = 0)."""
+  changed = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
+  return jnp.concatenate([jnp.zeros_like(changed[:, :1]), changed], 1)[:, None, :]
+
+
+def _interleave(requested: int, hv: int, group: int) -> int:
+  """The largest multiple of the GVA group dividing Hv, at most `requested`
+  (at least one group)."""
+  ok = [n for n in range(group, hv + 1, group) if hv % n == 0]
+  return max([n for n in ok if n <= requested] or [ok[0]])
+
+
+def _static(q, v, *, scale, chunk, interleave, newton, segment_ids, initial_state):
+  b, t, hk, dim_k = q.shape
+  hv, dim_v = v.shape[2], v.shape[3]
+  passes = 1 if q.dtype == BF16 else 3
+  if newton is None:
+    newton = 1 if passes == 1 else 2
+  return _Static(t_len=t, chunk=chunk, hk=hk, hv=hv, dim_k=dim_k, dim_v=dim_v,
+                 scale=float(scale), passes=passes, newton=newton,
+                 interleave=_interleave(interleave, hv, hv // hk),
+                 has_seg=segment_ids is not None, has_h0=initial_state is not None)
+
+
+def _head_scratch(st: _Static, *, values: int):
+  """Row scratch and head-major f32 copies: q, k, then `values` (Hv, C, V) arrays."""
+  return ([pltpu.VMEM((_N_ROWS, st.hv, st.chunk), F32),
+           pltpu.VMEM((st.hk, st.chunk, st.dim_k), F32),
+           pltpu.VMEM((st.hk, st.chunk, st.dim_k), F32)]
+          + [pltpu.VMEM((st.hv, st.chunk, st.dim_v), F32)] * values)
+
+
+def _common_inputs(q, k, v, log_decay, beta, segment_ids, st: _Static, chunk_of):
+  """(arrays, BlockSpecs) of the inputs both kernels read per chunk."""
+  hk, hv = q.shape[2], v.shape[2]
+  c = st.chunk
+  args = [q, k, v, log_decay, beta]
+  specs = [
+      pl.BlockSpec((None, c, hk, st.dim_k), lambda b, i: (b, chunk_of(i), 0, 0)),
+      pl.BlockSpec((None, c, hk, st.dim_k), lambda b, i: (b, chunk_of(i), 0, 0)),
+      pl.BlockSpec((None, c, hv, st.dim_v), lambda b, i: (b, chunk_of(i), 0, 0)),
+      pl.BlockSpec((None, c, hv), lambda b, i: (b, chunk_of(i), 0)),
+      pl.BlockSpec((None, c, hv), lambda b, i: (b, chunk_of(i), 0)),
+  ]
+  if st.has_seg:
+    args.append(_starts(segment_ids))
+    specs.append(pl.BlockSpec((None, 1, c), lambda b, i: (b, 0, chunk_of(i))))
+  return args, specs
+
+
+def _params(vmem_limit_bytes):
+  return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                              vmem_limit_bytes=vmem_limit_bytes)
+
+
+def gdn_fwd(q, k, v, log_decay, beta, *, scale, initial_state=None, segment_ids=None,
+            chunk=128, interleave=16, newton=None, write_out=True, emit_residuals=False,
+            interpret=False, vmem_limit_bytes=None):
+  """Chunked GDN forward on prepared inputs (after `base.prologue`).
+
+  Returns (out [B, T, Hv, V] in v.dtype or None without `write_out`,
+  final_state [B, Hv, K, V] f32, residuals or None): with `emit_residuals`,
+  (states [B, NC, Hv, K, V], tmats [B, NC, Hv, C, C]), the state entering
+  each chunk and T' of each chunk, bf16 for bf16 inputs, else f32.
   """
-  b, t, hk, hv, dk, dv, nc, dk_p, dv_p = _prepare(q, k, v, chunk, lane_pad)
-  group = hv // hk
-  hb = block_heads
-  kb = hb // group
-  tp = nc * chunk
-  mm = q.dtype
-  if states is None:
-    _, _, states = gdn_fwd(
+  b, t = q.shape[:2]
+  st = _static(q, v, scale=scale, chunk=chunk, interleave=interleave, newton=newton,
+               segment_ids=segment_ids, initial_state=initial_state)
+  nc = -(-t // chunk)
+  args, in_specs = _common_inputs(q, k, v, log_decay, beta, segment_ids, st, lambda i: i)
+  state_spec = pl.BlockSpec((None, st.hv, st.dim_k, st.dim_v), lambda b, i: (b, 0, 0, 0))
+  if st.has_h0:
+    args.append(initial_state.astype(F32))
+    in_specs.append(state_spec)
+  out_specs, out_shape = [], []
+  if write_out:
+    out_specs.append(pl.BlockSpec((None, chunk, st.hv, st.dim_v), lambda b, i: (b, i, 0, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((b, t, st.hv, st.dim_v), v.dtype))
+  out_specs.append(state_spec)
+  out_shape.append(jax.ShapeDtypeStruct((b, st.hv, st.dim_k, st.dim_v), F32))
+  if emit_residuals:
+    out_specs += [
+        pl.BlockSpec((None, None, st.hv, st.dim_k, st.dim_v), lambda b, i: (b, i, 0, 0, 0)),
+        pl.BlockSpec((None, None, st.hv, chunk, chunk), lambda b, i: (b, i, 0, 0, 0))]
+    out_shape += [jax.ShapeDtypeStruct((b, nc, st.hv, st.dim_k, st.dim_v), st.mm),
+                  jax.ShapeDtypeStruct((b, nc, st.hv, chunk, chunk), st.mm)]
+  res = pl.pallas_call(
+      functools.partial(_fwd_kernel, st=st, write_out=write_out, emit=emit_residuals),
+      grid=(b, nc), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      scratch_shapes=[pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32)]
+      + _head_scratch(st, values=2 if write_out else 1),
+      compiler_params=_params(vmem_limit_bytes), interpret=interpret,
+      name="gdn_fwd" if write_out else "gdn_fwd_states")(*args)
+  res = list(res)
+  out = res.pop(0) if write_out else None
+  final = res.pop(0)
+  residuals = tuple(res) if emit_residuals else None
+  return out, final, residuals
+
+
+def gdn_bwd(q, k, v, log_decay, beta, d_out, d_final, *, scale, initial_state=None,
+            segment_ids=None, residuals=None, chunk=128, interleave=16, newton=None,
+            interpret=False, vmem_limit_bytes=None):
+  """Chunked GDN backward: (dq, dk, dv, d_log_decay, dbeta, d_initial_state f32).
+
+  `residuals`: `gdn_fwd(emit_residuals=True)`'s, or None to recompute them
+  (pass 1: the forward kernel without outputs).
+  """
+  b, t = q.shape[:2]
+  st = _static(q, v, scale=scale, chunk=chunk, interleave=interleave, newton=newton,
+               segment_ids=segment_ids, initial_state=initial_state)
+  nc = -(-t // chunk)
+  if residuals is None:
+    _, _, residuals = gdn_fwd(
         q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
-        segment_ids=segment_ids, chunk=chunk, block_heads=block_heads,
-        emit_states=True, lane_pad=lane_pad, interpret=interpret,
-        vmem_limit_bytes=vmem_limit_bytes, write_out=False)
-  q2, k2 = _flat(q, tp, dk_p), _flat(k, tp, dk_p)
-  v2 = _flat(v, tp, dv_p)
-  do2 = _flat(d_out, tp, dv_p)
-  row = _pack_scalars(log_decay, beta, segment_ids, chunk)
-  dht = (jnp.zeros((b, hv, dk_p, dv_p), _F32) if d_final is None
-         else _pad_state(d_final.astype(_F32), dk_p, dv_p))
-
-  rev = lambda c: nc - 1 - c
-  key_spec = pl.BlockSpec((None, chunk, kb, dk_p), lambda bi, h, c: (bi, rev(c), h, 0))
-  val_spec = pl.BlockSpec((None, chunk, hb, dv_p), lambda bi, h, c: (bi, rev(c), h, 0))
-  row_spec = pl.BlockSpec(
-      (None, hb, None, _PACK, chunk), lambda bi, h, c: (bi, h, rev(c), 0, 0))
-  state_spec = pl.BlockSpec((None, hb, dk_p, dv_p), lambda bi, h, c: (bi, h, 0, 0))
-  in_specs = [
-      key_spec, key_spec, val_spec, row_spec,
-      pl.BlockSpec((None, hb, None, dk_p, dv_p), lambda bi, h, c: (bi, h, rev(c), 0, 0)),
-      val_spec, state_spec,
+        segment_ids=segment_ids, chunk=chunk, interleave=interleave, newton=newton,
+        write_out=False, emit_residuals=True, interpret=interpret,
+        vmem_limit_bytes=vmem_limit_bytes)
+  states, tmats = residuals
+  rev = lambda i: nc - 1 - i
+  args, in_specs = _common_inputs(q, k, v, log_decay, beta, segment_ids, st, rev)
+  state_spec = pl.BlockSpec((None, st.hv, st.dim_k, st.dim_v), lambda b, i: (b, 0, 0, 0))
+  d_final = (jnp.zeros((b, st.hv, st.dim_k, st.dim_v), F32) if d_final is None
+             else d_final.astype(F32))
+  args += [states, tmats, d_out, d_final]
+  in_specs += [
+      pl.BlockSpec((None, None, st.hv, st.dim_k, st.dim_v), lambda b, i: (b, rev(i), 0, 0, 0)),
+      pl.BlockSpec((None, None, st.hv, chunk, chunk), lambda b, i: (b, rev(i), 0, 0, 0)),
+      pl.BlockSpec((None, chunk, st.hv, st.dim_v), lambda b, i: (b, rev(i), 0, 0)),
+      state_spec,
   ]
-  out_specs = [key_spec, key_spec, val_spec, row_spec, state_spec]
+  hk = q.shape[2]
+  out_specs = [
+      pl.BlockSpec((None, chunk, hk, st.dim_k), lambda b, i: (b, rev(i), 0, 0)),
+      pl.BlockSpec((None, chunk, hk, st.dim_k), lambda b, i: (b, rev(i), 0, 0)),
+      pl.BlockSpec((None, chunk, st.hv, st.dim_v), lambda b, i: (b, rev(i), 0, 0)),
+      pl.BlockSpec((None, chunk, st.hv), lambda b, i: (b, rev(i), 0)),
+      pl.BlockSpec((None, chunk, st.hv), lambda b, i: (b, rev(i), 0)),
+      state_spec,
+  ]
   out_shape = [
-      jax.ShapeDtypeStruct((b, tp, hk, dk_p), q.dtype),
-      jax.ShapeDtypeStruct((b, tp, hk, dk_p), k.dtype),
-      jax.ShapeDtypeStruct((b, tp, hv, dv_p), v.dtype),
-      jax.ShapeDtypeStruct((b, hv, nc, _PACK, chunk), _F32),
-      jax.ShapeDtypeStruct((b, hv, dk_p, dv_p), _F32),
+      jax.ShapeDtypeStruct(q.shape, q.dtype),
+      jax.ShapeDtypeStruct(k.shape, k.dtype),
+      jax.ShapeDtypeStruct(v.shape, v.dtype),
+      jax.ShapeDtypeStruct((b, t, st.hv), F32),
+      jax.ShapeDtypeStruct((b, t, st.hv), F32),
+      jax.ShapeDtypeStruct((b, st.hv, st.dim_k, st.dim_v), F32),
   ]
-  kernel = functools.partial(_bwd_kernel, scale=scale, group=group, dk=dk_p,
-                             dv=dv_p, mm=mm)
-  dq2, dk2, dv2, dpack, dh0 = pl.pallas_call(
-      kernel,
-      grid=(b, hv // hb, nc),
-      in_specs=in_specs,
-      out_specs=out_specs,
-      out_shape=out_shape,
-      scratch_shapes=[pltpu.VMEM((hb, dk_p, dv_p), _F32)],
-      compiler_params=_compiler_params(vmem_limit_bytes),
-      interpret=interpret,
-      name="gdn_bwd",
-  )(q2, k2, v2, row, states, do2, dht)
-
-  dq = dq2[:, :t, :, :dk]
-  dkey = dk2[:, :t, :, :dk]
-  dval = dv2[:, :t, :, :dv]
-  d_gcum = dpack[:, :, :, 0, :]                                     # B Hv NC C
-  d_g = jnp.flip(jnp.cumsum(jnp.flip(d_gcum, -1), axis=-1), -1)     # undo cumsum
-  d_g = d_g.reshape(b, hv, tp)[:, :, :t].transpose(0, 2, 1)
-  dbeta = dpack[:, :, :, 1, :].reshape(b, hv, tp)[:, :, :t].transpose(0, 2, 1)
-  dh0 = dh0[:, :, :dk, :dv]
-  return dq, dkey, dval, d_g, dbeta, dh0
+  return tuple(pl.pallas_call(
+      functools.partial(_bwd_kernel, st=st),
+      grid=(b, nc), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      scratch_shapes=[pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32)]
+      + _head_scratch(st, values=2)
+      + [pltpu.VMEM((st.hk, chunk, st.dim_k), F32)] * 2
+      + [pltpu.VMEM((st.hv, chunk, st.dim_v), F32)]
+      + [pltpu.VMEM((st.hv, chunk), F32)] * 2,
+      compiler_params=_params(vmem_limit_bytes), interpret=interpret,
+      name="gdn_bwd")(*args))

@@ -16,7 +16,7 @@ accepts the keyword arguments `tokamax.ragged_dot` passes to an Op instance
 """
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 from jax.experimental import checkify
@@ -66,12 +66,27 @@ def check_group_sizes(group_sizes, num_groups: int | None) -> None:
     )
 
 
-def canonical_group_sizes(group_sizes) -> Any:
-  """Accepts a tokamax `GroupSizes`, a list of ints or an array; returns an array."""
+def canonical_group_sizes(group_sizes, *, op_name: str, num_groups: int | None, m: int,
+                          checkify_values: bool) -> Any:
+  """`group_sizes` as int32 [G], checked; also from a tokamax `GroupSizes` or a list.
+
+  int32 whatever the given integer dtype, so that every implementation's
+  running sums of the sizes (the group offsets) cannot overflow (an int8
+  cumsum wraps past 127). `checkify_values` adds the opt-in value checks.
+  """
+  if group_sizes is None:
+    raise TypeError(f"{op_name}() missing required argument `group_sizes`.")
   if isinstance(group_sizes, ragged_dot_base.GroupSizes):
     group_sizes = group_sizes.value
   if isinstance(group_sizes, (list, tuple)):
     group_sizes = jnp.asarray(group_sizes, jnp.int32)
+  check_group_sizes(group_sizes, num_groups)
+  if isinstance(group_sizes, AbstractArray):  # binding abstract arguments (AOT, autotuning)
+    return jax.ShapeDtypeStruct(group_sizes.shape, jnp.int32)
+  group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
+  if checkify_values:
+    checkify.debug_check(jnp.all(group_sizes >= 0), "`group_sizes` has a negative entry.")
+    checkify.debug_check(jnp.sum(group_sizes) <= m, "sum(`group_sizes`) exceeds the M rows.")
   return group_sizes
 
 
@@ -112,12 +127,6 @@ def compute_dtype(lhs_dtype, rhs_dtype) -> jnp.dtype:
   return jnp.dtype(jnp.float32)
 
 
-def checkify_group_sizes(group_sizes: jax.Array, m: int) -> None:
-  """Opt-in value checks (see `Gmm`): active under `checkify.checkify`."""
-  checkify.debug_check(jnp.all(group_sizes >= 0), "`group_sizes` has a negative entry.")
-  checkify.debug_check(jnp.sum(group_sizes) <= m, "sum(`group_sizes`) exceeds the M rows.")
-
-
 def check_compat_kwargs(
     *, ragged_dot_dimension_numbers, activation, group_offset, allowed_dims
 ) -> jax.lax.RaggedDotDimensionNumbers | None:
@@ -146,6 +155,13 @@ class Gmm[C, K](ShippedAutotuningCacheMixin, op.Op[Any, jax.Array, Residuals, C,
 
   _: dataclasses.KW_ONLY
   checkify_group_sizes: bool = False
+  # The implementation whose gmm and tgmm compute this Op's VJP (`gmm_vjp_fn`);
+  # None: JAX autodiff of `_gmm`.
+  vjp_family: ClassVar[str | None] = None
+
+  def __post_init__(self):
+    if self.vjp is None and self.vjp_family is not None:
+      object.__setattr__(self, "vjp", gmm_vjp_fn(self.vjp_family))
 
   def bind(
       self,
@@ -175,9 +191,6 @@ class Gmm[C, K](ShippedAutotuningCacheMixin, op.Op[Any, jax.Array, Residuals, C,
     )
     if dims is not None:
       transpose_rhs = dims == _DIMS_TRANSPOSED_RHS
-    if group_sizes is None:
-      raise TypeError("gmm() missing required argument `group_sizes`.")
-    group_sizes = canonical_group_sizes(group_sizes)
     require_rank("lhs", lhs, 2, "[M, K]")
     require_rank("rhs", rhs, 3, "[G, N, K]" if transpose_rhs else "[G, K, N]")
     require_operand_dtype("lhs", lhs)
@@ -189,9 +202,9 @@ class Gmm[C, K](ShippedAutotuningCacheMixin, op.Op[Any, jax.Array, Residuals, C,
           f"{describe('rhs', rhs)}: contraction size K must match `lhs` K={lhs.shape[1]};"
           f" got {rhs.shape[k_axis]} in rhs layout {layout}."
       )
-    check_group_sizes(group_sizes, rhs.shape[0])
-    if self.checkify_group_sizes:
-      checkify_group_sizes(group_sizes, lhs.shape[0])
+    group_sizes = canonical_group_sizes(
+        group_sizes, op_name="gmm", num_groups=rhs.shape[0], m=lhs.shape[0],
+        checkify_values=self.checkify_group_sizes)
     out_dtype = canonical_out_dtype(lhs, rhs, preferred_element_type)
     return super().bind(
         lhs,
@@ -223,12 +236,19 @@ class Gmm[C, K](ShippedAutotuningCacheMixin, op.Op[Any, jax.Array, Residuals, C,
       config: C,
   ) -> tuple[jax.Array, Residuals]:
     del return_residuals
+    m, k = lhs.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    if 0 in (m, k, n, rhs.shape[0]):
+      # No rows, no columns, nothing to contract or no groups: the result is
+      # all zeros (rows in no group are zero), for every backend alike.
+      return jnp.zeros((m, n), preferred_element_type), None
     out = self._gmm(lhs, rhs, group_sizes, out_dtype=preferred_element_type,
                     transpose_rhs=transpose_rhs, config=config)
     return out, None
 
   def _gmm(self, lhs, rhs, group_sizes, *, out_dtype, transpose_rhs, config) -> jax.Array:
-    """The backend's computation on canonical arguments (`_fwd` keeps the annotations)."""
+    """The backend's computation on canonical arguments (`_fwd` keeps the annotations):
+    no dimension is 0 and `group_sizes` is int32."""
     raise NotImplementedError
 
 

@@ -1,6 +1,7 @@
 """Pallas Mosaic TPU gmm: Config, per-generation heuristics, VMEM budget, VJP wiring.
 
-The kernel is in `pallas_mosaic_tpu_kernel.py`. Tiling logic, for
+The kernel is in `pallas_mosaic_tpu_kernel.py` (with tgmm's: one schedule for
+both); the Config and tiling helpers here serve tgmm's wrapper too. Tiling logic, for
 lhs [M, K] @ rhs[g] [K, N]:
 - rhs traffic: a step reloads its rhs block only when the block index changes,
   so with the whole [K, N] of a group in one block (tk = K, tn = N) each
@@ -39,11 +40,12 @@ class Config:
   tn: pydantic.PositiveInt = 1024
 
 
-_TM_CHOICES = (128, 256, 512, 1024)
+TM_CHOICES = (128, 256, 512, 1024)
 _TKN_CHOICES = (4096, 2048, 1024, 512, 256, 128)
 
 
 def vmem_budget() -> int:
+  """The VMEM a config's estimate may take: half the chip's (see module docstring)."""
   return gdn_config.target_generation().vmem_bytes // 2
 
 
@@ -53,31 +55,20 @@ def vmem_limit(estimate: int) -> int:
   return int(min(cap, max(32 << 20, estimate * 3 // 2 + (8 << 20))))
 
 
-def interpret_or_raise(name: str) -> bool:
-  """False on a TPU (real or AOT target); True in interpret mode; else NotImplementedError."""
-  if gdn_config.on_tpu():
-    return False
-  if gdn_config.interpret_enabled():
-    return True
-  raise NotImplementedError(
-      f"{name} needs a TPU (or interpret mode: TOKAMAX_GDN_INTERPRET=1 /"
-      " tokamax_gdn.config.set_interpret(True))."
-  )
-
-
-def _sizes(full: int) -> list[int]:
-  """Candidate block sizes along an axis: the full axis, then powers of two below it."""
-  return [full] + [c for c in _TKN_CHOICES if c < full]
+def block_sizes(full: int) -> list[int]:
+  """Candidate block sizes along an axis: the full axis, then powers of two below it
+  (an empty axis, which no kernel runs on, gets 1: a Config's sizes are positive)."""
+  return [max(full, 1)] + [c for c in _TKN_CHOICES if c < full]
 
 
 def parallel_sizes(full: int) -> list[int]:
-  """`_sizes` for the kernel's "parallel" grid axis.
+  """`block_sizes` for the kernel's "parallel" grid axis.
 
   On a megacore chip (v5p: two TensorCores behind one device) that axis is
   what the cores split, so the whole axis in one block would idle a core:
   start from half of it there.
   """
-  sizes = _sizes(full)
+  sizes = block_sizes(full)
   if gdn_config.target_generation().name == "v5p":
     halves = [c for c in sizes if c <= full // 2 and c % 128 == 0]
     return halves or sizes
@@ -95,7 +86,7 @@ def _gmm_dims(ba: op.BoundArguments):
 def gmm_vmem(m, k, n, lhs_dtype, rhs_dtype, out_dtype, transpose_rhs, cfg: Config) -> int:
   tiles = kernel.gmm_tiles(m, k, n, lhs_dtype, rhs_dtype, out_dtype,
                            tm=cfg.tm, tk=cfg.tk, tn=cfg.tn, transpose_rhs=transpose_rhs)
-  return kernel.vmem_bytes(tiles, lhs_dtype, rhs_dtype, out_dtype)
+  return kernel.vmem_bytes(tiles, lhs_dtype, rhs_dtype, out_dtype, transposed=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,12 +95,10 @@ class PallasMosaicTpuGmm(base.Gmm[Config, None]):
 
   config_cls: ClassVar[type[Config]] = Config
 
-  def __post_init__(self):
-    if self.vjp is None:
-      object.__setattr__(self, "vjp", base.gmm_vjp_fn("pallas_mosaic_tpu"))
+  vjp_family: ClassVar[str] = "pallas_mosaic_tpu"
 
   def _gmm(self, lhs, rhs, group_sizes, *, out_dtype, transpose_rhs, config):
-    interpret = interpret_or_raise(type(self).__name__)
+    interpret = gdn_config.require_pallas_tpu(type(self).__name__)
     if not jnp.issubdtype(out_dtype, jnp.floating):
       raise NotImplementedError(f"{type(self).__name__}: integer outputs are not supported.")
     m, k = lhs.shape
@@ -117,9 +106,9 @@ class PallasMosaicTpuGmm(base.Gmm[Config, None]):
     tiles = kernel.gmm_tiles(m, k, n, lhs.dtype, rhs.dtype, out_dtype,
                              tm=config.tm, tk=config.tk, tn=config.tn,
                              transpose_rhs=transpose_rhs)
-    estimate = kernel.vmem_bytes(tiles, lhs.dtype, rhs.dtype, out_dtype)
+    estimate = kernel.vmem_bytes(tiles, lhs.dtype, rhs.dtype, out_dtype, transposed=False)
     return kernel.gmm(
-        lhs, rhs, group_sizes.astype(jnp.int32),
+        lhs, rhs, group_sizes,
         tiles=tiles, out_dtype=out_dtype, transpose_rhs=transpose_rhs,
         interpret=interpret, vmem_limit_bytes=None if interpret else vmem_limit(estimate),
     )
@@ -127,9 +116,7 @@ class PallasMosaicTpuGmm(base.Gmm[Config, None]):
   def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
     m, k, n, ld, rd, od, tr = _gmm_dims(ba)
     budget = vmem_budget()
-    ns = parallel_sizes(n)
-    for tk, tn in itertools.chain(
-        ((k, tn) for tn in ns), ((tk, tn) for tk in _sizes(k)[1:] for tn in ns)):
+    for tk, tn in itertools.product(block_sizes(k), parallel_sizes(n)):
       cfg = Config(tm=256, tk=tk, tn=tn)
       if gmm_vmem(m, k, n, ld, rd, od, tr, cfg) <= budget:
         return cfg
@@ -140,7 +127,7 @@ class PallasMosaicTpuGmm(base.Gmm[Config, None]):
     budget = vmem_budget()
     configs = {
         Config(tm=tm, tk=tk, tn=tn)
-        for tm, tk, tn in itertools.product(_TM_CHOICES, _sizes(k), _sizes(n))
+        for tm, tk, tn in itertools.product(TM_CHOICES, block_sizes(k), block_sizes(n))
     }
     configs.add(self._get_heuristics_config(ba))
     return {c for c in configs if gmm_vmem(m, k, n, ld, rd, od, tr, c) <= budget}

@@ -4,7 +4,7 @@ The VJP is gmm / tgmm of this same family (see `base.gmm_vjp_fn`).
 """
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -16,16 +16,14 @@ from tokamax_gdn.ops.gmm import base
 class XlaGmm(base.Gmm[Any, Any]):
   """`jax.lax.ragged_dot_general` on operands converted to a common dtype."""
 
-  def __post_init__(self):
-    if self.vjp is None:
-      object.__setattr__(self, "vjp", base.gmm_vjp_fn("xla"))
+  vjp_family: ClassVar[str] = "xla"
 
   def _gmm(self, lhs, rhs, group_sizes, *, out_dtype, transpose_rhs, config):
     del config
     ct = base.compute_dtype(lhs.dtype, rhs.dtype)
     dims = base._DIMS_TRANSPOSED_RHS if transpose_rhs else base._DIMS_PLAIN  # pylint: disable=protected-access
     out = jax.lax.ragged_dot_general(
-        lhs.astype(ct), rhs.astype(ct), group_sizes.astype(jnp.int32),
+        lhs.astype(ct), rhs.astype(ct), group_sizes,
         ragged_dot_dimension_numbers=dims,
         precision=jax.lax.Precision.HIGHEST,
         preferred_element_type=jnp.float32,

@@ -15,7 +15,7 @@ Both give zeros past sum(group_sizes), as they should.
 """
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,13 @@ class Tgmm[C, K](ShippedAutotuningCacheMixin, op.Op[Any, jax.Array, Residuals, C
 
   _: dataclasses.KW_ONLY
   checkify_group_sizes: bool = False
+  # The implementation whose gmm computes this Op's VJP (`tgmm_vjp_fn`); None:
+  # JAX autodiff of `_tgmm`.
+  vjp_family: ClassVar[str | None] = None
+
+  def __post_init__(self):
+    if self.vjp is None and self.vjp_family is not None:
+      object.__setattr__(self, "vjp", tgmm_vjp_fn(self.vjp_family))
 
   def bind(
       self,
@@ -65,9 +72,6 @@ class Tgmm[C, K](ShippedAutotuningCacheMixin, op.Op[Any, jax.Array, Residuals, C
         group_offset=group_offset,
         allowed_dims=(DIMS,),
     )
-    if group_sizes is None:
-      raise TypeError("tgmm() missing required argument `group_sizes`.")
-    group_sizes = gmm_base.canonical_group_sizes(group_sizes)
     checks.require_rank("lhs", lhs, 2, "[M, K]")
     checks.require_rank("rhs", rhs, 2, "[M, N]")
     gmm_base.require_operand_dtype("lhs", lhs)
@@ -77,9 +81,9 @@ class Tgmm[C, K](ShippedAutotuningCacheMixin, op.Op[Any, jax.Array, Residuals, C
           f"{checks.describe('rhs', rhs)}: rows M must match `lhs` M={lhs.shape[0]}"
           f" (the ragged contraction); got {rhs.shape[0]}."
       )
-    gmm_base.check_group_sizes(group_sizes, None)
-    if self.checkify_group_sizes:
-      gmm_base.checkify_group_sizes(group_sizes, lhs.shape[0])
+    group_sizes = gmm_base.canonical_group_sizes(
+        group_sizes, op_name="tgmm", num_groups=None, m=lhs.shape[0],
+        checkify_values=self.checkify_group_sizes)
     out_dtype = gmm_base.canonical_out_dtype(lhs, rhs, preferred_element_type)
     return super().bind(
         lhs,
@@ -100,11 +104,16 @@ class Tgmm[C, K](ShippedAutotuningCacheMixin, op.Op[Any, jax.Array, Residuals, C
       config: C,
   ) -> tuple[jax.Array, Residuals]:
     del return_residuals
+    (m, k), n, g = lhs.shape, rhs.shape[1], group_sizes.shape[0]
+    if 0 in (m, k, n, g):
+      # No rows to contract (empty groups give zeros), or an empty output.
+      return jnp.zeros((g, k, n), preferred_element_type), None
     return self._tgmm(lhs, rhs, group_sizes, out_dtype=preferred_element_type,
                       config=config), None
 
   def _tgmm(self, lhs, rhs, group_sizes, *, out_dtype, config) -> jax.Array:
-    """The backend's computation on canonical arguments (`_fwd` keeps the annotations)."""
+    """The backend's computation on canonical arguments (`_fwd` keeps the annotations):
+    no dimension is 0 and `group_sizes` is int32."""
     raise NotImplementedError
 
 

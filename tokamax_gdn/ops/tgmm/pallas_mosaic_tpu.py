@@ -1,6 +1,8 @@
 """Pallas Mosaic TPU tgmm: Config, per-generation heuristics, VMEM budget, VJP wiring.
 
-The kernel is in `pallas_mosaic_tpu_kernel.py`. For out[g] = lhs[rows_g]^T @
+The kernel is `tgmm` in `tokamax_gdn/ops/gmm/pallas_mosaic_tpu_kernel.py`, next
+to gmm's (one schedule for both, as in megablox); Config and tiling helpers
+are gmm's wrapper's. For out[g] = lhs[rows_g]^T @
 rhs[rows_g] with lhs [M, K], rhs [M, N], out [G, K, N]: lhs is read once per
 n tile and rhs once per k tile, so the first choice is the whole [K, N]
 output of a group in one block (a float32 accumulator of K*N*4 bytes), then
@@ -20,8 +22,8 @@ from tokamax._src.ops import op
 
 from tokamax_gdn import config as gdn_config
 from tokamax_gdn.ops.gmm import pallas_mosaic_tpu as gmm_pallas
+from tokamax_gdn.ops.gmm import pallas_mosaic_tpu_kernel as kernel
 from tokamax_gdn.ops.tgmm import base
-from tokamax_gdn.ops.tgmm import pallas_mosaic_tpu_kernel as kernel
 
 Config = gmm_pallas.Config
 
@@ -35,7 +37,7 @@ def _dims(ba: op.BoundArguments):
 def tgmm_vmem(m, k, n, lhs_dtype, rhs_dtype, out_dtype, cfg: Config) -> int:
   tiles = kernel.tgmm_tiles(m, k, n, lhs_dtype, rhs_dtype, out_dtype,
                             tm=cfg.tm, tk=cfg.tk, tn=cfg.tn)
-  return kernel.vmem_bytes(tiles, lhs_dtype, rhs_dtype, out_dtype)
+  return kernel.vmem_bytes(tiles, lhs_dtype, rhs_dtype, out_dtype, transposed=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,21 +46,19 @@ class PallasMosaicTpuTgmm(base.Tgmm[Config, None]):
 
   config_cls: ClassVar[type[Config]] = Config
 
-  def __post_init__(self):
-    if self.vjp is None:
-      object.__setattr__(self, "vjp", base.tgmm_vjp_fn("pallas_mosaic_tpu"))
+  vjp_family: ClassVar[str] = "pallas_mosaic_tpu"
 
   def _tgmm(self, lhs, rhs, group_sizes, *, out_dtype, config):
-    interpret = gmm_pallas.interpret_or_raise(type(self).__name__)
+    interpret = gdn_config.require_pallas_tpu(type(self).__name__)
     if not jnp.issubdtype(out_dtype, jnp.floating):
       raise NotImplementedError(f"{type(self).__name__}: integer outputs are not supported.")
     m, k = lhs.shape
     n = rhs.shape[1]
     tiles = kernel.tgmm_tiles(m, k, n, lhs.dtype, rhs.dtype, out_dtype,
                               tm=config.tm, tk=config.tk, tn=config.tn)
-    estimate = kernel.vmem_bytes(tiles, lhs.dtype, rhs.dtype, out_dtype)
+    estimate = kernel.vmem_bytes(tiles, lhs.dtype, rhs.dtype, out_dtype, transposed=True)
     return kernel.tgmm(
-        lhs, rhs, group_sizes.astype(jnp.int32),
+        lhs, rhs, group_sizes,
         tiles=tiles, out_dtype=out_dtype, interpret=interpret,
         vmem_limit_bytes=None if interpret else gmm_pallas.vmem_limit(estimate),
     )
@@ -66,11 +66,8 @@ class PallasMosaicTpuTgmm(base.Tgmm[Config, None]):
   def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
     m, k, n, ld, rd, od = _dims(ba)
     budget = gmm_pallas.vmem_budget()
-    sizes = gmm_pallas._sizes  # pylint: disable=protected-access
     # k is the first "parallel" axis: on v5p it is split across the two cores.
-    ks = gmm_pallas.parallel_sizes(k)
-    for tk, tn in itertools.chain(
-        ((ks[0], tn) for tn in sizes(n)), ((tk, tn) for tk in ks[1:] for tn in sizes(n))):
+    for tk, tn in itertools.product(gmm_pallas.parallel_sizes(k), gmm_pallas.block_sizes(n)):
       cfg = Config(tm=256, tk=tk, tn=tn)
       if tgmm_vmem(m, k, n, ld, rd, od, cfg) <= budget:
         return cfg
@@ -79,10 +76,10 @@ class PallasMosaicTpuTgmm(base.Tgmm[Config, None]):
   def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
     m, k, n, ld, rd, od = _dims(ba)
     budget = gmm_pallas.vmem_budget()
-    sizes = gmm_pallas._sizes  # pylint: disable=protected-access
+    sizes = gmm_pallas.block_sizes
     configs = {
         Config(tm=tm, tk=tk, tn=tn)
-        for tm, tk, tn in itertools.product(gmm_pallas._TM_CHOICES, sizes(k), sizes(n))  # pylint: disable=protected-access
+        for tm, tk, tn in itertools.product(gmm_pallas.TM_CHOICES, sizes(k), sizes(n))
     }
     configs.add(self._get_heuristics_config(ba))
     return {c for c in configs if tgmm_vmem(m, k, n, ld, rd, od, c) <= budget}

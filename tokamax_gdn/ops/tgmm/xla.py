@@ -4,7 +4,7 @@ The VJP is gmm of this same family (see `base.tgmm_vjp_fn`).
 """
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -17,15 +17,13 @@ from tokamax_gdn.ops.tgmm import base
 class XlaTgmm(base.Tgmm[Any, Any]):
   """`jax.lax.ragged_dot_general` on operands converted to a common dtype."""
 
-  def __post_init__(self):
-    if self.vjp is None:
-      object.__setattr__(self, "vjp", base.tgmm_vjp_fn("xla"))
+  vjp_family: ClassVar[str] = "xla"
 
   def _tgmm(self, lhs, rhs, group_sizes, *, out_dtype, config):
     del config
     ct = gmm_base.compute_dtype(lhs.dtype, rhs.dtype)
     out = jax.lax.ragged_dot_general(
-        lhs.astype(ct), rhs.astype(ct), group_sizes.astype(jnp.int32),
+        lhs.astype(ct), rhs.astype(ct), group_sizes,
         ragged_dot_dimension_numbers=base.DIMS,
         precision=jax.lax.Precision.HIGHEST,
         preferred_element_type=jnp.float32,

@@ -16,6 +16,7 @@ or `AutotuningResult.loads` of its `dumps()`) into those files.
 
 from collections.abc import Iterable, Mapping
 import importlib.resources
+import logging as std_logging
 import os
 import pathlib
 from typing import Any
@@ -49,7 +50,7 @@ def op_file_name(op: op_lib.Op | type[op_lib.Op]) -> str:
 
 def package_dir() -> pathlib.Path:
   """`tokamax_gdn/data/autotuning` of the imported package (where `install` writes)."""
-  return pathlib.Path(__file__).resolve().parent / CACHE_PATH
+  return pathlib.Path(__file__).resolve().parent.parent / CACHE_PATH
 
 
 def _sources(device_kind: str, file_name: str) -> list[Any]:
@@ -97,6 +98,29 @@ class ShippedAutotuningCacheMixin:
         cache.setdefault(k, v)
       _merged[key] = cache
     return cache
+
+
+# tokamax logs a WARNING with the Op and its whole cache key for every shape it
+# has no tuned config for. For a plugin's ops that is the normal path (the
+# heuristics choose the config), so for ours it becomes one DEBUG line here.
+_CACHE_MISS = "Autotuning cache miss for %s on %s with key %s"
+_logger = std_logging.getLogger(__name__)
+
+
+class _OurCacheMissesAtDebug(std_logging.Filter):
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    args = record.args if isinstance(record.args, tuple) else ()
+    if record.msg == _CACHE_MISS and args and isinstance(args[0], ShippedAutotuningCacheMixin):
+      _logger.debug("autotuning cache miss for %s on %s: heuristics config",
+                    type(args[0]).__name__, args[1])
+      return False
+    return True
+
+
+_absl_logger = std_logging.getLogger("absl")  # tokamax logs through absl.logging
+if not any(isinstance(f, _OurCacheMissesAtDebug) for f in _absl_logger.filters):
+  _absl_logger.addFilter(_OurCacheMissesAtDebug())
 
 
 def reload() -> None:
@@ -182,9 +206,3 @@ def lookup(
     return ba.cached_autotuning_data
   return op.get_autotuning_cache(device_kind).get(ba.autotuning_cache_key)
 
-
-__all__ = [
-    "ShippedAutotuningCacheMixin", "load_shipped", "install", "reload",
-    "cache_file_contents", "shipped_files", "package_dir", "op_file_name",
-    "normalize_device_kind", "lookup",
-]

@@ -1,0 +1,213 @@
+"""Static TPU report of the Pallas gated delta rule, compiled on CPU (`tokamax-gdn aot`).
+
+For one layer call (`ops.gated_delta_rule.workload`) and one TPU generation,
+per pass (forward, forward+backward):
+- memory: temp / argument / output bytes;
+- cycles: the compiler's static estimate per Pallas kernel (names `gdn_*`), the
+  XLA glue around them summed, and the total;
+- roofline: the floor max(MXU floor, HBM floor) of the shape (essential FLOPs
+  over the generation's peak FLOP/cycle, minimal HBM bytes over its bytes per
+  cycle, both on the estimator's scale, see `tokamax_gdn.aot`) and the total
+  over that floor.
+
+Compiles at the full length are slow and the cycle dump slower still, so each
+pass is compiled once, with the dump on, at a short length (512 by default)
+in a child process, and its cycles and memory are scaled to T: every kernel's
+work, the inputs, outputs and temporaries grow linearly in T
+(`tests/aot_test.py` checks the cycles against a direct estimate). Give two
+lengths to extrapolate along the line through them instead (the report then
+gives the ratio of their totals), or ask for the memory at T itself. With
+`kda=True` tokamax's `kimi_delta_attention` (mosaic, the scalar gate broadcast
+over K, q/k repeated to Hv heads: it has no GVA) is compiled on the same
+shapes for comparison.
+"""
+
+from collections.abc import Sequence
+import concurrent.futures
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tokamax_gdn import aot
+from tokamax_gdn import registry
+from tokamax_gdn.ops.gated_delta_rule import workload
+
+GDN = "gdn pallas_mosaic_tpu"
+KDA = "tokamax kda mosaic_tpu"
+PASSES = ("fwd", "fwd+bwd")
+GLUE = "(xla glue, summed)"
+
+
+def _kda_fns(k_dim: int):
+  """tokamax KDA (mosaic) forward and fwd+bwd on [H, B, T, D] arguments."""
+  from tokamax._src.ops.kda import api as kda_api  # pylint: disable=g-import-not-at-top
+
+  def forward(q, k, v, g, beta):
+    gate = jnp.broadcast_to(g[..., None], g.shape + (k_dim,))
+    out, _ = kda_api.kimi_delta_attention(q, k, v, gate, beta, implementation="mosaic")
+    return out
+
+  def loss(*xs):
+    return jnp.sum(forward(*xs).astype(jnp.float32))
+
+  return forward, jax.grad(loss, argnums=tuple(range(5)))
+
+
+def cases(mesh: Mesh, shape: dict[str, Any], kda: bool = False,
+          passes: Sequence[str] = PASSES) -> list[aot.Case]:
+  """AOT cases "<impl>|<pass>" for `shape` (LayerShape fields; dtype by name)."""
+  s = workload.LayerShape(**shape)
+  rep = NamedSharding(mesh, P())
+  gdn_fns = dict(zip(PASSES, workload.layer_fns("pallas_mosaic_tpu")))
+  out = [(f"{GDN}|{p}", gdn_fns[p], workload.abstract_inputs(s, rep)) for p in passes]
+  if kda:
+    sds = lambda *dims: jax.ShapeDtypeStruct((s.hv, s.b, s.t) + dims, s.dtype, sharding=rep)
+    kda_args = (sds(s.k), sds(s.k), sds(s.v), sds(), sds())
+    kda_fns = dict(zip(PASSES, _kda_fns(s.k)))
+    out += [(f"{KDA}|{p}", kda_fns[p], kda_args) for p in passes]
+  return out
+
+
+def cycle_cases(mesh: Mesh, shape: dict[str, Any], lengths: Sequence[int], kda: bool = False,
+                passes: Sequence[str] = PASSES) -> list[aot.Case]:
+  """`cases` at each length in `lengths`, labelled "<impl>|<pass>|<T>"."""
+  out = []
+  for t in lengths:
+    for label, fn, args in cases(mesh, dict(shape, t=t), kda, passes):
+      out.append((f"{label}|{t}", fn, args))
+  return out
+
+
+def _is_pallas(impl: str, name: str) -> bool:
+  if impl == GDN:
+    return name.startswith("gdn_")
+  return "kda" in name.lower() or "chunk" in name.lower()
+
+
+def _split(impl: str, kernel_cycles: dict[str, int]) -> dict[str, int]:
+  """Pallas kernels by name (estimates of repeated calls summed) + the glue summed."""
+  out, glue = {}, 0
+  for dump_name, cyc in kernel_cycles.items():
+    name = aot.kernel_name(dump_name)
+    if _is_pallas(impl, name):
+      out[name] = out.get(name, 0) + cyc
+    else:
+      glue += cyc
+  out[GLUE] = glue
+  return out
+
+
+def extrapolate(values: Sequence[float], lengths: Sequence[int], t: int) -> float:
+  """The value at t: proportional to t from one length, else on the line
+  through the first and last (length, value)."""
+  if len(lengths) == 1:
+    return values[0] * t / lengths[0]
+  (t1, c1), (t2, c2) = (lengths[0], values[0]), (lengths[-1], values[-1])
+  return c2 + (c2 - c1) * (t - t2) / (t2 - t1)
+
+
+def _chunk_size(s: workload.LayerShape, mesh: Mesh) -> int:
+  """The chunk the Pallas forward uses for `s` (its config from the cache or heuristics)."""
+  op = registry.get("gated_delta_rule", "pallas_mosaic_tpu")
+  args = workload.abstract_inputs(s)
+  with aot.on_target(mesh):
+    cfg = op.bind(*args[:5], a_log=args[5], dt_bias=args[6], use_qk_l2norm=True).default_config
+  return int(getattr(cfg, "chunk_size", 64))
+
+
+@dataclasses.dataclass
+class PassReport:
+  """One (implementation, pass): memory and cycles at T, roofline."""
+
+  impl: str
+  pass_: str
+  compiled: str                      # "ok" or the compile error
+  memory_from: str = ""              # "T=<full>" or "T=<short> scaled"
+  temp_bytes: int | None = None
+  argument_bytes: int | None = None
+  output_bytes: int | None = None
+  kernels: dict[str, int] = dataclasses.field(default_factory=dict)  # incl. GLUE
+  total_cycles: int | None = None
+  scaling: float | None = None       # total at the last length over the first
+  flops: int | None = None
+  hbm_bytes: int | None = None
+  mxu_cycles: float | None = None
+  hbm_cycles: float | None = None
+  floor_cycles: float | None = None
+  total_over_floor: float | None = None
+  note: str = ""
+
+
+_CYCLE_BUILDER = "tokamax_gdn.benchmarks.gated_delta_rule_aot:cycle_cases"
+
+
+def report(target: str, s: workload.LayerShape, *, kda: bool = False,
+           cycle_lengths: Sequence[int] = (512,), full_length_memory: bool = False,
+           timeout: float | None = 900) -> list[PassReport]:
+  """Compiles and estimates every pass; see the module docstring.
+
+  Each (implementation, pass) is compiled with the cycle dump on in a child
+  process of its own (two at a time), at each of `cycle_lengths` (capped at
+  T); cycles, and memory unless `full_length_memory`, are scaled from there
+  to T (`extrapolate`). A pass whose child has no report (a libtpu abort) and
+  every pass with `full_length_memory` get a compile at T in this process for
+  their memory. Empty `cycle_lengths`: memory at T only.
+  """
+  lengths = sorted({min(t, s.t) for t in cycle_lengths})
+  shape = dict(dataclasses.asdict(s), dtype=jnp.dtype(s.dtype).name)
+  mesh = aot.target_mesh(target)
+  labels = [label for label, _, _ in cases(mesh, shape, kda)]
+  estimates: dict[str, list[aot.ChildResult]] = {}
+  if lengths:
+    def in_child(label):
+      impl, pass_ = label.split("|")
+      return aot.compile_in_child(
+          target, _CYCLE_BUILDER, dict(shape=shape, lengths=lengths, kda=impl == KDA,
+                                       passes=[pass_]), timeout=timeout)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      for label, results in zip(labels, pool.map(in_child, labels)):
+        estimates[label] = [r for r in results if r.label.startswith(label + "|")]
+  chunk = _chunk_size(s, mesh)
+  reports = []
+  for label, fn, args in cases(mesh, shape, kda):
+    impl, pass_ = label.split("|")
+    r = PassReport(impl, pass_, "ok")
+    reports.append(r)
+    est = estimates.get(label, [])
+    if est and all(e.report for e in est):
+      split = [_split(impl, e.report.kernel_cycles) for e in est]
+      names = sorted(set().union(*split), key=lambda n: (n == GLUE, n))
+      r.kernels = {n: round(extrapolate([x.get(n, 0) for x in split], lengths, s.t))
+                   for n in names}
+      r.total_cycles = sum(r.kernels.values())
+      totals = [sum(x.values()) for x in split]
+      r.scaling = totals[-1] / totals[0] if len(lengths) > 1 and totals[0] else None
+      if not full_length_memory:
+        for field in ("temp_bytes", "argument_bytes", "output_bytes"):
+          values = [getattr(e.report, field) for e in est]
+          setattr(r, field, round(extrapolate(values, lengths, s.t)))
+        r.memory_from = f"T={lengths} scaled"
+    elif lengths:
+      errors = {e.error for e in est if e.error} or {"not compiled"}
+      r.note = "no cycle estimate: " + "; ".join(sorted(errors))[:300]
+    if r.memory_from == "":
+      try:
+        rep = aot.compile_for(target, fn, *args, mesh=mesh)
+        r.temp_bytes, r.argument_bytes, r.output_bytes = (
+            rep.temp_bytes, rep.argument_bytes, rep.output_bytes)
+        r.memory_from = f"T={s.t}"
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        r.compiled = f"FAIL: {str(e).splitlines()[0][:160]}"
+    if impl == GDN:
+      backward = pass_ == "fwd+bwd"
+      r.flops = workload.essential_flops(s, chunk, backward=backward)
+      r.hbm_bytes = workload.min_hbm_bytes(s, backward=backward)
+      floor = aot.roofline_cycles(target, r.flops, r.hbm_bytes)
+      r.mxu_cycles, r.hbm_cycles = floor["mxu_cycles"], floor["hbm_cycles"]
+      r.floor_cycles = floor["floor_cycles"]
+      if r.total_cycles:
+        r.total_over_floor = r.total_cycles / r.floor_cycles
+  return reports

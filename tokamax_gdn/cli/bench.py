@@ -1,0 +1,110 @@
+"""Benchmarks on the op's named workloads (its `arg_specs.py`, tag 'bench' by default).
+
+  tokamax-gdn bench [--op gated_delta_rule] [--specs NAME,...] [--tag bench]
+      [--impls reference,xla,xla_autodiff] [--reps 7] [--json]
+  tokamax-gdn bench --op gmm [--target v6e] [--specs NAME,...] [--tiles tm,tk,tn] [--json]
+
+gated_delta_rule (on this machine's default backend): median forward and
+forward+backward times, the bytes the VJP keeps for the backward, compiled
+fwd+bwd temp bytes and speed ratios against `reference` and against
+`xla_autodiff` (xla's forward under JAX autodiff), all timed in interleaved
+rounds of the same run; reference runs only for T <= 2048
+(`tokamax_gdn.benchmarks.gated_delta_rule`).
+
+gmm (compiled for --target on CPU, no TPU needed): static cycle estimates of
+our kernels, tokamax's ragged_dot and a dense matmul of the same size
+(`tokamax_gdn.benchmarks.gmm`).
+"""
+
+import sys
+
+from tokamax_gdn.cli import common
+
+HELP = "benchmarks (--op gated_delta_rule | gmm) on the ops' bench workloads"
+
+OPS = ("gated_delta_rule", "gmm")
+
+
+def add_arguments(parser) -> None:
+  parser.add_argument("--op", choices=OPS, default="gated_delta_rule")
+  parser.add_argument("--specs", help="comma-separated arg-spec names of the op"
+                      " (default: the specs carrying --tag)")
+  parser.add_argument("--tag", default="bench", help="arg-spec tag to run (default bench)")
+  parser.add_argument("--impls", default="reference,xla,xla_autodiff",
+                      help="gated_delta_rule: comma-separated implementations; 'xla_autodiff'"
+                      " is xla's forward under JAX autodiff")
+  parser.add_argument("--reps", type=int, default=7, help="gated_delta_rule: timed rounds")
+  parser.add_argument("--target", default="v6e", help="gmm: TPU generation to compile for")
+  parser.add_argument("--tiles", help="gmm: also compile ours with tm,tk,tn")
+  parser.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def run(args) -> int:
+  specs = common.select_specs(args.op, args.specs, args.tag)
+  return (_gdn if args.op == "gated_delta_rule" else _gmm)(args, specs)
+
+
+def _mib(x) -> str | None:
+  return None if x is None else f"{x / 2**20:.1f}"
+
+
+def _ratio(x) -> str | None:
+  return None if x is None else f"{x:.2f}x"
+
+
+def _gdn(args, specs) -> int:
+  from tokamax_gdn.benchmarks import gated_delta_rule as bench  # pylint: disable=g-import-not-at-top
+  impls = [s for s in args.impls.split(",") if s]
+  report = bench.run(specs, impls, args.reps)
+  if args.json:
+    common.print_json(report)
+    return 0
+  common.print_table(
+      [dict(shape=r["shape"], impl=r["impl"], fwd=f"{r['fwd_ms']:.2f}",
+            fwd_bwd=f"{r['fwd_bwd_ms']:.2f}", resid=_mib(r["residual_bytes"]),
+            temp=_mib(r["temp_bytes"]), vs_ref=_ratio(r["speedup_vs_reference"]),
+            vs_auto=_ratio(r["speedup_vs_autodiff"]),
+            vs_flops=_ratio(r["fwd_bwd_over_flops_time"])) for r in report["rows"]],
+      dict(shape="shape (B T Hk Hv K V)", impl="impl", fwd="fwd ms", fwd_bwd="fwd+bwd ms",
+           resid="resid MiB", temp="temp MiB", vs_ref="vs ref", vs_auto="vs autodiff",
+           vs_flops="vs FLOPs@mm"))
+  print(f"f32 matmul throughput (best round): {report['matmul_flops'] / 1e9:.1f} GFLOP/s")
+  for impl, sc in report["scaling"].items():
+    print(f"{impl}: fwd+bwd T={sc['t_hi']} / T={sc['t_lo']} = {sc['fwd_bwd_ratio']:.2f}"
+          f" (linear: {sc['t_hi'] / sc['t_lo']:.2f})")
+  print("vs ref / vs autodiff: fwd+bwd speed-up (>1 = faster); resid: all arrays the VJP"
+        " keeps for the backward, inputs included; temp: compiled fwd+bwd scratch;"
+        " vs FLOPs@mm: fwd+bwd time over the essential FLOPs' time at the matmul throughput.")
+  return 0
+
+
+def _gmm(args, specs) -> int:
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.benchmarks import gmm as bench  # pylint: disable=g-import-not-at-top
+  tiles = tuple(int(t) for t in args.tiles.split(",")) if args.tiles else None
+  results = []
+  for spec in specs:
+    (lhs, rhs, gs), kwargs = spec.abstract()
+    if kwargs.get("transpose_rhs"):
+      print(f"skip {spec.name}: the gmm bench takes rhs [G, K, N]", file=sys.stderr)
+      continue
+    (m, k), (g, _, n) = lhs.shape, rhs.shape
+    dtype = jnp.dtype(lhs.dtype)
+    rows = bench.run(args.target, m, k, n, g, dtype, tiles)
+    results.append(dict(spec=spec.name, target=args.target, m=m, k=k, n=n, g=g,
+                        dtype=dtype.name, rows=rows))
+  if args.json:
+    common.print_json(results)
+    return 0
+  fmt = lambda v, f: None if v is None else f.format(v)
+  for res in results:
+    common.print_table(
+        [dict(kernel=r["kernel"], config=r["config"], steps=r["grid_steps"],
+              cycles=fmt(r["cycles"], "{:,}"), fpc=fmt(r["flop_per_cycle"], "{:,.0f}"),
+              dense=fmt(r["pct_dense"], "{:.0f}%"), bpf=f"{r['hbm_bytes_per_flop']:.4f}",
+              note=r["note"]) for r in res["rows"]],
+        dict(kernel="kernel", config="config", steps="grid steps", cycles="est. cycles",
+             fpc="FLOP/cycle", dense="% dense", bpf="HBM B/FLOP", note="note"),
+        title=f"{res['spec']}: gmm M={res['m']} K={res['k']} N={res['n']} G={res['g']}"
+              f" {res['dtype']} on {res['target']} (AOT, static cycle estimates)")
+  return 0

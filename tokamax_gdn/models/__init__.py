@@ -1,0 +1,9 @@
+"""A small Qwen3.5-style hybrid decoder (GatedDeltaNet + softmax attention
+blocks, routed MoE MLPs on gmm) as pure functions on param dicts."""
+
+from tokamax_gdn.models.blocks import attention, moe, rms_norm  # pylint: disable=g-multiple-import
+from tokamax_gdn.models.config import ModelConfig
+from tokamax_gdn.models.decoder import block, forward, init_block, init_params  # pylint: disable=g-multiple-import
+
+__all__ = ["ModelConfig", "attention", "block", "forward", "init_block", "init_params", "moe",
+           "rms_norm"]

@@ -1,0 +1,97 @@
+"""The gated delta rule as the GatedDeltaNet layer calls it, and its roofline.
+
+`LayerShape` names one layer call (B, T, Hk, Hv, K, V, activation dtype);
+`abstract_inputs` and `layer_fns` build that call (q, k, v, the raw gate and
+beta in the activation dtype, float32 `a_log`/`dt_bias`, `use_qk_l2norm=True`),
+so autotuning (`tokamax-gdn autotune`) tunes the cache entries the layer looks
+up and `tokamax-gdn aot` compiles what the layer runs.
+
+Roofline of the chunked algorithm, per token and value head at chunk C, head
+dims K, V (forward; the notation of `math.md`):
+
+  FLOPs = 2 (C K [K Kᵀ] + C K [Q Kᵀ] + C K [W = T K̃] + C V [U = T Ṽ]
+             + 3 K V [W S, Q S, K_outᵀ V′] + C V [P V′])
+
+and forward+backward is 3x the forward. Minimal HBM traffic: the forward
+reads q, k, v, g, beta once and writes the output once (plus the initial and
+final states when given); forward+backward adds reading q, k, v, g, beta and
+d_out again and writing dq, dk, dv, dg, dbeta.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+  """One layer's gated-delta-rule call: [B, T, Hk, K] keys, [B, T, Hv, V] values."""
+
+  b: int
+  t: int
+  hk: int
+  hv: int
+  k: int
+  v: int
+  dtype: Any = jnp.bfloat16
+
+  def __str__(self):
+    return (f"B{self.b} T{self.t} Hk{self.hk} Hv{self.hv} K{self.k} V{self.v}"
+            f" {jnp.dtype(self.dtype).name}")
+
+
+def layer_shape(args) -> LayerShape:
+  """The LayerShape of a call's (query, key, value, ...) arguments."""
+  q, _, v = args[:3]
+  b, t, hk, k = q.shape
+  return LayerShape(b=b, t=t, hk=hk, hv=v.shape[2], k=k, v=v.shape[3], dtype=v.dtype)
+
+
+def abstract_inputs(s: LayerShape, sharding=None) -> tuple[jax.ShapeDtypeStruct, ...]:
+  """(q, k, v, g, beta, a_log, dt_bias) of the layer's call, as ShapeDtypeStructs."""
+  sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  return (
+      sds((s.b, s.t, s.hk, s.k), s.dtype), sds((s.b, s.t, s.hk, s.k), s.dtype),
+      sds((s.b, s.t, s.hv, s.v), s.dtype), sds((s.b, s.t, s.hv), s.dtype),
+      sds((s.b, s.t, s.hv), s.dtype),
+      sds((s.hv,), jnp.float32), sds((s.hv,), jnp.float32),
+  )
+
+
+def layer_fns(implementation):
+  """(forward, forward+backward) of the layer's call on `abstract_inputs`' arguments.
+
+  The backward is `jax.grad` of sum(out) with respect to all seven inputs.
+  """
+  from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule  # pylint: disable=g-import-not-at-top
+
+  def forward(q, k, v, g, beta, a_log, dt_bias):
+    return gated_delta_rule(q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias,
+                            use_qk_l2norm=True, implementation=implementation)[0]
+
+  def loss(*xs):
+    return jnp.sum(forward(*xs).astype(jnp.float32))
+
+  return forward, jax.grad(loss, argnums=tuple(range(7)))
+
+
+def essential_flops(s: LayerShape, chunk: int, *, backward: bool) -> int:
+  """Matmul FLOPs the chunked algorithm cannot avoid (module docstring)."""
+  per_token_head = 2 * (3 * chunk * s.k + 2 * chunk * s.v + 3 * s.k * s.v)
+  forward = per_token_head * s.b * s.t * s.hv
+  return 3 * forward if backward else forward
+
+
+def min_hbm_bytes(s: LayerShape, *, backward: bool, states: bool = False) -> int:
+  """Bytes every implementation must move to or from HBM (module docstring)."""
+  size = jnp.dtype(s.dtype).itemsize
+  tokens = s.b * s.t
+  inputs = tokens * size * (2 * s.hk * s.k + s.hv * s.v + 2 * s.hv)  # q, k, v, g, beta
+  out = tokens * size * s.hv * s.v
+  state = 2 * s.b * s.hv * s.k * s.v * 4 if states else 0
+  forward = inputs + out + state
+  if not backward:
+    return forward
+  return forward + (inputs + out) + inputs  # read again with d_out; write the gradients

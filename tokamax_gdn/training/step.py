@@ -1,0 +1,96 @@
+"""Loss, optimizer and the jitted training step of the decoder (optax AdamW).
+
+loss = mean over answer positions of −log p(target)
+       + router_aux_loss_coef · (mean over blocks of the MoE load-balancing loss)
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tokamax_gdn.models import decoder
+from tokamax_gdn.models.config import ModelConfig
+
+try:
+  import optax
+except ImportError as e:  # pragma: no cover - depends on the install
+  raise ImportError(
+      "tokamax_gdn.training needs optax: pip install 'tokamax_gdn[flax]'.") from e
+
+# Leaves that get no weight decay: norms (zero-centred: decay would pull them
+# to scale 1, not 0) and the GDN gate parameters (log-space).
+_NO_DECAY = ("norm", "a_log", "dt_bias")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """How a step runs (hashable: a jit static argument).
+
+  implementation: for every op, as `models.forward` takes it.
+  dtype: activation dtype; None: the params' dtype.
+  """
+
+  implementation: Any = None
+  dtype: Any = None
+  remat: bool = False
+  scan: bool = True
+
+
+def loss_fn(params, batch, cfg: ModelConfig, step_cfg: StepConfig = StepConfig(), mesh=None):
+  """(total loss, metrics) on one batch (tokens, targets, mask), each [B, T]."""
+  tokens, targets, mask = batch
+  logits, stats = decoder.forward(
+      params, tokens, cfg, implementation=step_cfg.implementation, dtype=step_cfg.dtype,
+      remat=step_cfg.remat, scan=step_cfg.scan, mesh=mesh)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  weight = mask.astype(jnp.float32)
+  count = jnp.maximum(jnp.sum(weight), 1.0)
+  loss = jnp.sum(nll * weight) / count
+  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32) * weight
+  metrics = dict(loss=loss, accuracy=jnp.sum(correct) / count, aux_loss=stats["aux_loss"],
+                 dropped=jnp.sum(stats["dropped"]))
+  return loss + cfg.router_aux_loss_coef * stats["aux_loss"], metrics
+
+
+def make_optimizer(learning_rate: float, steps: int, *, warmup_steps: int = 0,
+                   weight_decay: float = 0.01, clip_norm: float = 1.0,
+                   b1: float = 0.9, b2: float = 0.98) -> optax.GradientTransformation:
+  """AdamW with linear warmup then cosine decay to 10 %, global-norm clipping,
+  and no weight decay on norms / GDN gate parameters."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, learning_rate, max(warmup_steps, 0), max(steps, warmup_steps + 1),
+      end_value=0.1 * learning_rate)
+
+  def decay_mask(params):
+    def keep(path, _):
+      names = [str(getattr(k, "key", "")) for k in path]
+      return not any(s in n for n in names for s in _NO_DECAY)
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+  return optax.chain(
+      optax.clip_by_global_norm(clip_norm),
+      optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask))
+
+
+def train_step(params, opt_state, batch, *, cfg: ModelConfig, optimizer, step_cfg: StepConfig,
+               mesh=None):
+  """One AdamW update: (params, opt_state, metrics); jit it with `cfg`,
+  `optimizer`, `step_cfg` and `mesh` bound (see `make_train_step`)."""
+  grads, metrics = jax.grad(loss_fn, has_aux=True)(params, batch, cfg, step_cfg, mesh)
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  params = optax.apply_updates(params, updates)
+  metrics["grad_norm"] = optax.tree.norm(grads)
+  return params, opt_state, metrics
+
+
+def make_train_step(cfg: ModelConfig, optimizer, step_cfg: StepConfig = StepConfig(), mesh=None,
+                    donate: bool = True):
+  """`train_step` jitted for this model, optimizer and step config (params and
+  optimizer state donated: updated in place)."""
+  def step(params, opt_state, batch):
+    return train_step(params, opt_state, batch, cfg=cfg, optimizer=optimizer,
+                      step_cfg=step_cfg, mesh=mesh)
+  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
