@@ -3,6 +3,8 @@ cotangents reaches neither another segment's outputs, final state nor
 gradients, within a chunk and across chunk boundaries; the poisoned segment's
 own results are non-finite (never finite and silently wrong)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +16,8 @@ from . import test_base as h  # pylint: disable=relative-beyond-top-level
 
 OP = "gated_delta_rule"
 # Three segments: [0, 20), [20, 45), [45, 70). At chunk 16 segment 1 spans
-# three chunks, two of them shared with its neighbours; at chunk 64 all three
-# meet inside one chunk.
+# three chunks, two of them shared with its neighbours; at chunk 64 (Pallas)
+# all three meet inside one chunk.
 BOUNDS = (0, 20, 45, 70)
 BAD_TOKEN = 30
 HV, GROUP = 4, 2
@@ -26,13 +28,26 @@ def _op(impl, chunk):
   return impl if chunk is None else h.with_config(impl, chunk_size=chunk)
 
 
-def _params():
+# The guard is in the base Op, shared by every implementation; the Pallas
+# kernel (interpret mode, slow on CPU) runs only a value and a cotangent case
+# at its smallest chunk (64: the three segments share one chunk). xla runs at
+# chunk 16, where segment 1 shares chunks with both neighbours and spans a
+# chunk boundary.
+CHUNKS = {"reference": None, "xla": 16, "pallas_mosaic_tpu": 64}
+PALLAS_CASES = (("value", np.nan), ("d_out", np.inf))
+
+
+def _params(cases=None):
+  """(impl, chunk[, name, value]) params: every case for reference and xla,
+  PALLAS_CASES for Pallas."""
   out = []
   for impl in registry.implementations(OP):
-    chunks = (None,) if impl == "reference" else (16, 64)
-    if impl == "pallas_mosaic_tpu":
-      chunks = (32,)     # interpret mode: one tiling
-    out += [pytest.param(impl, c, id=f"{impl}-C{c}") for c in chunks]
+    c = CHUNKS[impl]
+    if cases is None:
+      out.append(pytest.param(impl, c, id=f"{impl}-C{c}"))
+      continue
+    impl_cases = PALLAS_CASES if impl == "pallas_mosaic_tpu" else cases
+    out += [pytest.param(impl, c, n, v, id=f"{impl}-C{c}-{n}={v}") for n, v in impl_cases]
   return out
 
 
@@ -50,6 +65,13 @@ def _problem(per_segment_states=False):
 
 def _run(op, diff, static, cts):
   return h.fwd_bwd(op, diff, static, cts)
+
+
+@functools.cache
+def _clean_run(impl, chunk, per_segment_states=False):
+  """The finite problem's results, once per implementation and chunk."""
+  diff, static, cts = _problem(per_segment_states)
+  return _run(_op(impl, chunk), diff, static, cts)
 
 
 def _inject(diff, cts, name, value):
@@ -84,16 +106,13 @@ def _all_nonfinite(x, what):
   assert not np.isfinite(np.asarray(x, np.float32)).any(), what
 
 
-@pytest.mark.parametrize("name,value", CASES, ids=[f"{n}={v}" for n, v in CASES])
-@pytest.mark.parametrize("impl,chunk", _params())
+@pytest.mark.parametrize("impl,chunk,name,value", _params(CASES))
 def test_bad_value_stays_in_its_segment(impl, chunk, name, value):
-  if impl == "pallas_mosaic_tpu" and name not in ("value", "d_out", "initial_state"):
-    pytest.skip("interpret mode: the guard is shared; a few inputs cover the kernel")
   op = _op(impl, chunk)
   diff, static, cts = _problem()
-  clean = _run(op, diff, static, cts)
-  out, final, grads = _run(op, *_inject(diff, cts, name, value)[:1], static,
-                           _inject(diff, cts, name, value)[1])
+  clean = _clean_run(impl, chunk)
+  bad_diff, bad_cts = _inject(diff, cts, name, value)
+  out, final, grads = _run(op, bad_diff, static, bad_cts)
   c_out, c_final, c_grads = clean
   s0, s1 = BOUNDS[1], BOUNDS[2]
   poisoned = slice(0, s0) if name == "initial_state" else slice(s0, s1)
@@ -135,7 +154,7 @@ def test_bad_value_stays_in_its_segment(impl, chunk, name, value):
 def test_per_segment_state_bad_value_stays_in_its_segment(impl, chunk):
   op = _op(impl, chunk)
   diff, static, cts = _problem(per_segment_states=True)
-  c_out, c_final, c_grads = _run(op, diff, static, cts)
+  c_out, c_final, c_grads = _clean_run(impl, chunk, per_segment_states=True)
   out, final, grads = _run(op, _inject(diff, cts, "initial_state", np.nan)[0], static, cts)
   s0, s1 = BOUNDS[1], BOUNDS[2]
   _all_nonfinite(out[0, s0:s1, 1], "segment 1 out")
@@ -173,7 +192,7 @@ def test_overflowing_segment_does_not_reach_the_next_chunk(impl, chunk):
       out, final = h.call(op, a, dict(segment_ids=segment_ids, output_final_state=True))
       return jnp.sum(out[:, -(t - cut):] * cot[:, -(t - cut):]) + jnp.sum(final), (out, final)
     with h.context(impl):
-      return jax.grad(loss, has_aux=True)(a)
+      return jax.jit(jax.grad(loss, has_aux=True))(a)
 
   grads, (out, final) = run(_op(impl, chunk), args, seg)
   assert not np.isfinite(np.asarray(out[0, cut - 1])).all()     # it did overflow

@@ -14,6 +14,7 @@ implementation off TPU (`interpret=None`), or forced on / off.
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -105,24 +106,41 @@ def cotangents(diff: dict, static: dict, seed: int = 99):
   return out, final
 
 
+def _static_key(static: dict) -> tuple[dict, tuple]:
+  """(array-valued keyword arguments, the others as a hashable tuple)."""
+  arrays = {n: x for n, x in static.items() if isinstance(x, (jax.Array, np.ndarray))}
+  return arrays, tuple(sorted((n, x) for n, x in static.items() if n not in arrays))
+
+
+@functools.cache
+def _fwd_bwd_fn(impl: Impl, static_key: tuple, interpret: bool | None):
+  """One jitted forward+VJP per implementation, non-array keyword arguments
+  and interpret setting (tests reuse it across inputs of one shape)."""
+  del interpret  # part of the cache key: it is read while tracing
+  static = dict(static_key)
+
+  def f(d, arrays):
+    d = dict(d)
+    return gated_delta_rule(*[d.pop(n) for n in POSITIONAL], **d, **static, **arrays,
+                            implementation=impl)
+
+  @jax.jit
+  def run(d, arrays, cts):
+    (out, final), vjp = jax.vjp(lambda d: f(d, arrays), d)
+    return out, final, vjp(cts)[0]
+
+  return run
+
+
 def fwd_bwd(impl: Impl, diff: dict, static: dict, cts=None, *, seed: int = 99,
             interpret: bool | None = None):
   """(out, final_state, grads by name) of the call, its VJP applied to `cts`
   (random from `seed` when None), under jit."""
   cts = cotangents(diff, static, seed) if cts is None else cts
-
-  def f(d):
-    d = dict(d)
-    return gated_delta_rule(*[d.pop(n) for n in POSITIONAL], **d, **static,
-                            implementation=impl)
-
-  @jax.jit
-  def run(d, cts):
-    (out, final), vjp = jax.vjp(f, d)
-    return out, final, vjp(cts)[0]
-
+  arrays, static_key = _static_key(static)
+  run = _fwd_bwd_fn(impl, static_key, interpret)
   with context(impl, interpret):
-    return jax.block_until_ready(run(diff, cts))
+    return jax.block_until_ready(run(diff, arrays, cts))
 
 
 def errors(got, want) -> dict[str, float]:

@@ -497,24 +497,36 @@ def _bcast(flag, x):
   return flag.reshape(flag.shape + (1,) * (x.ndim - flag.ndim))
 
 
+def _take_segment_state(x, ctl: _SegmentChunks | None, states, flag_name: str):
+  """states[b, n] of the chunk's segment n (zeros if n >= N) where the chunk's
+  flag `flag_name` ("reset" or "last") is set (a select), else x."""
+  if ctl is None:
+    return x
+  chosen, kept = _row_index(states, ctl.segment)
+  chosen = jnp.where(_bcast(kept, chosen), chosen, 0.0)
+  return jnp.where(_bcast(getattr(ctl, flag_name), x), chosen, x)
+
+
+def _put_segment_state(states, x, ctl: _SegmentChunks | None, flag_name: str):
+  """states with x stored at [b, n] for the chunk's segment n < N where the
+  chunk's flag `flag_name` is set."""
+  if ctl is None:
+    return states
+  rows = jnp.arange(states.shape[0])
+  idx = jnp.minimum(ctl.segment, states.shape[1] - 1)
+  keep = getattr(ctl, flag_name) & (ctl.segment < states.shape[1])
+  return states.at[rows, idx].set(jnp.where(_bcast(keep, x), x, states[rows, idx]))
+
+
 def _enter(s, ctl: _SegmentChunks | None, initial):
   """The state entering a chunk: initial[b, n] if it starts segment n < N,
-  zeros if it starts a later one (a select), else s."""
-  if ctl is None:
-    return s
-  chosen, kept = _row_index(initial, ctl.segment)
-  chosen = jnp.where(_bcast(kept, chosen), chosen, 0.0)
-  return jnp.where(_bcast(ctl.reset, s), chosen, s)
+  zeros if it starts a later one, else s."""
+  return _take_segment_state(s, ctl, initial, "reset")
 
 
 def _record(finals, s_next, ctl: _SegmentChunks | None):
   """Keeps s_next as segment n's final state if the chunk ends segment n < N."""
-  if ctl is None:
-    return finals
-  rows = jnp.arange(finals.shape[0])
-  idx = jnp.minimum(ctl.segment, finals.shape[1] - 1)
-  keep = ctl.last & (ctl.segment < finals.shape[1])
-  return finals.at[rows, idx].set(jnp.where(_bcast(keep, s_next), s_next, finals[rows, idx]))
+  return _put_segment_state(finals, s_next, ctl, "last")
 
 
 def _forward_block(q, k, v, log_decay, beta, starts, ctl, carry, initial, *, c, scale,
@@ -561,22 +573,12 @@ def _entry_states(blk: _Block, ctl, s0, initial, precision):
 def _exit_grad(ds, ctl: _SegmentChunks | None, d_finals):
   """dS leaving a chunk: its segment's final-state cotangent (zeros past N)
   if it is the segment's last chunk, else the next chunk's dS."""
-  if ctl is None:
-    return ds
-  chosen, kept = _row_index(d_finals, ctl.segment)
-  chosen = jnp.where(_bcast(kept, chosen), chosen, 0.0)
-  return jnp.where(_bcast(ctl.last, ds), chosen, ds)
+  return _take_segment_state(ds, ctl, d_finals, "last")
 
 
 def _record_initial_grad(d_initial, ds_prev, ctl: _SegmentChunks | None):
   """Keeps dS entering a chunk that starts segment n < N as d initial[b, n]."""
-  if ctl is None:
-    return d_initial
-  rows = jnp.arange(d_initial.shape[0])
-  idx = jnp.minimum(ctl.segment, d_initial.shape[1] - 1)
-  keep = ctl.reset & (ctl.segment < d_initial.shape[1])
-  return d_initial.at[rows, idx].set(
-      jnp.where(_bcast(keep, ds_prev), ds_prev, d_initial[rows, idx]))
+  return _put_segment_state(d_initial, ds_prev, ctl, "reset")
 
 
 def _backward_block(q, k, v, log_decay, beta, starts, ctl, d_out, s0, carry, initial,
