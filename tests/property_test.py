@@ -91,7 +91,7 @@ def _check(impl_name, p):
 
 
 @pytest.mark.parametrize("impl_name", ["xla"])
-@hypothesis.settings(max_examples=5, **SETTINGS)
+@hypothesis.settings(max_examples=3, **SETTINGS)
 @hypothesis.given(p=problems(max_t=80, max_b=2))
 @hypothesis.example(p=dict(b=1, t=33, hk=1, ratio=4, dk=16, dv=16, chunk=16, dtype="float32",
                            segments="chunk_aligned", l2norm=True, gate_params=True,
