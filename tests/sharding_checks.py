@@ -34,6 +34,10 @@ from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule  # pylint: dis
 from tokamax_gdn.ops.gmm.api import gmm  # pylint: disable=g-import-not-at-top
 from tokamax_gdn.testing.specs import rel_rms  # pylint: disable=g-import-not-at-top
 
+# The GDN test harness (run as a script, the repository root is not on the path).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.ops.gated_delta_rule import test_base as gdn_harness  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 TOL = 2e-5  # sharding must not change the arithmetic beyond reduction order
 
 CHECKS = {}
@@ -77,12 +81,8 @@ GDN_POS = ("query", "key", "value", "g", "beta")
 
 
 def _gdn_problem(b, hk, hv, t=40, dk=8, dv=8, seed=0):
-  d = _rng_tree(seed, dict(query=(b, t, hk, dk), key=(b, t, hk, dk), value=(b, t, hv, dv),
-                           g=(b, t, hv), beta=(b, t, hv), initial_state=(b, hv, dk, dv),
-                           a_log=(hv,), dt_bias=(hv,)))
-  d["beta"] = jax.nn.sigmoid(d["beta"])
-  d["initial_state"] = 0.1 * d["initial_state"]
-  d["a_log"] = 0.3 * d["a_log"]
+  """Harness inputs (gate parameters, initial state) and cotangents."""
+  d, _ = gdn_harness.inputs(seed, b=b, t=t, hk=hk, hv=hv, dk=dk, dv=dv, gate=True)
   cts = tuple(_rng_tree(seed + 1, dict(o=(b, t, hv, dv), s=(b, hv, dk, dv))).values())
   return d, cts
 

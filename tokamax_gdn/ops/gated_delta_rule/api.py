@@ -69,6 +69,10 @@ def gated_delta_rule(
     (zeros for the segments a row does not have). Every implementation
     computes in float32: float64 inputs give a float64 `out` and a float32
     state.
+
+  Differentiable in reverse mode (jax.grad, jax.vjp, jax.jacrev); forward
+  mode (jax.jvp, jax.jacfwd) raises `tokamax_gdn.ops.autodiff.ForwardModeError`
+  (a TypeError naming the op).
   """
   if context_parallel_axis is not None:
     return context_parallel.gated_delta_rule(
