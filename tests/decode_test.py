@@ -16,6 +16,8 @@ from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule
 from tokamax_gdn.testing import conformance as conf
 from tokamax_gdn.testing.specs import rel_rms, tolerance
 
+from .ops.gated_delta_rule import test_base as h  # pylint: disable=relative-beyond-top-level
+
 
 def _params(op_name):
   return [pytest.param(n, id=n) for n in registry.implementations(op_name)]
@@ -23,16 +25,12 @@ def _params(op_name):
 
 # ------------------------------------------------------------------ GDN
 def _gdn_inputs(seed, *, b=2, t=12, hk=1, hv=2, dk=16, dv=8, dtype=jnp.float32):
-  r = np.random.default_rng(seed)
-  normal = lambda *s: r.standard_normal(s).astype(np.float32)
-  cast = lambda x: jnp.asarray(x, dtype)
-  q, k, v = cast(normal(b, t, hk, dk)), cast(normal(b, t, hk, dk)), cast(normal(b, t, hv, dv))
-  g_raw = cast(normal(b, t, hv))
-  beta = cast(1 / (1 + np.exp(-normal(b, t, hv))))
-  kw = dict(a_log=jnp.asarray(0.3 * normal(hv)), dt_bias=jnp.asarray(0.3 * normal(hv)),
-            use_qk_l2norm=True)
-  s0 = jnp.asarray(0.2 * normal(b, hv, dk, dv))
-  return (q, k, v, g_raw, beta), s0, kw
+  """Harness inputs with gate parameters and L2 norm: (positional args,
+  initial state, keyword arguments)."""
+  diff, _ = h.inputs(seed, b=b, t=t, hk=hk, hv=hv, dk=dk, dv=dv, dtype=dtype, gate=True)
+  args = tuple(diff[n] for n in h.POSITIONAL)
+  kw = dict(a_log=diff["a_log"], dt_bias=diff["dt_bias"], use_qk_l2norm=True)
+  return args, diff["initial_state"], kw
 
 
 @functools.cache
@@ -44,7 +42,7 @@ def _gdn_jit(impl, use_qk_l2norm):
 def _gdn_call(impl, args, s0, kw):
   kw = dict(kw)
   fn = _gdn_jit(impl, kw.pop("use_qk_l2norm"))
-  with conf.execution_context(impl):
+  with h.context(impl):
     return fn(*args, initial_state=s0, **kw)
 
 
@@ -106,7 +104,7 @@ def test_gdn_decode_gradients_through_carried_state(impl):
                               output_final_state=True, implementation=impl, **kw)
     return jnp.sum(jnp.concatenate([o1, o2], axis=1) * cot) + jnp.sum(s2)
 
-  with conf.execution_context(impl):
+  with h.context(impl):
     g_full = jax.jit(jax.grad(full))(s0)
     g_step = jax.jit(jax.grad(stepped))(s0)
   assert rel_rms(g_step, g_full) <= tolerance(jnp.float32, grad=True)

@@ -1,6 +1,7 @@
 """Sharded-vs-unsharded checks, run in a subprocess by `sharding_test.py`.
 
-Usage: python tests/sharding_checks.py {cpu|aot} OUT.json [CHECK ...]
+Usage: python -P tests/sharding_checks.py {cpu|aot} OUT.json [CHECK ...]
+(-P: tests/ must not shadow installed packages, e.g. tests/flax/ would hide flax.)
 
 `cpu` needs 8 host devices, so XLA_FLAGS must hold
 --xla_force_host_platform_device_count=8 before jax starts (the test sets it
@@ -28,11 +29,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disa
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 from tokamax_gdn import config  # pylint: disable=g-import-not-at-top
-from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
 from tokamax_gdn.ops.causal_conv1d.api import causal_conv1d  # pylint: disable=g-import-not-at-top
 from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule  # pylint: disable=g-import-not-at-top
 from tokamax_gdn.ops.gmm.api import gmm  # pylint: disable=g-import-not-at-top
 from tokamax_gdn.testing.specs import rel_rms  # pylint: disable=g-import-not-at-top
+
+# The GDN test harness (run as a script, the repository root is not on the path).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.ops.gated_delta_rule import test_base as gdn_harness  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 TOL = 2e-5  # sharding must not change the arithmetic beyond reduction order
 
@@ -77,12 +81,8 @@ GDN_POS = ("query", "key", "value", "g", "beta")
 
 
 def _gdn_problem(b, hk, hv, t=40, dk=8, dv=8, seed=0):
-  d = _rng_tree(seed, dict(query=(b, t, hk, dk), key=(b, t, hk, dk), value=(b, t, hv, dv),
-                           g=(b, t, hv), beta=(b, t, hv), initial_state=(b, hv, dk, dv),
-                           a_log=(hv,), dt_bias=(hv,)))
-  d["beta"] = jax.nn.sigmoid(d["beta"])
-  d["initial_state"] = 0.1 * d["initial_state"]
-  d["a_log"] = 0.3 * d["a_log"]
+  """Harness inputs (gate parameters, initial state) and cotangents."""
+  d, _ = gdn_harness.inputs(seed, b=b, t=t, hk=hk, hv=hv, dk=dk, dv=dv, gate=True)
   cts = tuple(_rng_tree(seed + 1, dict(o=(b, t, hv, dv), s=(b, hv, dk, dv))).values())
   return d, cts
 
@@ -161,8 +161,6 @@ def gdn_xla_heads_shard_map():
 
 def _gdn_pallas_run(mesh_shape, names, b, hk, hv, mode):
   """Pallas GDN (interpret mode) sharded, against the reference."""
-  if "pallas_mosaic_tpu" not in registry.implementations("gated_delta_rule"):
-    return "SKIP: pallas_mosaic_tpu not registered"
   data, model = (*names, None)[:2]
   return _gdn_run(_mesh(mesh_shape, names), data, model, b=b, hk=hk, hv=hv,
                   impl="pallas_mosaic_tpu", mode=mode, t=24)
@@ -235,8 +233,6 @@ def conv_xla_channels_shard_map():
 def conv_pallas_interpret_channels_jit():
   """Plain jit, batch x channel-sharded: the kernels run per shard, the weight
   and bias gradients are summed over the batch shards by XLA."""
-  if "pallas_mosaic_tpu" not in registry.implementations("causal_conv1d"):
-    return "SKIP: pallas_mosaic_tpu not registered"
   return _conv_run(_mesh((2, 4), ("data", "model")), "data", "model", 2, "jit",
                    impl="pallas_mosaic_tpu")
 
@@ -313,8 +309,6 @@ def _gdn_aot(impl, wrap="shard_map"):
   over 8 TensorCores of tpu7x 2x2x1 (2-way batch x 4-way heads), under
   shard_map: the kernel sees per-device shapes."""
   from tokamax_gdn import aot  # pylint: disable=g-import-not-at-top
-  if impl is not None and impl not in registry.implementations("gated_delta_rule"):
-    return f"SKIP: {impl} not registered"
   mesh = aot.target_mesh("tpu7x", 8, ("data", "model"), (2, 4))
   b, t, hk, hv, dk, dv = 2, 256, 4, 8, 128, 128
   bf = jnp.bfloat16
@@ -382,17 +376,18 @@ def gdn_aot_tpu7x_8dev_heads_sharded_default_impl_plain_jit():
   return _gdn_aot(None, wrap=None)
 
 
-def main(argv):
+def main(argv, checks=None):
+  checks = CHECKS if checks is None else checks
   group, out_path, *names = argv[1:]
-  names = names or [n for n, (g, _) in CHECKS.items() if g == group]
-  if group == "cpu" and len(jax.devices()) < 8:
+  names = names or [n for n, (g, _) in checks.items() if g == group]
+  if group in ("cpu", "cp") and len(jax.devices()) < 8:
     raise SystemExit(f"needs 8 devices, got {len(jax.devices())}: set XLA_FLAGS="
                      "--xla_force_host_platform_device_count=8")
   results = {}
   for name in names:
     t0 = time.time()
     try:
-      detail = CHECKS[name][1]()
+      detail = checks[name][1]()
       results[name] = {"ok": True, "detail": detail}
     except Exception:  # pylint: disable=broad-except
       results[name] = {"ok": False, "detail": traceback.format_exc()[-3000:]}

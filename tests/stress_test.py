@@ -16,8 +16,9 @@ import pytest
 from tokamax_gdn import config
 from tokamax_gdn import registry
 from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule
-from tokamax_gdn.testing import conformance as conf
 from tokamax_gdn.testing.specs import rel_rms, tolerance
+
+from .ops.gated_delta_rule import test_base as h  # pylint: disable=relative-beyond-top-level
 
 OP = "gated_delta_rule"
 INTERPRET_MAX_T = 256
@@ -40,57 +41,21 @@ def _impls(t: int, include_reference: bool = False):
 
 def _inputs(seed, *, b=1, t=64, hk=1, hv=2, dk=16, dv=16, dtype=jnp.float32,
             unit_keys=True, state=True):
-  r = np.random.default_rng(seed)
-  normal = lambda *s: r.standard_normal(s).astype(np.float32)
-  q, k = normal(b, t, hk, dk), normal(b, t, hk, dk)
-  if unit_keys:
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-  v = normal(b, t, hv, dv)
-  g = -np.logaddexp(0.0, normal(b, t, hv)) * 0.5
-  beta = 1.0 / (1.0 + np.exp(-normal(b, t, hv)))
-  cast = lambda x: jnp.asarray(x, dtype)
-  args = dict(query=cast(q), key=cast(k), value=cast(v), g=cast(g), beta=cast(beta))
-  kw = dict(output_final_state=True)
-  if state:
-    args["initial_state"] = jnp.asarray(0.1 * normal(b, hv, dk, dv))
-  return args, kw
+  """Harness inputs: (diff arrays by name, static keyword arguments)."""
+  return h.inputs(seed, b=b, t=t, hk=hk, hv=hv, dk=dk, dv=dv, dtype=dtype,
+                  unit_keys=unit_keys, initial_state=state)
 
 
 def fwd_bwd(impl, args, kw, *, seed=5):
   """(out, final_state, grads) of a random linear loss, under jit."""
-  static = dict(kw)
-
-  def f(a):
-    a = dict(a)
-    pos = [a.pop(n) for n in ("query", "key", "value", "g", "beta")]
-    return gated_delta_rule(*pos, **a, **static, implementation=impl)
-
-  @jax.jit
-  def run(a, cts):
-    out, vjp = jax.vjp(f, a)
-    return out[0], out[1], vjp(cts)[0]
-
-  with conf.execution_context(impl):
-    shapes = jax.eval_shape(f, args)
-    r = np.random.default_rng(seed)
-    cts = tuple(jnp.asarray(r.standard_normal(s.shape), s.dtype) for s in shapes)
-    return jax.block_until_ready(run(args, cts))
+  return h.fwd_bwd(impl, args, kw, seed=seed)
 
 
-def _assert_finite(tree, what):
-  for path, x in jax.tree_util.tree_leaves_with_path(tree):
-    x = np.asarray(jnp.asarray(x, jnp.float32))
-    assert np.isfinite(x).all(), f"{what}{jax.tree_util.keystr(path)} has NaN/inf"
+_assert_finite = h.assert_finite
 
 
 def _assert_match(got, want, dtype, what):
-  (o, s, gr), (ro, rs, rgr) = got, want
-  tol_f, tol_g = tolerance(dtype, grad=False), tolerance(dtype, grad=True)
-  errs = {"out": (rel_rms(o, ro), tol_f), "final_state": (rel_rms(s, rs), tol_f)}
-  for n in rgr:
-    errs[f"d{n}"] = (rel_rms(gr[n], rgr[n]), tol_g)
-  bad = {n: e for n, e in errs.items() if not e[0] <= e[1]}
-  assert not bad, f"{what}: rel-RMS over tolerance {bad}"
+  h.assert_close(got, want, dtype, what)
 
 
 # ---------------------------------------------------------------- long T
@@ -130,7 +95,7 @@ def test_long_sequence_no_decay_matches_reference_and_stays_bounded(impl):
   args["g"] = jnp.zeros_like(args["g"])
   args["beta"] = jnp.asarray(np.random.default_rng(2).uniform(1e-3, 1.0, (1, t, 1)),
                              jnp.float32)
-  with conf.execution_context(impl):
+  with h.context(impl):
     out, fin = jax.jit(functools.partial(gated_delta_rule, output_final_state=True,
                                          implementation=impl))(
         *[args[n] for n in DIFF_NAMES[:5]])

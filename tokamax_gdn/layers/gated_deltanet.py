@@ -185,16 +185,59 @@ def _split_in_proj(w, cfg: GatedDeltaNetConfig):
 _F32_PARAMS = ("a_log", "dt_bias")
 
 
+# HF parameter names of one `linear_attn` layer, per variant.
+_HF_COMMON = ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
+HF_NAMES = {
+    "qwen3_next": ("in_proj_qkvz.weight", "in_proj_ba.weight", *_HF_COMMON),
+    "qwen3_5": ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
+                "in_proj_a.weight", *_HF_COMMON),
+}
+
+
+def _layer_tensors(state_dict: dict[str, Any], cfg: GatedDeltaNetConfig,
+                   prefix: str | None) -> dict[str, np.ndarray]:
+  """One layer's tensors under their bare HF names (see `params_from_hf`)."""
+  if prefix is not None:
+    sd = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    if not sd:
+      near = sorted({k[:k.rfind(".") + 1] for k in state_dict})[:8]
+      raise ValueError(f"No key starts with prefix={prefix!r}; key prefixes here: {near}.")
+  else:
+    # Without a prefix the dict must hold one layer: bare names, or names under
+    # a single `....linear_attn.` prefix. Two layers' worth would silently load
+    # whichever came last, so they are refused.
+    prefixes = {k[:k.rfind("linear_attn.") + len("linear_attn.")] if "linear_attn." in k else ""
+                for k in state_dict}
+    if len(prefixes) > 1:
+      raise ValueError(
+          f"Keys of more than one layer ({sorted(prefixes)}): pass prefix= to choose one,"
+          " e.g. prefix='model.layers.0.linear_attn.'.")
+    pre = prefixes.pop() if prefixes else ""
+    sd = {k[len(pre):]: v for k, v in state_dict.items()}
+  if "conv1d.bias" in sd:
+    raise ValueError("HF `conv1d.bias` is present; Qwen3-Next / Qwen3.5 convs have no bias.")
+  unknown = sorted(set(sd) - set(HF_NAMES[cfg.variant]))
+  if unknown:
+    raise ValueError(f"Keys that name no {cfg.variant!r} `linear_attn` parameter: {unknown}"
+                     f" (expected {list(HF_NAMES[cfg.variant])}).")
+  return {k: np.asarray(v) for k, v in sd.items()}
+
+
 def params_from_hf(state_dict: dict[str, Any], cfg: GatedDeltaNetConfig,
-                   dtype=None) -> Params:
-  """HF `linear_attn` tensors (names without the layer prefix) -> params.
+                   dtype=None, *, prefix: str | None = None) -> Params:
+  """One HF `linear_attn` layer's tensors -> params.
 
   Accepts NumPy arrays (or anything `np.asarray` takes: jax arrays, CPU torch
-  tensors). A prefix like `model.layers.0.linear_attn.` is stripped, so pass
-  one layer's tensors only. `dtype` (default: as stored) applies to all but
-  `a_log` / `dt_bias`, which are kept float32.
+  tensors). `prefix` (e.g. `"model.layers.3.linear_attn."`) picks one layer
+  out of a larger state dict (a checkpoint shard, a whole model): only keys
+  that start with it are read. Without `prefix`, `state_dict` must hold one
+  layer: bare names (`"A_log"`) or all under one `....linear_attn.` prefix;
+  keys of two layers raise ValueError. A key that names no parameter of
+  `cfg.variant` (a misspelling, `conv1d.bias`) raises ValueError naming it; a
+  missing one raises KeyError. `dtype` (default: as stored) applies to all
+  but `a_log` / `dt_bias`, which are kept float32.
   """
-  sd = {k.rsplit("linear_attn.", 1)[-1]: np.asarray(v) for k, v in state_dict.items()}
+  sd = _layer_tensors(state_dict, cfg, prefix)
   hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
   r = hv // hk
   hidden = cfg.hidden_size
@@ -230,8 +273,6 @@ def params_from_hf(state_dict: dict[str, Any], cfg: GatedDeltaNetConfig,
       norm_weight=need("norm.weight", (dv,)),
       out_proj=need("out_proj.weight", (hidden, cfg.value_dim)).T,
   )
-  if "conv1d.bias" in sd:
-    raise ValueError("HF `conv1d.bias` is present; Qwen3-Next / Qwen3.5 convs have no bias.")
   # The gate parameters stay float32 whatever `dtype` (HF computes the gate in
   # float32 too: exp(A_log) in bf16 would be off by up to 0.4 %).
   return {k: jnp.asarray(v, jnp.float32 if k in _F32_PARAMS else (dtype or v.dtype))
@@ -325,6 +366,7 @@ def gated_deltanet(
     segment_ids: jax.Array | None = None,
     cache: GatedDeltaNetCache | None = None,
     return_cache: bool = False,
+    context_parallel_axis: str | None = None,
 ):
   """The GatedDeltaNet block: x [B, T, hidden] -> y [B, T, hidden] (x's dtype).
 
@@ -341,6 +383,11 @@ def gated_deltanet(
     cache: state after earlier tokens of the same sequences (prefill then
       decode); None starts from zeros.
     return_cache: also return the `GatedDeltaNetCache` after the last token.
+    context_parallel_axis: inside `jax.shard_map` with T of `x` (and
+      `segment_ids`) sharded over this mesh axis: passed to both ops (see
+      `gated_delta_rule`); the rest of the layer is per token. The returned
+      cache is then the whole sequence's, on every device of the axis, and a
+      given `cache` enters at the first token (pass it replicated).
 
   Returns:
     y, or (y, cache) with `return_cache`.
@@ -363,6 +410,7 @@ def gated_deltanet(
       output_final_state=return_cache,
       segment_ids=segment_ids,
       implementation=_implementations("causal_conv1d", implementation, cfg),
+      context_parallel_axis=context_parallel_axis,
   )
   q = qkv[..., :cfg.key_dim].reshape(b, t, hk, dk)
   k = qkv[..., cfg.key_dim:2 * cfg.key_dim].reshape(b, t, hk, dk)
@@ -378,6 +426,7 @@ def gated_deltanet(
       dt_bias=params["dt_bias"].astype(jnp.float32),
       segment_ids=segment_ids,
       implementation=_implementations("gated_delta_rule", implementation, cfg),
+      context_parallel_axis=context_parallel_axis,
   )
   o = gated_rmsnorm(o.astype(dtype), z.reshape(b, t, hv, dv),
                     params["norm_weight"].astype(dtype), cfg.rms_norm_eps)

@@ -10,11 +10,17 @@ Each device then runs the kernel on its own rows and heads.
 
 Dimension labels are space-separated factor names per operand and result:
 `b` batch, `h` key heads (or another axis whose slices are independent, e.g.
-conv channels), `hv` value heads (= `(h g)`, g = heads per group), anything
-else a dimension that must not be split.
+conv channels), `hv` value heads (= `(h g)`, g = heads per group), `t` time,
+anything else a dimension that must not be split.
+
+Inputs sharded along any other dimension are gathered first, with a one-time
+warning: for the time axis T the sharded method is context parallelism
+(`context_parallel_axis=` inside `jax.shard_map`), which a partitioning rule
+cannot express (it needs collectives between the shards).
 """
 
 from collections.abc import Callable, Sequence
+import warnings
 
 import jax
 from jax._src.interpreters import batching
@@ -37,6 +43,29 @@ def _rule_labels(labels: str, key_heads: int, group: int) -> str:
 def _spec(sharding, ndim: int) -> tuple:
   spec = tuple(getattr(sharding, "spec", ()) or ())
   return spec + (None,) * (ndim - len(spec))
+
+
+_warned: set[tuple[frozenset[str], tuple[str, ...]]] = set()
+
+
+def _warn_gathered(arg_shapes, in_labels: Sequence[str]) -> None:
+  """Warns once per kernel signature (labels) and gathered dimensions."""
+  gathered = frozenset(
+      d for shape, labels in zip(arg_shapes, in_labels)
+      for d, ax in zip(labels.split(), _spec(shape.sharding, len(shape.shape)))
+      if ax is not None and d not in (*_SHARDABLE, "hv"))
+  key = (gathered, tuple(in_labels))
+  if not gathered or key in _warned:
+    return
+  _warned.add(key)
+  hint = (" For the sequence axis, shard T inside jax.shard_map and pass"
+          " context_parallel_axis= to the op (README: Long context)."
+          if "t" in gathered else "")
+  warnings.warn(
+      f"A Pallas tokamax_gdn kernel got inputs sharded along dimension(s)"
+      f" {sorted(gathered)} it needs whole on each device (labels: {list(in_labels)});"
+      f" gathering them, so every device holds and computes the whole of those"
+      f" dimensions.{hint}", stacklevel=2)
 
 
 def per_batch_and_head(
@@ -62,6 +91,7 @@ def per_batch_and_head(
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
+    _warn_gathered(arg_shapes, in_labels)
     axes = dict.fromkeys(_SHARDABLE)
     for shape, labels in zip(arg_shapes, in_labels):
       for d, ax in zip(labels.split(), _spec(shape.sharding, len(shape.shape))):

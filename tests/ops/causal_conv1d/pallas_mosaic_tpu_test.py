@@ -2,6 +2,7 @@
 the reference (forward, VJP, state, segments, multi-tile), and AOT compiles for
 real TPU generations at the Qwen3.5 shape."""
 
+import functools
 import os
 
 # Other processes on the machine may hold libtpu (AOT compiles); share it.
@@ -19,7 +20,7 @@ from tokamax_gdn.ops.causal_conv1d import arg_specs  # pylint: disable=g-import-
 from tokamax_gdn.ops.causal_conv1d import pallas_mosaic_tpu as pallas  # pylint: disable=g-import-not-at-top
 from tokamax_gdn.testing.specs import rel_rms  # pylint: disable=g-import-not-at-top
 
-from .test_base import ConvTestBase  # pylint: disable=relative-beyond-top-level,g-import-not-at-top
+from .test_base import ConvTestBase, check_nan_isolation  # pylint: disable=relative-beyond-top-level,g-import-not-at-top
 
 
 def _interpret():
@@ -60,6 +61,12 @@ def test_multi_tile_vs_reference(t, d, w, segments):
     assert rel_rms(g, rg) < 2e-3, n
 
 
+def test_nan_in_one_segment_stays_there_across_tiles():
+  """Segments crossing 16-token tiles (the halos carry the poison's neighbours)."""
+  with _interpret():
+    check_nan_isolation(functools.partial(api.causal_conv1d, implementation=SMALL_TILES))
+
+
 def test_off_tpu_without_interpret_falls_through():
   if config.on_tpu():
     pytest.skip("on a TPU the kernel runs")
@@ -87,8 +94,7 @@ def test_config_space():
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("segments", [False, True])
-@pytest.mark.parametrize("target", ["v6e", "tpu7x"])
+@pytest.mark.parametrize("target,segments", [("v6e", False), ("tpu7x", True)])
 def test_aot_qwen_shape(target, segments):
   """D=8192 (Qwen3.5 / Qwen3-Next conv), T=4096, bf16, forward + backward."""
   def loss(x, w, seg):

@@ -12,6 +12,10 @@ from .test_base import ConvTestBase, numpy_conv  # pylint: disable=relative-beyo
 
 class TestReference(ConvTestBase):
   IMPL = "reference"
+  # The VJP check compares an implementation with the reference: here it
+  # would compare the reference with itself (its forward is checked against
+  # the NumPy loop; its gradients are what the other implementations match).
+  test_vjp_vs_reference = None
 
 
 def test_registered():

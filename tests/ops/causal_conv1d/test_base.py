@@ -5,6 +5,8 @@ The oracle is a float64 NumPy loop written from the definition, independent of
 segment change.
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,6 +58,44 @@ def numpy_conv(x, weight, bias=None, *, activation="silu", initial_state=None,
 
 def _tol(dtype, grad=False):
   return tolerance(dtype, grad=grad)
+
+
+def check_nan_isolation(call, context=contextlib.nullcontext):
+  """A NaN and an inf in segment 1's inputs and cotangents reach nothing of
+  segments 0 and 2: outputs, the final state (segment 2 ends the row), the
+  initial state's gradient (segment 0 starts it) and their inputs' gradients
+  equal a run with finite values there. (The weight and bias gradients sum
+  over every token, segment 1's included.)
+
+  `call(x, weight, bias, **kwargs)` is the implementation under test, run
+  (forward and backward) under `context()`.
+  """
+  args, kwargs = arg_specs.random_inputs(jax.random.key(7), b=2, t=40, d=16, w=4)
+  x, weight, bias = args
+  seg = jnp.asarray(np.repeat([[0, 1, 2]], 2, axis=0).repeat([13, 14, 13], axis=1), jnp.int32)
+  kwargs.update(segment_ids=seg, output_final_state=True)
+  s0 = kwargs.pop("initial_state")
+  ct_y = jax.random.normal(jax.random.key(8), x.shape)
+  ct_s = jax.random.normal(jax.random.key(9), s0.shape)
+  bad = (slice(None), slice(13, 27))
+
+  def run(x, ct_y):
+    with context():
+      out, vjp = jax.vjp(lambda x, s0: call(x, weight, bias, initial_state=s0, **kwargs), x, s0)
+      return out, vjp((ct_y, ct_s))
+
+  clean = run(x, ct_y)
+  poisoned = run(x.at[:, 15, 3].set(jnp.nan).at[:, 20, 5].set(jnp.inf),
+                 ct_y.at[:, 17, 1].set(jnp.nan))
+  (y, fs), (dx, ds0) = clean
+  (y_p, fs_p), (dx_p, ds0_p) = poisoned
+  assert np.isnan(np.asarray(y_p)[bad]).any()       # the poison is there...
+  keep = np.ones(x.shape[1], bool)
+  keep[13:27] = False
+  for name, a, b in (("y", y, y_p), ("dx", dx, dx_p)):   # ...and only there
+    np.testing.assert_array_equal(np.asarray(b)[:, keep], np.asarray(a)[:, keep], err_msg=name)
+  np.testing.assert_array_equal(fs_p, fs, err_msg="final state")
+  np.testing.assert_array_equal(ds0_p, ds0, err_msg="initial state gradient")
 
 
 class ConvTestBase:
@@ -155,6 +195,9 @@ class ConvTestBase:
     _, fs = self.call(x, weight, bias, segment_ids=seg, output_final_state=True)
     np.testing.assert_array_equal(fs[:, :2], 0.0)
     np.testing.assert_array_equal(fs[:, 2], x[:, 15])
+
+  def test_nan_in_one_segment_stays_there(self):
+    check_nan_isolation(self.call, self.context)
 
   def test_segment_ids_equal_to_previous_after_gap(self):
     """Reset by change, not by value: ids 0,1,0 are three segments."""

@@ -29,9 +29,9 @@ def test_jit_and_vmap():
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("target", ["v6e", "tpu7x"])
-def test_aot_qwen_shape(target):
-  """D=8192, T=4096 bf16 forward + backward compiles for the chip (XLA path)."""
+def test_aot_qwen_shape(target="tpu7x"):
+  """D=8192, T=4096 bf16 forward + backward compiles for the chip (XLA path;
+  one generation: the Pallas test compiles for two)."""
   def loss(x, w):
     y, _ = api.causal_conv1d(x, w, implementation="xla")
     return jnp.sum(y.astype(jnp.float32))

@@ -9,6 +9,7 @@ import tokamax_gdn
 from tokamax_gdn import registry
 from tokamax_gdn.ops.gated_delta_rule import base
 from tokamax_gdn.ops.gated_delta_rule.arg_specs import random_inputs
+from tokamax_gdn.testing import conformance
 
 
 def _inputs():
@@ -166,3 +167,46 @@ def test_align_segments(ids, n, c):
   grad = jax.grad(lambda x: jnp.sum(lay.to_aligned(x) * ct))(x)
   np.testing.assert_array_equal(grad, lay.from_aligned(ct))
   assert not bool(jnp.any(lay.in_chunk_starts() & (lay.segment <= n)))
+
+
+# ------------------------------------------------------------- float64, jvp
+@pytest.mark.parametrize("impl", list(registry.implementations("gated_delta_rule")))
+def test_float64_inputs_run_in_float32(impl):
+  """float64 in: out float64, state float32, and the same numbers (forward and
+  gradients) as the float32 inputs give: every implementation computes in
+  float32."""
+  with jax.enable_x64(True):
+    (q, k, v, g, beta), kw = random_inputs(jax.random.key(2), b=1, t=9, hk=1, hv=2, dk=8,
+                                           dv=8, dtype=jnp.float64)
+    kw["initial_state"] = kw["initial_state"].astype(jnp.float64)
+
+    def run(args, s0):
+      def loss(args, s0):
+        out, final = tokamax_gdn.gated_delta_rule(
+            *args, **{**kw, "initial_state": s0}, implementation=impl)
+        return jnp.sum(out * out) + jnp.sum(final), (out, final)
+      with conformance.execution_context(impl):
+        return jax.grad(loss, argnums=(0, 1), has_aux=True)(args, s0)
+
+    grads64, (out64, final64) = run((q, k, v, g, beta), kw["initial_state"])
+    f32 = lambda x: x.astype(jnp.float32)
+    grads32, (out32, final32) = run(tuple(map(f32, (q, k, v, g, beta))), f32(kw["initial_state"]))
+  assert out64.dtype == jnp.float64 and final64.dtype == jnp.float32
+  np.testing.assert_array_equal(out64, np.asarray(out32, np.float64))
+  np.testing.assert_array_equal(final64, final32)
+  for a, b in zip(jax.tree.leaves(grads64), jax.tree.leaves(grads32)):
+    assert a.dtype == jnp.float64
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("impl", list(registry.implementations("gated_delta_rule")))
+def test_forward_mode_autodiff_raises_a_clear_error(impl):
+  args, kwargs = _inputs()
+  f = lambda q: tokamax_gdn.gated_delta_rule(q, *args[1:], **kwargs, implementation=impl)[0]
+  with conformance.execution_context(impl):
+    for forward_mode in (lambda q: jax.jvp(f, (q,), (q,)), jax.jacfwd(f),
+                         jax.jit(lambda q: jax.jvp(f, (q,), (q,)))):
+      with pytest.raises(TypeError, match="gated_delta_rule does not support forward-mode"):
+        forward_mode(args[0])
+    # Reverse mode is what it supports.
+    assert jax.jacrev(lambda q: jnp.sum(f(q)))(args[0]).shape == args[0].shape

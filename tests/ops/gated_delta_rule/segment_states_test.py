@@ -11,12 +11,11 @@ import pytest
 
 import tokamax_gdn
 from tokamax_gdn import registry
-from tokamax_gdn.ops.gated_delta_rule.arg_specs import random_inputs
-from tokamax_gdn.testing import conformance as conf
 from tokamax_gdn.testing.specs import rel_rms, tolerance
 
+from . import test_base as h  # pylint: disable=relative-beyond-top-level
+
 OP = "gated_delta_rule"
-POS = ("query", "key", "value", "g", "beta")
 
 
 def _impls():
@@ -25,8 +24,6 @@ def _impls():
     marks = ()
     if name == "pallas_mosaic_tpu":
       marks = pytest.mark.xfail(strict=False, reason="pending Pallas per-segment states")
-    if name == "xla":
-      marks = pytest.mark.xfail(strict=True, reason="pending xla per-segment states")
     out.append(pytest.param(name, marks=marks, id=name))
   return out
 
@@ -41,15 +38,10 @@ def _segment_ids(lengths_per_row):
 def _problem(lengths_per_row, n_states, *, hk=1, hv=2, dk=8, dv=8, gate=False, seed=0):
   t = sum(lengths_per_row[0])
   b = len(lengths_per_row)
-  (q, k, v, g, beta), kw = random_inputs(
-      jax.random.key(seed), b=b, t=t, hk=hk, hv=hv, dk=dk, dv=dv, gate=gate,
-      initial_state=False)
-  diff = dict(zip(POS, (q, k, v, g, beta)))
+  diff, _ = h.inputs(seed, b=b, t=t, hk=hk, hv=hv, dk=dk, dv=dv, gate=gate,
+                     initial_state=False)
   diff["initial_state"] = 0.5 * jax.random.normal(jax.random.key(seed + 1),
                                                   (b, n_states, hv, dk, dv))
-  for name in ("a_log", "dt_bias"):
-    if name in kw:
-      diff[name] = kw[name]
   ct_key = jax.random.split(jax.random.key(seed + 2), 2)
   cts = (jax.random.normal(ct_key[0], (b, t, hv, dv)),
          jax.random.normal(ct_key[1], (b, n_states, hv, dk, dv)))
@@ -58,16 +50,9 @@ def _problem(lengths_per_row, n_states, *, hk=1, hv=2, dk=8, dv=8, gate=False, s
 
 def _packed(impl, diff, segment_ids, cts, use_qk_l2norm):
   """Loss and grads of the packed call with per-segment states."""
-  def loss(d):
-    d = dict(d)
-    out, final = tokamax_gdn.gated_delta_rule(
-        *[d.pop(n) for n in POS], **d, segment_ids=segment_ids,
-        output_final_state=True, use_qk_l2norm=use_qk_l2norm, implementation=impl)
-    return jnp.sum(out * cts[0]) + jnp.sum(final * cts[1]), (out, final)
-
-  with conf.execution_context(impl):
-    (_, (out, final)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(diff)
-  return out, final, grads
+  static = dict(segment_ids=segment_ids, output_final_state=True,
+                use_qk_l2norm=use_qk_l2norm)
+  return h.fwd_bwd(impl, diff, static, cts)
 
 
 @functools.cache
@@ -89,11 +74,11 @@ def _separately(diff, lengths_per_row, cts, use_qk_l2norm):
       start, row_out = 0, []
       row_final = [jnp.zeros_like(d["initial_state"][b, 0])] * n_states
       for n, length in enumerate(lengths):
-        piece = {m: d[m][b:b + 1, start:start + length] for m in POS}
+        piece = {m: d[m][b:b + 1, start:start + length] for m in h.POSITIONAL}
         s0 = (d["initial_state"][b:b + 1, n] if n < n_states
               else jnp.zeros_like(d["initial_state"][b:b + 1, 0]))
         out, final = tokamax_gdn.gated_delta_rule(
-            *[piece[m] for m in POS], initial_state=s0, output_final_state=True,
+            *[piece[m] for m in h.POSITIONAL], initial_state=s0, output_final_state=True,
             use_qk_l2norm=use_qk_l2norm, a_log=d.get("a_log"), dt_bias=d.get("dt_bias"),
             implementation="reference")
         row_out.append(out[0])
@@ -120,12 +105,20 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("impl", _impls())
-@pytest.mark.parametrize("lengths,n_states,hk,hv,gate,l2norm", CASES)
+def _case_params():
+  """Every case for reference and xla; the first (short) one for Pallas, which
+  runs in interpret mode off TPU."""
+  out = []
+  for impl in _impls():
+    for case in CASES if impl.id != "pallas_mosaic_tpu" else CASES[:1]:
+      out.append(pytest.param(impl.values[0], *case.values, marks=(*impl.marks, *case.marks),
+                              id=f"{impl.id}-{case.id}"))
+  return out
+
+
+@pytest.mark.parametrize("impl,lengths,n_states,hk,hv,gate,l2norm", _case_params())
 def test_per_segment_states_equal_separate_runs(impl, lengths, n_states, hk, hv, gate,
                                                 l2norm):
-  if impl == "pallas_mosaic_tpu" and sum(lengths[0]) > 60:
-    pytest.skip("interpret mode: the short case covers the kernel")
   diff, segment_ids, cts, want = _expected(
       tuple(map(tuple, lengths)), n_states, hk, hv, gate, l2norm)
   want_out, want_final, want_grads = want
@@ -148,18 +141,38 @@ def test_per_segment_states_equal_separate_runs(impl, lengths, n_states, hk, hv,
 def test_per_segment_states_zero_tokens(impl):
   """T = 0: no segments, so zero final states and zero state gradients."""
   diff, _, _ = _problem([[3]], 2)
-  diff = {n: x[:, :0] if n in POS else x for n, x in diff.items()}
+  diff = {n: x[:, :0] if n in h.POSITIONAL else x for n, x in diff.items()}
   seg = jnp.zeros((1, 0), jnp.int32)
 
   def loss(s):
     d = dict(diff, initial_state=s)
     out, final = tokamax_gdn.gated_delta_rule(
-        *[d.pop(n) for n in POS], **d, segment_ids=seg, output_final_state=True,
+        *[d.pop(n) for n in h.POSITIONAL], **d, segment_ids=seg, output_final_state=True,
         implementation=impl)
     return jnp.sum(final), final
 
-  with conf.execution_context(impl):
+  with h.context(impl):
     grad, final = jax.grad(loss, has_aux=True)(diff["initial_state"])
   assert final.shape == diff["initial_state"].shape
   np.testing.assert_array_equal(final, 0.0)
   np.testing.assert_array_equal(grad, 0.0)
+
+
+@pytest.mark.parametrize("chunk,block,vjp_block", [(16, 256, None), (32, 256, 512)])
+def test_xla_per_segment_states_over_several_blocks(chunk, block, vjp_block):
+  """Aligned layouts longer than one block (segments crossing blocks, the
+  backward restarting blocks from the saved entry states or, with another
+  block size, recomputing them), at small and large chunks."""
+  from tokamax_gdn.ops.gated_delta_rule import xla  # pylint: disable=g-import-not-at-top
+  op = registry.get(OP, "xla")
+  op = op.replace(config=xla.Config(chunk_size=chunk, block_size=block),
+                  vjp=op.vjp.replace(config=xla.Config(chunk_size=chunk,
+                                                       block_size=vjp_block or block)))
+  lengths = ((100, 150, 7, 63),)
+  diff, segment_ids, cts, want = _expected(lengths, 3, 1, 2, True, True)
+  out, final, grads = _packed(op, diff, segment_ids, cts, True)
+  want_out, want_final, want_grads = want
+  tol, gtol = tolerance(jnp.float32, grad=False), tolerance(jnp.float32, grad=True)
+  assert rel_rms(out, want_out) <= tol and rel_rms(final, want_final) <= tol
+  for name, g in want_grads.items():
+    assert rel_rms(grads[name], g) <= gtol, name

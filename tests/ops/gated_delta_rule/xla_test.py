@@ -14,86 +14,19 @@ from tokamax_gdn.ops.gated_delta_rule import xla
 from tokamax_gdn.ops.gated_delta_rule import xla_chunked_kernel
 from tokamax_gdn.testing.specs import rel_rms, tolerance
 
-GRAD_NAMES = ("query", "key", "value", "g", "beta", "initial_state", "a_log",
-              "dt_bias")
-
-
-def make_inputs(seed, *, b=1, t=65, hk=1, hv=2, dk=16, dv=8, dtype=jnp.float32,
-                gate_params=False, normalise_keys=True, segments=None):
-  """Realistic random inputs: unit keys, beta = sigmoid(normal), g <= 0."""
-  rng = np.random.default_rng(seed)
-  normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
-  q, k = normal(b, t, hk, dk), normal(b, t, hk, dk)
-  if normalise_keys:
-    q = q / np.linalg.norm(q, axis=-1, keepdims=True)
-    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
-  v = normal(b, t, hv, dv)
-  g_raw = normal(b, t, hv)
-  beta = 1.0 / (1.0 + np.exp(-normal(b, t, hv)))
-  s0 = jnp.asarray(0.3 * normal(b, hv, dk, dv))
-  kw = dict(initial_state=s0, output_final_state=True)
-  if gate_params:
-    g = g_raw
-    kw["a_log"] = jnp.asarray(0.5 * normal(hv))
-    kw["dt_bias"] = jnp.asarray(0.5 * normal(hv))
-  else:
-    g = -np.logaddexp(0.0, g_raw)
-  if segments is not None:
-    kw["segment_ids"] = segments
-  cast = lambda x: jnp.asarray(x, dtype)
-  return (cast(q), cast(k), cast(v), cast(g), cast(beta)), kw
-
-
-def run(impl, args, kw, *, use_qk_l2norm=False, cot_seed=99):
-  """(out, final_state, grads by name) of a fixed random linear loss."""
-  names = ("query", "key", "value", "g", "beta")
-  diff = dict(zip(names, args))
-  for n in ("initial_state", "a_log", "dt_bias"):
-    if kw.get(n) is not None:
-      diff[n] = kw[n]
-  static = {n: x for n, x in kw.items() if n not in diff}
-
-  def f(diff):
-    p = dict(diff)
-    pos = [p.pop(n) for n in names]
-    return tokamax_gdn.gated_delta_rule(
-        *pos, **p, **static, use_qk_l2norm=use_qk_l2norm,
-        implementation=impl)
-
-  out_shape = jax.eval_shape(f, diff)
-  rng = np.random.default_rng(cot_seed)
-  c_out = rng.standard_normal(out_shape[0].shape).astype(np.float32)
-  c_fin = rng.standard_normal(out_shape[1].shape).astype(np.float32)
-
-  @jax.jit
-  def fwd_bwd(diff):
-    (out, fin), vjp = jax.vjp(f, diff)
-    (grads,) = vjp((jnp.asarray(c_out, out.dtype), jnp.asarray(c_fin)))
-    return out, fin, grads
-
-  return fwd_bwd(diff)
-
-
-def assert_close(impl, args, kw, dtype=jnp.float32, **run_kw):
-  out, fin, grads = run(impl, args, kw, **run_kw)
-  r_out, r_fin, r_grads = run("reference", args, kw, **run_kw)
-  errs = {"out": rel_rms(out, r_out), "final_state": rel_rms(fin, r_fin)}
-  for name in r_grads:
-    errs["d_" + name] = rel_rms(grads[name], r_grads[name])
-  for name, e in errs.items():
-    tol = tolerance(dtype, grad=name.startswith("d_"))
-    assert np.isfinite(e) and e <= tol, (name, e, tol, errs)
-  assert set(r_grads) == set(grads)
-  return out, fin, grads
+from . import test_base as h  # pylint: disable=relative-beyond-top-level
 
 
 def xla_op(chunk_size, block_size=2048, vjp_block_size=None):
   """The xla Op with its forward (and VJP) config fixed."""
-  op = registry.get("gated_delta_rule", "xla")
-  vjp_cfg = xla.Config(chunk_size=chunk_size,
-                       block_size=vjp_block_size or block_size)
-  return op.replace(config=xla.Config(chunk_size=chunk_size, block_size=block_size),
-                    vjp=op.vjp.replace(config=vjp_cfg))
+  return h.with_config("xla", chunk_size=chunk_size, block_size=block_size,
+                       vjp=dict(block_size=vjp_block_size or block_size))
+
+
+def _inputs(seed, **kw):
+  """Harness inputs with exactly unit keys and an initial state."""
+  kw.setdefault("unit_keys", True)
+  return h.inputs(seed, **kw)
 
 
 @pytest.mark.parametrize(
@@ -101,117 +34,62 @@ def xla_op(chunk_size, block_size=2048, vjp_block_size=None):
     [
         (1, 1, 1, 16, False, False),
         (2, 2, 63, 16, True, True),
-        (1, 2, 64, 32, False, False),
         (1, 4, 65, 64, True, False),
         (2, 4, 65, 128, False, True),
-        (1, 2, 1000, 64, True, True),
+        # Chunk 32 and several blocks: test_multiple_blocks_match_reference.
     ],
 )
 def test_matches_reference(hk, hv, t, chunk, l2norm, gate):
-  args, kw = make_inputs(t + hv, t=t, hk=hk, hv=hv, gate_params=gate,
-                         normalise_keys=not l2norm)
+  diff, static = _inputs(t + hv, b=1, t=t, hk=hk, hv=hv, dk=16, dv=8, gate=gate,
+                         unit_keys=not l2norm)
   if l2norm:  # unnormalised q/k with a spread of norms
-    args = (args[0] * 3.0, args[1] * 0.7) + args[2:]
-  assert_close(xla_op(chunk), args, kw, use_qk_l2norm=l2norm)
+    diff["query"], diff["key"] = diff["query"] * 3.0, diff["key"] * 0.7
+  h.check_against_reference(xla_op(chunk), diff, {**static, "use_qk_l2norm": l2norm})
 
 
 def test_default_config_and_public_api_under_jit_grad():
-  args, kw = make_inputs(1, t=40, hk=1, hv=2)
-  kw = dict(kw, output_final_state=False)
+  diff, _ = _inputs(1, b=1, t=40, hk=1, hv=2, dk=16, dv=8)
+  args = [diff[n] for n in h.POSITIONAL]
+  kw = dict(initial_state=diff["initial_state"])
 
-  @jax.jit
-  def loss_grad(q, k, v, g, beta):
-    def loss(q, k, v, g, beta):
-      out, _ = tokamax_gdn.gated_delta_rule(q, k, v, g, beta, **kw,
-                                            implementation="xla")
+  def grads(impl):
+    def loss(*a):
+      out, _ = tokamax_gdn.gated_delta_rule(*a, **kw, implementation=impl)
       return jnp.sum(out**2)
-    return jax.grad(loss, argnums=range(5))(q, k, v, g, beta)
+    return jax.jit(jax.grad(loss, argnums=range(5)))(*args)
 
-  grads = loss_grad(*args)
-  ref = jax.jit(jax.grad(
-      lambda *a: jnp.sum(tokamax_gdn.gated_delta_rule(
-          *a, **kw, implementation="reference")[0] ** 2),
-      argnums=range(5)))(*args)
-  for a, r in zip(grads, ref):
+  for a, r in zip(grads("xla"), grads("reference")):
     assert rel_rms(a, r) <= tolerance(jnp.float32, grad=True)
-
-
-def _segments(t, bounds):
-  ids = np.zeros((1, t), np.int32)
-  for i, s in enumerate(bounds):
-    ids[0, s:] = i + 1
-  return jnp.asarray(ids)
 
 
 def test_segment_resets():
   t = 100
   # Chunk 32: boundaries inside chunks, at a chunk start (64), a one-token
   # segment (37) and a boundary at t = 1.
-  seg = _segments(t, [5, 37, 38, 64, 90])
-  seg = jnp.concatenate([seg, _segments(t, [1, 50])], axis=0)
-  args, kw = make_inputs(3, b=2, t=t, hk=1, hv=2, segments=seg)
-  assert_close(xla_op(32), args, kw)
-
-
-def test_segment_isolation():
-  """Segment 2's inputs change neither segment 1's outputs nor its gradients."""
-  t, cut = 80, 29
-  seg = _segments(t, [cut])
-  args, kw = make_inputs(4, t=t, hk=1, hv=2, segments=seg)
-  kw = dict(kw, output_final_state=False)
-  op = xla_op(16)
-  later = (jnp.arange(t) >= cut)[None, :, None, None]
-  noise = np.random.default_rng(5).standard_normal(args[2].shape)
-  perturbed = (args[0] + later * 0.5, args[1] - later * 0.3,
-               args[2] + later * noise,
-               args[3] + later[..., 0] * -0.7, args[4] * (1.0 - later[..., 0] / 2))
-
-  @jax.jit
-  def first_segment(q, k, v, g, beta):
-    def loss(q, k, v, g, beta):
-      out, _ = tokamax_gdn.gated_delta_rule(q, k, v, g, beta, **kw,
-                                            implementation=op)
-      return jnp.sum(jnp.sin(out[:, :cut])), out
-    return jax.grad(loss, argnums=range(5), has_aux=True)(q, k, v, g, beta)
-
-  grads_a, out_a = first_segment(*args)
-  grads_b, out_b = first_segment(*perturbed)
-  np.testing.assert_allclose(out_a[:, :cut], out_b[:, :cut], rtol=1e-6, atol=1e-6)
-  assert rel_rms(out_a[:, cut:], out_b[:, cut:]) > 0.1
-  for ga, gb in zip(grads_a, grads_b):
-    np.testing.assert_allclose(ga[:, :cut], gb[:, :cut], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(gb[:, cut:], 0.0, atol=1e-6)
+  seg = jnp.concatenate([h.segment_ids(t, [5, 37, 38, 64, 90]),
+                         h.segment_ids(t, [1, 50])], axis=0)
+  diff, static = _inputs(3, b=2, t=t, hk=1, hv=2, dk=16, dv=8)
+  h.check_against_reference(xla_op(32), diff, {**static, "segment_ids": seg})
 
 
 def test_gates_exactly_zero_and_minus_80():
   """Row 0: g exactly 0 on half the tokens; row 1: g = -80 on 30% of them."""
-  args, kw = make_inputs(6, b=2, t=70, hk=1, hv=2)
+  diff, static = _inputs(6, b=2, t=70, hk=1, hv=2, dk=16, dv=8)
   rng = np.random.default_rng(7)
-  g = np.array(args[3])
+  g = np.array(diff["g"])
   g[0][rng.random(g[0].shape) < 0.5] = 0.0
   g[1][rng.random(g[1].shape) < 0.3] = -80.0
   assert (g[0] == 0).mean() > 0.4 and (g[1] == -80).mean() > 0.2
-  args = args[:3] + (jnp.asarray(g),) + args[4:]
-  assert_close(xla_op(32), args, kw)
+  diff["g"] = jnp.asarray(g)
+  h.check_against_reference(xla_op(32), diff, static)
 
 
 def test_bf16_inputs():
-  args, kw = make_inputs(10, t=65, hk=1, hv=2, dtype=jnp.bfloat16)
-  out, fin, grads = assert_close(xla_op(32), args, kw, dtype=jnp.bfloat16)
+  diff, static = _inputs(10, b=1, t=65, hk=1, hv=2, dk=16, dv=8, dtype=jnp.bfloat16)
+  (out, fin, grads), _ = h.check_against_reference(xla_op(32), diff, static)
   assert out.dtype == jnp.bfloat16 and fin.dtype == jnp.float32
   assert grads["query"].dtype == jnp.bfloat16
   assert grads["initial_state"].dtype == jnp.float32
-
-
-def test_long_sequence_alternating_gates_is_finite():
-  t = 32768
-  args, kw = make_inputs(11, t=t, hk=1, hv=1, dk=16, dv=16)
-  g = jnp.where(jnp.arange(t) % 2 == 0, 0.0, -80.0)[None, :, None]
-  args = args[:3] + (g,) + args[4:]
-  out, fin, grads = run(xla_op(64), args, kw)
-  for x in (out, fin, *grads.values()):
-    assert bool(jnp.all(jnp.isfinite(x)))
-  assert float(jnp.max(jnp.abs(out))) > 0
 
 
 def test_config():
@@ -223,8 +101,9 @@ def test_config():
   assert isinstance(op, xla.XlaGatedDeltaRule)
   assert isinstance(op.vjp, xla.XlaGatedDeltaRuleVjp)
   for t in (1, 20, 33, 5000):
-    args, kw = make_inputs(0, t=t)
-    ba = op.bind(*args, **kw)
+    diff, static = _inputs(0, b=1, t=t, hk=1, hv=2, dk=16, dv=8)
+    d = dict(diff)
+    ba = op.bind(*[d.pop(n) for n in h.POSITIONAL], **d, **static)
     configs = op._get_autotuning_configs(ba)  # pylint: disable=protected-access
     assert {c.chunk_size for c in configs} == {16, 32, 64, 128}
     heuristic = op._get_heuristics_config(ba)  # pylint: disable=protected-access
@@ -252,23 +131,28 @@ def test_config():
 )
 def test_multiple_blocks_match_reference(t, hk, hv, chunk, block, vjp_block,
                                          gate, segment_starts):
-  seg = _segments(t, segment_starts) if segment_starts else None
-  args, kw = make_inputs(t + block, t=t, hk=hk, hv=hv, gate_params=gate,
-                         segments=seg)
-  assert_close(xla_op(chunk, block, vjp_block), args, kw)
+  diff, static = _inputs(t + block, b=1, t=t, hk=hk, hv=hv, dk=16, dv=8, gate=gate)
+  if segment_starts:
+    static["segment_ids"] = h.segment_ids(t, segment_starts)
+  h.check_against_reference(xla_op(chunk, block, vjp_block), diff, static)
 
 
 def test_residuals_are_block_entry_states():
   """One block: nothing saved. Several: the f32 state entering each block,
   which equals the reference's final state over the tokens before it."""
   op = xla_op(32, 256)
-  args, kw = make_inputs(12, t=200, hk=1, hv=2)
-  _, res = op(*args, **kw, return_residuals=True)
+
+  def positional(diff):
+    d = dict(diff)
+    return [d.pop(n) for n in h.POSITIONAL], d
+
+  args, kw = positional(_inputs(12, b=1, t=200, hk=1, hv=2, dk=16, dv=8)[0])
+  _, res = op(*args, **kw, output_final_state=True, return_residuals=True)
   assert isinstance(res, xla.base.Residuals) and res.states is None
 
   t = 600
-  args, kw = make_inputs(16, t=t, hk=1, hv=2)
-  _, res = op(*args, **kw, return_residuals=True)
+  args, kw = positional(_inputs(16, b=1, t=t, hk=1, hv=2, dk=16, dv=8)[0])
+  _, res = op(*args, **kw, output_final_state=True, return_residuals=True)
   b, _, hv, dv = args[2].shape
   assert res.states.shape == (b, hv, 3, args[0].shape[3], dv)
   assert res.states.dtype == jnp.float32
@@ -277,21 +161,26 @@ def test_residuals_are_block_entry_states():
       expected = kw["initial_state"]
     else:
       _, expected = tokamax_gdn.gated_delta_rule(
-          *(x[:, :start] for x in args), **kw, implementation="reference")
+          *(x[:, :start] for x in args), **kw, output_final_state=True,
+          implementation="reference")
     assert rel_rms(res.states[:, :, i], expected) <= 1e-5, i
 
 
+def _kernel_inputs(seed, t):
+  diff, _ = _inputs(seed, b=1, t=t, hk=1, hv=2, dk=16, dv=8)
+  return [diff[n] for n in h.POSITIONAL], diff["initial_state"]
+
+
 @functools.cache
-def _autodiff_grads(t, chunk, block=2048):
+def _autodiff_grads(t, chunk, block=2048, segment_bounds=()):
   """Autodiff through `chunked_forward` (a second, independent backward)."""
-  args, kw = make_inputs(13, t=t, hk=1, hv=2)
-  q, k, v, g, beta = args
-  s0 = kw["initial_state"]
+  (q, k, v, g, beta), s0 = _kernel_inputs(13, t)
+  common = dict(scale=0.25, chunk_size=chunk, block_size=block,
+                segment_ids=h.segment_ids(t, segment_bounds) if segment_bounds else None)
 
   def loss(q, k, v, g, beta, s0):
-    out, fin, _ = xla_chunked_kernel.chunked_forward(q, k, v, g, beta, scale=0.25,
-                                      initial_state=s0, segment_ids=None,
-                                      chunk_size=chunk, block_size=block)
+    out, fin, _ = xla_chunked_kernel.chunked_forward(q, k, v, g, beta, initial_state=s0,
+                                                     **common)
     return jnp.sum(jnp.sin(out)) + jnp.sum(fin * fin)
 
   auto = jax.jit(jax.grad(loss, argnums=range(6)))(q, k, v, g, beta, s0)
@@ -299,12 +188,10 @@ def _autodiff_grads(t, chunk, block=2048):
   @jax.jit
   def manual(q, k, v, g, beta, s0):
     out, fin, entries = xla_chunked_kernel.chunked_forward(
-        q, k, v, g, beta, scale=0.25, initial_state=s0, segment_ids=None,
-        chunk_size=chunk, block_size=block)
-    return xla_chunked_kernel.chunked_backward(q, k, v, g, beta, jnp.cos(out), 2 * fin,
-                                scale=0.25, initial_state=s0, segment_ids=None,
-                                chunk_size=chunk, block_size=block,
-                                block_entries=entries)
+        q, k, v, g, beta, initial_state=s0, **common)
+    return xla_chunked_kernel.chunked_backward(
+        q, k, v, g, beta, jnp.cos(out), 2 * fin, initial_state=s0,
+        block_entries=entries, **common)
 
   return auto, manual(q, k, v, g, beta, s0)
 
@@ -312,13 +199,12 @@ def _autodiff_grads(t, chunk, block=2048):
 def test_backward_without_matching_block_states_recomputes_them():
   """`chunked_backward` given no block states, or another tiling's, recomputes
   the ones it needs instead of misreading them."""
-  args, kw = make_inputs(17, t=700, hk=1, hv=2)
-  q, k, v, g, beta = args
-  common = dict(scale=0.25, initial_state=kw["initial_state"], segment_ids=None)
-  out, fin, at_256 = xla_chunked_kernel.chunked_forward(q, k, v, g, beta, chunk_size=32,
-                                         block_size=256, **common)
-  _, _, at_512 = xla_chunked_kernel.chunked_forward(q, k, v, g, beta, chunk_size=32,
-                                     block_size=512, **common)
+  (q, k, v, g, beta), s0 = _kernel_inputs(17, 700)
+  common = dict(scale=0.25, initial_state=s0, segment_ids=None)
+  out, fin, at_256 = xla_chunked_kernel.chunked_forward(
+      q, k, v, g, beta, chunk_size=32, block_size=256, **common)
+  _, _, at_512 = xla_chunked_kernel.chunked_forward(
+      q, k, v, g, beta, chunk_size=32, block_size=512, **common)
   assert at_256.shape[2] == 3 and at_512.shape[2] == 2
   bwd = lambda block, entries: xla_chunked_kernel.chunked_backward(
       q, k, v, g, beta, jnp.cos(out), fin, chunk_size=32, block_size=block,
@@ -336,9 +222,15 @@ def test_vjp_follows_the_forward_blocks():
     assert xla.forward_block_size(t, 64, states) == expected
 
 
-@pytest.mark.parametrize("t,chunk,block", [(50, 16, 2048), (300, 16, 256)])
-def test_analytical_backward_matches_autodiff_of_chunked_forward(t, chunk, block):
-  auto, manual = _autodiff_grads(t, chunk, block)
+@pytest.mark.parametrize("t,chunk,block,segment_bounds", [
+    (300, 16, 256, ()),
+    # Starts inside chunks, at a chunk start, a one-token segment: the
+    # segment-restarted gate cumsum and its segment-restarted transpose.
+    (100, 32, 2048, (5, 37, 38, 64, 90)),
+])
+def test_analytical_backward_matches_autodiff_of_chunked_forward(t, chunk, block,
+                                                                 segment_bounds):
+  auto, manual = _autodiff_grads(t, chunk, block, segment_bounds)
   for a, m in zip(auto, manual):
     assert rel_rms(m, a) <= 1e-5
 
@@ -346,12 +238,37 @@ def test_analytical_backward_matches_autodiff_of_chunked_forward(t, chunk, block
 def test_correlated_keys_slow_decay():
   """Near-identical keys and g ~ 0 make (I + A) badly conditioned for
   series-style inverses (FLA #537); forward substitution must stay exact."""
-  args, kw = make_inputs(14, t=130, hk=1, hv=2)
+  diff, static = _inputs(14, b=1, t=130, hk=1, hv=2, dk=16, dv=8)
   rng = np.random.default_rng(15)
   base_key = rng.standard_normal((1, 1, 1, 16)).astype(np.float32)
-  k = base_key + 0.05 * rng.standard_normal(args[1].shape).astype(np.float32)
-  k = k / np.linalg.norm(k, axis=-1, keepdims=True)
-  g = -1e-3 * np.abs(rng.standard_normal(args[3].shape)).astype(np.float32)
-  beta = 0.9 + 0.1 * np.asarray(args[4])
-  args = (args[0], jnp.asarray(k), args[2], jnp.asarray(g), jnp.asarray(beta))
-  assert_close(xla_op(128), args, kw)
+  k = base_key + 0.05 * rng.standard_normal(diff["key"].shape).astype(np.float32)
+  diff["key"] = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True))
+  diff["g"] = jnp.asarray(-1e-3 * np.abs(rng.standard_normal(diff["g"].shape)), jnp.float32)
+  diff["beta"] = 0.9 + 0.1 * diff["beta"]
+  h.check_against_reference(xla_op(128), diff, static)
+
+
+@pytest.mark.parametrize("c", [16, 64, 128])
+def test_chunk_gate_compensated_cumsum(c):
+  """`chunk_gate` at a chunk of c tokens: gates at the -30 floor for most of
+  it, then tiny ones. A plain float32 cumsum has |G| ~ 30 c there and rounds
+  the tiny gates away (relative errors ~1e-3 in gamma and decay_out); the
+  (hi, lo) pair keeps gamma, decay_in/out within 1e-6 of float64, with and
+  without a segment start."""
+  n_floor = c * 5 // 8
+  g = np.concatenate([np.full(n_floor, -30.0), -np.geomspace(1e-6, 1e-4, c - n_floor)])
+  g = g.astype(np.float32)
+  for starts in (None, np.arange(c) == c // 3):
+    gate = xla_chunked_kernel.chunk_gate(
+        jnp.asarray(g), None if starts is None else jnp.asarray(starts))
+    g64 = g.astype(np.float64)
+    seg = np.zeros(c, int) if starts is None else np.cumsum(starts)
+    gcum = np.array([g64[(seg == seg[i]) & (np.arange(c) <= i)].sum() for i in range(c)])
+    same = (seg[:, None] == seg[None, :]) & np.tril(np.ones((c, c), bool))
+    gamma = np.where(same, np.exp(np.where(same, gcum[:, None] - gcum[None, :], 0)), 0)
+    last = seg == seg[-1]
+    decay_out = np.where(last, np.exp(np.where(last, gcum[-1] - gcum, 0)), 0)
+    decay_in = np.where(seg == 0, np.exp(gcum), 0)
+    for name, want in (("gamma", gamma), ("decay_out", decay_out), ("decay_in", decay_in)):
+      got = np.asarray(getattr(gate, name), np.float64)
+      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30, err_msg=name)

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 import jax
 
 from tokamax_gdn import registry
+from tokamax_gdn.ops.causal_conv1d import context_parallel
 
 
 def causal_conv1d(
@@ -17,6 +18,7 @@ def causal_conv1d(
     output_final_state: bool = False,
     segment_ids: jax.Array | None = None,
     implementation: str | Sequence[str] | None = None,
+    context_parallel_axis: str | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Causal depthwise conv1d with optional SiLU, as in Mamba / Qwen3-Next.
 
@@ -39,10 +41,27 @@ def causal_conv1d(
     implementation: None (best available), a name from
       `tokamax_gdn.registry.implementations("causal_conv1d")`, a `tokamax.Op`,
       or a sequence of those tried in order.
+    context_parallel_axis: a mesh axis name, inside `jax.shard_map` with the
+      time axis T of x/segment_ids sharded over it (device i holds tokens
+      [i*T/P, (i+1)*T/P)). Each device reads the last W-1 inputs of the
+      previous one (a ppermute); results equal the unsharded op's, with the
+      final state on every device of the axis. Pass `weight`, `bias` and
+      `initial_state` replicated over the axis. T must divide evenly over the
+      axis, with at least W-1 tokens per device.
 
   Returns:
     (y [B, T, D] in x's dtype, final_state [B, W-1, D] or None).
   """
+  if context_parallel_axis is not None:
+    return context_parallel.causal_conv1d(
+        x, weight, bias,
+        axis_name=context_parallel_axis,
+        activation=activation,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        segment_ids=segment_ids,
+        implementation=implementation,
+    )
   return registry.call(
       "causal_conv1d", implementation,
       x, weight, bias,

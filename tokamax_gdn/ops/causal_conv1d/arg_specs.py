@@ -59,6 +59,11 @@ ARG_SPECS: list[ArgSpec] = [
     _spec("D24_T20_W2_nobias_nostate", b=1, t=20, d=24, w=2, bias=False, initial_state=False),
     _spec("D32_T33_W3_identity", b=1, t=33, d=32, w=3, activation=None, segments=2),
     _spec("bf16_D256_T64", b=1, t=64, d=256, dtype=jnp.bfloat16, segments=2),
+    # Empty shapes: correctly shaped empty results (and a final state from the
+    # initial state alone when T = 0).
+    _spec("empty_B0", b=0, t=8, d=16),
+    _spec("empty_D0", b=2, t=8, d=0, segments=2),
+    _spec("empty_T0", b=2, t=0, d=16),
     # Qwen3.5 shapes: D = 2*16*128 + 32*128 = 8192 (tiny / 35B-A3B / Qwen3-Next-80B).
     _spec("qwen3_5_D8192_T4096", b=1, t=4096, d=8192, dtype=jnp.bfloat16, bias=False,
           initial_state=False, tags=("bench", "aot", "qwen3_5", "qwen3_next")),

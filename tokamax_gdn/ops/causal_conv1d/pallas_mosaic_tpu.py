@@ -158,8 +158,7 @@ class PallasMosaicTpuCausalConv1d(base.CausalConv1d[Config, None]):
 
   def _conv(self, x, weight, bias, *, activation, initial_state, reach, config: Config):
     interpret = _check_supported(x, weight.shape[1])
-    b, t, d = x.shape
-    if t == 0:
+    if x.size == 0:  # B, T or D is 0: no tile to run (and no tile size to divide by).
       return jnp.zeros(x.shape, x.dtype)
 
     def body(x, weight, bias, initial_state, reach):
@@ -217,7 +216,7 @@ class PallasMosaicTpuCausalConv1dVjp(op.Op):
     dy, d_final = dout
     reach = base.window_reach(segment_ids, width)
     grads = {}
-    if t == 0:
+    if x.size == 0:
       dx = jnp.zeros_like(x)
       dweight = jnp.zeros(weight.shape, jnp.float32)
       dbias = jnp.zeros((d,), jnp.float32)

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 import jax
 
 from tokamax_gdn import registry
+from tokamax_gdn.ops.gated_delta_rule import context_parallel
 
 
 def gated_delta_rule(
@@ -22,6 +23,7 @@ def gated_delta_rule(
     dt_bias: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     implementation: str | Sequence[str] | None = None,
+    context_parallel_axis: str | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Gated delta rule (Yang et al., ICLR 2025), as in Qwen3-Next / Qwen3.5.
 
@@ -53,6 +55,13 @@ def gated_delta_rule(
       `tokamax_gdn.registry.implementations("gated_delta_rule")`, a
       `tokamax.Op`, or a sequence of those tried in order (falling through on
       NotImplementedError).
+    context_parallel_axis: a mesh axis name, inside `jax.shard_map` with the
+      time axis T of query/key/value/g/beta/segment_ids sharded over it (in
+      order: device i holds tokens [i*T/P, (i+1)*T/P)). Results equal the
+      unsharded op's: each device's outputs for its tokens, and the final
+      state of the whole sequence on every device of the axis. Pass
+      `initial_state`, `a_log`, `dt_bias` replicated over the axis. T must
+      divide evenly over the axis. See `context_parallel.py` for the method.
 
   Returns:
     (out [B, T, Hv, V] in value's dtype, final_state float32 or None):
@@ -60,7 +69,24 @@ def gated_delta_rule(
     (zeros for the segments a row does not have). Every implementation
     computes in float32: float64 inputs give a float64 `out` and a float32
     state.
+
+  Differentiable in reverse mode (jax.grad, jax.vjp, jax.jacrev); forward
+  mode (jax.jvp, jax.jacfwd) raises `tokamax_gdn.ops.autodiff.ForwardModeError`
+  (a TypeError naming the op).
   """
+  if context_parallel_axis is not None:
+    return context_parallel.gated_delta_rule(
+        query, key, value, g, beta,
+        axis_name=context_parallel_axis,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm=use_qk_l2norm,
+        a_log=a_log,
+        dt_bias=dt_bias,
+        segment_ids=segment_ids,
+        implementation=implementation,
+    )
   return registry.call(
       "gated_delta_rule", implementation,
       query, key, value, g, beta,

@@ -25,17 +25,24 @@ def random_inputs(
     gate: bool = False,
     initial_state: bool = True,
     segments: int = 0,
+    unit_keys: bool = False,
 ):
   """Realistic random GDN inputs (never zeros) as (args, kwargs).
 
-  Keys are scaled so |beta k^T k| stays O(1) as in trained models; the log
-  decay is -softplus(normal) (or the raw gate with `a_log`/`dt_bias` when
-  `gate`); `segments` > 0 packs that many random-length segments per row.
+  Keys are scaled so |beta k^T k| stays O(1) as in trained models (exactly
+  unit keys with `unit_keys`); the log decay is -softplus(normal) / 2 (or the
+  raw gate with `a_log`/`dt_bias` when `gate`); `segments` > 0 packs about
+  that many random-length segments per row.
   """
   ks = jax.random.split(key, 9)
   normal = lambda k, s: jax.random.normal(k, s, jnp.float32)
   q = normal(ks[0], (b, t, hk, dk)).astype(dtype)
-  k = (normal(ks[1], (b, t, hk, dk)) * dk**-0.5).astype(dtype)
+  k = normal(ks[1], (b, t, hk, dk))
+  if unit_keys:
+    k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=-1, keepdims=True))
+  else:
+    k = k * dk**-0.5
+  k = k.astype(dtype)
   v = normal(ks[2], (b, t, hv, dv)).astype(dtype)
   beta = jax.nn.sigmoid(normal(ks[3], (b, t, hv))).astype(dtype)
   kwargs = {}
@@ -89,6 +96,12 @@ ARG_SPECS: list[ArgSpec] = [
                                        dtype=jnp.bfloat16),
         diff_argnames=DIFF,
     ),
+    # Empty shapes: correctly shaped empty results (the state passes through
+    # T = 0; B = 0 has none), zero gradients, for every implementation.
+    _spec("empty_B0", b=0, t=20, hk=1, hv=2, dk=8, dv=8, segments=2,
+          tags=("conformance", "interpret", "empty")),
+    _spec("empty_T0", b=2, t=0, hk=1, hv=2, dk=8, dv=8,
+          tags=("conformance", "interpret", "empty")),
     # Qwen3-Next / Qwen3.5 per-device shapes (K = V = 128).
     _spec("qwen3_5_tiny_T4096", b=1, t=4096, hk=16, hv=32, dk=128, dv=128,
           dtype=jnp.bfloat16, gate=True, tags=("aot", "qwen3_5")),

@@ -26,6 +26,13 @@ Split of work:
 - Backends implement `_core_fwd` (and, for an analytical backward, a
   `GatedDeltaRuleVjp` subclass implementing `_core_bwd`) on the prepared
   q, k (input dtype, normalised), v, log-decay (float32) and beta.
+- With `segment_ids`, `SegmentGuard` wraps the core (forward and backward) for
+  every backend: a NaN / inf in one packed segment's inputs or cotangents
+  makes that segment's results NaN and leaves the others exactly as with
+  finite values. Without `segment_ids` it costs nothing.
+- B = 0 or T = 0 never reach the core (empty results, the state passes through).
+
+The chunked algorithm both chunked backends implement is in `math.md`.
 """
 
 import dataclasses
@@ -38,6 +45,7 @@ from jaxtyping import Array, Float, Int  # pylint: disable=g-multiple-import,g-i
 from tokamax._src.ops import op
 
 from tokamax_gdn.autotuning import ShippedAutotuningCacheMixin
+from tokamax_gdn.ops import autodiff
 from tokamax_gdn.ops import checks
 
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
@@ -256,6 +264,219 @@ def align_segments(segment_ids: jax.Array, num_states: int, chunk_size: int) -> 
       num_segments=seg[:, -1] + 1, chunk_size=c, num_states=num_states)
 
 
+# ----------------------------------------------------------------------------
+# Packed sequences: a non-finite value stays in its segment.
+# ----------------------------------------------------------------------------
+
+
+def _float64_to_float32(tree):
+  """Every float64 array of `tree` as float32.
+
+  All implementations compute in float32 and keep float32 states (one state
+  layout for all of them, and DESIGN.md's contract is float32), so float64
+  inputs (under jax_enable_x64) are cast on the way in, outside the op's
+  custom VJP: their gradients come back as float64 through the cast, and
+  `out` is cast back to float64.
+  """
+  def cast(x):
+    if getattr(x, "dtype", None) == jnp.float64:
+      return x.astype(jnp.float32)
+    return x
+  return jax.tree.map(cast, tree)
+
+
+def _nonfinite_tokens(x: jax.Array, per_token_axes: int) -> jax.Array:
+  """Whether any of the trailing `per_token_axes` axes holds a NaN or inf."""
+  bad = ~jnp.isfinite(x)
+  return jnp.any(bad, axis=tuple(range(-per_token_axes, 0))) if per_token_axes else bad
+
+
+def _zero_where(bad: jax.Array, x: jax.Array) -> jax.Array:
+  return jnp.where(bad, jnp.zeros((), x.dtype), x)
+
+
+def _nan_where(bad: jax.Array, x: jax.Array) -> jax.Array:
+  return jnp.where(bad, jnp.full((), jnp.nan, x.dtype), x)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["seg", "first", "last", "bad", "bad_q", "bad_gate"],
+    meta_fields=["group"])
+@dataclasses.dataclass(frozen=True)
+class SegmentGuard:
+  """Keeps a NaN / inf of one packed segment out of every other segment.
+
+  Inside a chunk the matmuls mix the tokens of different segments with zero
+  coefficients, and 0 * NaN = NaN, so masking is not enough: the non-finite
+  inputs are replaced by zeros before the core runs (`sanitize`), which then
+  computes every other segment exactly as with finite values, and NaN is put
+  back afterwards where the true result is not finite: in the outputs from
+  the first bad token of a segment on (plus a token's own output for a bad
+  query), in the final state of a poisoned segment, and in the gradients of a
+  segment's inputs when its inputs or its cotangents held a NaN / inf.
+
+  Built by `guard_segments`; all masks per token and value head [B, T, Hv]
+  (key-side values are per key head and count for the value heads reading
+  them).
+
+  Attributes:
+    seg: [B, T] int32 segment index n of each token.
+    first, last: [B, T] int32 position of the first / last token of each
+      token's segment.
+    bad: [B, T, Hv] bool: the token's k, v, g or beta is not finite, or (at
+      a segment's first token) the segment's initial state is not.
+    bad_q: [B, T, Hv] bool: the token's query is not finite.
+    bad_gate: [B, T, Hv] bool: the token's raw gate or its log-decay is not
+      finite (any NaN / inf input counts, including g = -inf).
+    group: Hv / Hk.
+  """
+
+  seg: jax.Array
+  first: jax.Array
+  last: jax.Array
+  bad: jax.Array
+  bad_q: jax.Array
+  bad_gate: jax.Array
+  group: int
+
+  def _take(self, x: jax.Array, pos: jax.Array) -> jax.Array:
+    return jnp.take_along_axis(x, pos[..., None], axis=1)
+
+  def running(self, bad: jax.Array) -> jax.Array:
+    """[B, T, Hv]: a bad token at or before this one, in its segment."""
+    count = jnp.cumsum(bad, axis=1, dtype=jnp.int32)
+    before_segment = self._take(count - bad, self.first)
+    return count > before_segment
+
+  def anywhere(self, bad: jax.Array) -> jax.Array:
+    """[B, T, Hv]: a bad token anywhere in this token's segment."""
+    count = jnp.cumsum(bad, axis=1, dtype=jnp.int32)
+    return self._take(count, self.last) > self._take(count - bad, self.first)
+
+  def per_segment(self, flags: jax.Array, n_states: int) -> jax.Array:
+    """[B, T, Hv] segment-constant flags -> [B, N, Hv] (False past the row's
+    segments)."""
+    b, _, hv = flags.shape
+    idx = jnp.minimum(self.seg, n_states)
+    out = jnp.zeros((b, n_states + 1, hv), jnp.int32).at[
+        jnp.arange(b)[:, None], idx].max(flags.astype(jnp.int32))
+    return out[:, :n_states] > 0
+
+  def at_segment_starts(self, per_state: jax.Array) -> jax.Array:
+    """[B, Hv] (segment 0) or [B, N, Hv] (segment n) flags -> [B, T, Hv] at
+    the first token of those segments."""
+    is_first = (self.first == jnp.arange(self.seg.shape[1]))[..., None]
+    if per_state.ndim == 2:
+      return is_first & (self.seg == 0)[..., None] & per_state[:, None]
+    n_states = per_state.shape[1]
+    rows = jnp.arange(self.seg.shape[0])[:, None]
+    flags = per_state[rows, jnp.minimum(self.seg, n_states - 1)]
+    return is_first & (self.seg < n_states)[..., None] & flags
+
+  def sanitize(self, q, k, v, log_decay, beta, initial_state):
+    """The inputs with every non-finite value replaced by 0."""
+    zero_bad = lambda x: _zero_where(~jnp.isfinite(x), x)
+    state = None if initial_state is None else zero_bad(initial_state)
+    return (zero_bad(q), zero_bad(k), zero_bad(v),
+            _zero_where(self.bad_gate, log_decay), zero_bad(beta), state)
+
+  def poison_outputs(self, out, final_state):
+    """NaN in the outputs and final states the bad inputs reach."""
+    running = self.running(self.bad)
+    out = _nan_where((running | self.bad_q)[..., None], out)
+    if final_state.ndim == 4:        # the state after the last token
+      poisoned = running[:, -1]
+    else:
+      poisoned = self.per_segment(self.anywhere(self.bad), final_state.shape[1])
+    return out, _nan_where(poisoned[..., None, None], final_state)
+
+  def gradient_poison(self, d_out, d_final) -> jax.Array:
+    """[B, T, Hv]: the segments whose input gradients are not finite: a bad
+    input, a bad output cotangent, or a bad final-state cotangent."""
+    bad = self.bad | self.bad_q | _nonfinite_tokens(d_out, 1)
+    if d_final is not None:
+      bad_final = _nonfinite_tokens(d_final, 2)
+      if bad_final.ndim == 2:        # belongs to the last segment
+        bad = bad.at[:, -1].set(bad[:, -1] | bad_final)
+      else:
+        bad = bad | self.at_segment_starts(bad_final)
+    return self.anywhere(bad)
+
+  def poison_gradients(self, poison, dq, dk, dv, d_log_decay, dbeta, d_initial):
+    """NaN in the gradients of the poisoned segments' inputs."""
+    b, t, hv = poison.shape
+    key_poison = jnp.any(poison.reshape(b, t, hv // self.group, self.group), axis=-1)
+    dq = _nan_where(key_poison[..., None], dq)
+    dk = _nan_where(key_poison[..., None], dk)
+    dv = _nan_where(poison[..., None], dv)
+    d_log_decay = _nan_where(poison, d_log_decay)
+    dbeta = _nan_where(poison, dbeta)
+    if d_initial is not None:
+      if d_initial.ndim == 4:
+        state_poison = poison[:, 0]
+      else:
+        state_poison = self.per_segment(poison, d_initial.shape[1])
+      d_initial = _nan_where(state_poison[..., None, None], d_initial)
+    return dq, dk, dv, d_log_decay, dbeta, d_initial
+
+
+def guard_segments(q, k, v, beta, initial_state, segment_ids, *, g, a_log,
+                   dt_bias) -> SegmentGuard:
+  """The `SegmentGuard` of the prologue's q, k (and v, beta, initial_state,
+  segment_ids) and the raw gate inputs g, a_log, dt_bias; B, T >= 1."""
+  b, t, hk, _ = q.shape
+  hv = v.shape[2]
+  group = hv // hk
+  per_value_head = lambda x: jnp.repeat(x, group, axis=2)
+  starts = segment_starts(segment_ids, t)
+  pos = jnp.arange(t, dtype=jnp.int32)
+  seg = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
+  first = jax.lax.cummax(jnp.where(starts, pos, 0), axis=1)
+  ends = jnp.concatenate([starts[:, 1:], jnp.ones((b, 1), bool)], axis=1)
+  last = jax.lax.cummin(jnp.where(ends, pos, t - 1), axis=1, reverse=True)
+  # Before the log-decay floor, which would turn -inf into -30.
+  bad_gate = ~jnp.isfinite(g) | ~jnp.isfinite(gate_log_decay(g, a_log, dt_bias))
+  bad = (per_value_head(_nonfinite_tokens(k, 1)) | _nonfinite_tokens(v, 1)
+         | bad_gate | ~jnp.isfinite(beta))
+  guard = SegmentGuard(seg, first, last, bad, per_value_head(_nonfinite_tokens(q, 1)),
+                       bad_gate, group)
+  if initial_state is not None:
+    bad = bad | guard.at_segment_starts(_nonfinite_tokens(initial_state, 2))
+  return dataclasses.replace(guard, bad=bad)
+
+
+def guarded_autodiff(core, guard: SegmentGuard, q, k, v, log_decay, beta, initial_state):
+  """(out, final_state) of `core` under `guard`, for cores differentiated by
+  autodiff: a custom VJP sanitises the cotangents and puts NaN into the
+  gradients of poisoned segments (`GatedDeltaRuleVjp` does the same around
+  an analytical `_core_bwd`)."""
+
+  def clean_core(q, k, v, log_decay, beta, initial_state):
+    return core(q, k, v, log_decay, beta, initial_state=initial_state)[:2]
+
+  @jax.custom_vjp
+  def run(q, k, v, log_decay, beta, initial_state, guard):
+    out, final = clean_core(*guard.sanitize(q, k, v, log_decay, beta, initial_state))
+    return guard.poison_outputs(out, final)
+
+  def run_fwd(q, k, v, log_decay, beta, initial_state, guard):
+    clean = guard.sanitize(q, k, v, log_decay, beta, initial_state)
+    (out, final), core_vjp = jax.vjp(clean_core, *clean)
+    return guard.poison_outputs(out, final), (core_vjp, guard)
+
+  def run_bwd(res, cts):
+    core_vjp, guard = res
+    d_out, d_final = cts
+    poison = guard.gradient_poison(d_out, d_final)
+    zero_bad = lambda x: _zero_where(~jnp.isfinite(x), x)
+    grads = core_vjp((zero_bad(d_out), zero_bad(d_final)))
+    return (*guard.poison_gradients(poison, *grads), None)
+
+  run.defvjp(run_fwd, run_bwd)
+  return run(q, k, v, log_decay, beta, initial_state, guard)
+
+
 class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Residuals, C, K]):
   """Gated delta rule op. Subclasses implement `_core_fwd`."""
 
@@ -267,6 +488,18 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
   # shape [B, N, Hv, K, V] (per-segment states); if not, bind raises
   # NotImplementedError for one, so `implementation=` falls through.
   supports_segment_states: ClassVar[bool] = False
+
+  def __call__(self, *args, **kwargs):
+    """The op; float64 inputs run in float32 (see `_float64_to_float32`)."""
+    with autodiff.reverse_mode_only("gated_delta_rule", args, kwargs):
+      value = args[2] if len(args) > 2 else kwargs.get("value")
+      args, kwargs = _float64_to_float32((args, kwargs))
+      result = super().__call__(*args, **kwargs)
+      if getattr(value, "dtype", None) == jnp.float64:
+        (out, final_state), *residuals = result if kwargs.get("return_residuals") else (result,)
+        out = (out.astype(jnp.float64), final_state)
+        result = (out, *residuals) if residuals else out
+      return result
 
   def bind(
       self,
@@ -369,18 +602,26 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
         query, key, g, a_log, dt_bias, use_qk_l2norm=use_qk_l2norm,
         log_decay_floor=self.log_decay_floor,
     )
+    core = functools.partial(self._core_fwd, scale=scale, segment_ids=segment_ids,
+                             config=config)
     if query.shape[0] == 0 or query.shape[1] == 0:
       out = jnp.zeros(value.shape, value.dtype)
       final_state = empty_final_state(query, value, initial_state)
       residuals = None
+    elif segment_ids is None:
+      out, final_state, residuals = core(q, k, value, log_decay, beta,
+                                         initial_state=initial_state)
     else:
-      out, final_state, residuals = self._core_fwd(
-          q, k, value, log_decay, beta,
-          scale=scale,
-          initial_state=initial_state,
-          segment_ids=segment_ids,
-          config=config,
-      )
+      guard = guard_segments(q, k, value, beta, initial_state, segment_ids, g=g,
+                             a_log=a_log, dt_bias=dt_bias)
+      if self.vjp is None:       # differentiated by autodiff through this
+        residuals = None
+        out, final_state = guarded_autodiff(core, guard, q, k, value, log_decay, beta,
+                                            initial_state)
+      else:                      # `GatedDeltaRuleVjp` guards the backward
+        *clean, clean_state = guard.sanitize(q, k, value, log_decay, beta, initial_state)
+        out, final_state, residuals = core(*clean, initial_state=clean_state)
+        out, final_state = guard.poison_outputs(out, final_state)
     out = out.astype(value.dtype)
     final_state = final_state if output_final_state else None
     return (out, final_state), (residuals if return_residuals else None)
@@ -462,13 +703,20 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
         d_initial = (d_final if d_final is not None and initial_state.ndim == 4
                      else jnp.zeros_like(initial_state, jnp.float32))
     else:
-      dq, dk, dv, d_log_decay, dbeta, d_initial = self._core_bwd(
-          residuals, q, k, value, log_decay, beta, d_out, d_final,
-          scale=scale,
-          initial_state=initial_state,
-          segment_ids=segment_ids,
-          config=config,
-      )
+      core_bwd = functools.partial(self._core_bwd, residuals, scale=scale,
+                                   segment_ids=segment_ids, config=config)
+      if segment_ids is None:
+        dq, dk, dv, d_log_decay, dbeta, d_initial = core_bwd(
+            q, k, value, log_decay, beta, d_out, d_final, initial_state=initial_state)
+      else:
+        guard = guard_segments(q, k, value, beta, initial_state, segment_ids, g=g,
+                               a_log=a_log, dt_bias=dt_bias)
+        poison = guard.gradient_poison(d_out, d_final)
+        *clean, clean_state = guard.sanitize(q, k, value, log_decay, beta, initial_state)
+        zero_bad = lambda x: None if x is None else _zero_where(~jnp.isfinite(x), x)
+        grads = core_bwd(*clean, zero_bad(d_out), zero_bad(d_final),
+                         initial_state=clean_state)
+        dq, dk, dv, d_log_decay, dbeta, d_initial = guard.poison_gradients(poison, *grads)
     dquery, dkey, dg, da_log, ddt_bias = pro_vjp(
         (dq.astype(q.dtype), dk.astype(k.dtype), d_log_decay.astype(jnp.float32))
     )

@@ -21,7 +21,7 @@ tokamax keeps anyway:
 """
 
 import dataclasses
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,70 +55,147 @@ class Config:
   save_states: bool = False
 
 
-def _shapes(ba: op.BoundArguments) -> tuple[int, int, int, int, int]:
-  q, v = ba.arguments["query"], ba.arguments["value"]
-  return q.shape[-2], v.shape[-2], q.shape[-1], v.shape[-1], jnp.dtype(q.dtype).itemsize
+class _Shapes(NamedTuple):
+  hk: int
+  hv: int
+  dim_k: int
+  dim_v: int
+  itemsize: int
+
+
+def _shapes_of(q, v) -> _Shapes:
+  return _Shapes(q.shape[-2], v.shape[-2], q.shape[-1], v.shape[-1],
+                 jnp.dtype(q.dtype).itemsize)
+
+
+def _shapes(ba: op.BoundArguments) -> _Shapes:
+  return _shapes_of(ba.arguments["query"], ba.arguments["value"])
 
 
 def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, itemsize: int,
-                  interleave: int) -> int:
-  """Upper estimate of the backward kernel's VMEM (the larger of the two).
+                  interleave: int, kernel: Literal["fwd", "states", "bwd"]) -> int:
+  """Scoped VMEM one grid step of `kernel` needs ("fwd": outputs, with or
+  without residuals; "states": the VJP's first pass; "bwd").
 
-  Double-buffered blocks (q, k, v, dO, dq, dk, dv; states and WY inverses in
-  the input dtype; f32 per-token gate blocks), the f32 dS scratch, the
-  head-major f32 copies of the blocks, and ~12 live C×C / C×D f32 tiles per
-  interleaved head.
+  The kernel's f32 scratch (the state or dS, the head-major copies of the
+  blocks, the gate rows), exactly; plus what Mosaic allocates itself: a part
+  proportional to one chunk of q, k, v in f32 (2× in the forward kernels,
+  2.25× in the backward) and the C×C / C×D f32 tiles live per interleaved head (6 in
+  the forward kernels, 10 in the backward). Fitted to the compiler's own
+  numbers (libtpu 0.0.50, tpu7x, B=1 Hk=16 Hv=32 K=V=128 C=128 bf16, scoped
+  allocation reported at a too-small limit): forward 20.9 MiB with 16 heads
+  interleaved, 26.7 MiB with 32 (this estimate: 22.1 / 28.1); states pass
+  19.5 MiB with 16 (20.1); backward 22.9 / 25.5 MiB with 4 / 8 (23.6 / 26.1).
+  At long sequences Mosaic also keeps about one more copy of the token
+  blocks (input dtype) in the scoped allocation: the backward with 4 heads
+  needed 20.1 / 20.2 / 24.2 / 27.2 MiB at T = 256 / 1024 / 2048 / 4096, the
+  forward with 16 heads 23.0 MiB at T = 4096; the estimate adds the blocks
+  (half of them in the forward kernels) at every length. v5e/v6e need more
+  for the backward (16 heads: over 32 MiB), which their larger `vmem_cap`
+  leaves room for.
   """
   dim_k, dim_v = round_up(dim_k, 128), round_up(dim_v, 128)
-  tok = chunk * (2 * hk * dim_k + 2 * hv * dim_v) * itemsize         # q, k, v, dO
-  grads = chunk * (2 * hk * dim_k + hv * dim_v) * itemsize           # dq, dk, dv
-  res = hv * (dim_k * dim_v + chunk * chunk) * itemsize               # states, T'
-  gates = 4 * chunk * round_up(hv, 128) * 4
-  blocks = 2 * (tok + grads + res + gates)
-  scratch = hv * dim_k * dim_v * 4
-  copies = chunk * (2 * hk * dim_k + 2 * hv * dim_v) * 4
-  live = interleave * 12 * chunk * max(chunk, dim_k, dim_v) * 4
-  return blocks + scratch + copies + live
+  state = hv * dim_k * dim_v * 4
+  rows = 8 * hv * round_up(chunk, 128) * 4
+  key, value = chunk * hk * dim_k * 4, chunk * hv * dim_v * 4
+  tile = max(chunk, 128) * max(chunk, dim_k, dim_v) * 4   # C=64 tiles: as if 128 rows
+  residuals = hv * (dim_k * dim_v + chunk * chunk) * itemsize
+  if kernel == "bwd":
+    scratch = state + 4 * key + 3 * value + rows
+    blocks = (4 * key + 3 * value) * itemsize // 4 + residuals
+    return scratch + 9 * (2 * key + value) // 4 + blocks + interleave * 10 * tile
+  values = 2 if kernel == "fwd" else 1
+  scratch = state + 2 * key + values * value + rows
+  blocks = (2 * key + values * value) * itemsize // 4
+  blocks += residuals if kernel == "states" else 0
+  return scratch + 2 * (2 * key + value) + blocks // 2 + interleave * 6 * tile
 
 
-def _vmem_limit(gen: gdn_config.TpuGeneration, estimate: int) -> int:
-  return int(min(gen.vmem_bytes * 7 // 8, max(2 * estimate, 32 * _MIB)))
+def vmem_cap(gen: gdn_config.TpuGeneration) -> int:
+  """The scoped VMEM limit we give the kernels on `gen`, and the most a config
+  may estimate to need: (VMEM - 22 MiB) / 2 (53 MiB on v5e/v6e, 21 on tpu7x).
 
-
-def _fits(cfg: Config, ba: op.BoundArguments) -> bool:
-  hk, hv, dk, dv, isz = _shapes(ba)
-  est = vmem_estimate(chunk=cfg.chunk_size, hv=hv, hk=hk, dim_k=dk, dim_v=dv, itemsize=isz,
-                      interleave=min(cfg.interleave, hv))
-  return est <= gdn_config.target_generation().vmem_bytes * 3 // 4
-
-
-def _heuristics(ba: op.BoundArguments) -> Config:
-  """C = 128 and 16 heads interleaved, fewer where VMEM is short.
-
-  Static cycle estimates, v6e, B=1 T=256 Hk=16 Hv=32 K=V=128 bf16, forward
-  kernel: interleave 8 / 16 / 32 heads: 51.7 k / 41.2 k / 42.9 k cycles.
+  The compiled program's VMEM is about the scoped limit, plus what the kernel
+  uses of it, plus XLA's own, which grows with T (measured, B=1 Hk=16 Hv=32
+  K=V=128: 4.4 MiB on v6e and 12.4 on tpu7x at T=256, ~21 on tpu7x at
+  T=4096). So a larger limit can fail where a smaller one compiles: v6e's
+  backward at a 112 MiB limit (40 MiB used) did; tpu7x's backward at T=4096,
+  C=64, 8 heads interleaved, fails at 25 MiB (70.7 of 64 MiB used) and at
+  20 (scoped 20.7 MiB), and compiles at 21.
   """
-  hk, hv, *_ = _shapes(ba)
-  cfg = Config(chunk_size=128, interleave=min(16, hv))
-  while not _fits(cfg, ba) and (cfg.interleave > 1 or cfg.chunk_size > 64):
-    if cfg.interleave > 4:
-      cfg = Config(chunk_size=cfg.chunk_size, interleave=cfg.interleave // 2)
-    elif cfg.chunk_size > 64:
-      cfg = Config(chunk_size=cfg.chunk_size // 2, interleave=cfg.interleave)
-    else:
-      cfg = Config(chunk_size=cfg.chunk_size, interleave=max(1, cfg.interleave // 2))
-  return cfg
+  return (gen.vmem_bytes - 22 * _MIB) // 2
 
 
-def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
-  hk, hv, *_ = _shapes(ba)
-  configs = {_heuristics(ba)}
+def _run_interleave(interleave: int, sh: _Shapes) -> int:
+  """The interleave the kernels run with (a multiple of the GVA group dividing Hv)."""
+  return kernel.normalize_interleave(interleave, sh.hv, sh.hv // sh.hk)
+
+
+def _estimate(cfg: Config, sh: _Shapes, kind: str) -> int:
+  est = vmem_estimate(chunk=cfg.chunk_size, hv=sh.hv, hk=sh.hk, dim_k=sh.dim_k,
+                      dim_v=sh.dim_v, itemsize=sh.itemsize,
+                      interleave=_run_interleave(cfg.interleave, sh), kernel=kind)
+  if kind == "fwd" and cfg.save_states:   # the forward also writes the residual blocks
+    est += sh.hv * (round_up(sh.dim_k, 128) * round_up(sh.dim_v, 128)
+                    + cfg.chunk_size ** 2) * sh.itemsize
+  return est
+
+
+def _fits(cfg: Config, sh: _Shapes, kind: str) -> bool:
+  return _estimate(cfg, sh, kind) <= vmem_cap(gdn_config.target_generation())
+
+
+def _most_interleaved(chunk: int, sh: _Shapes, kind: str, *, start: int = 16) -> Config:
+  """C = `chunk` and the most heads interleaved (at most `start`) with which
+  kernel `kind` fits (one GVA group if none does)."""
+  ilv = start
+  while True:
+    cfg = Config(chunk_size=chunk, interleave=_run_interleave(ilv, sh))
+    if ilv == 1 or _fits(cfg, sh, kind):
+      return cfg
+    ilv //= 2
+
+
+def _kind(backward: bool) -> str:
+  """The kernel a config is for: the forward Op's, or the VJP's backward kernel.
+
+  The VJP's states pass (a forward without outputs) picks its own interleave,
+  see `_states_config`, as it fits more heads (16 vs 4 on tpu7x).
+  """
+  return "bwd" if backward else "fwd"
+
+
+def _heuristics(ba: op.BoundArguments, backward: bool) -> Config:
+  """C = 128 and up to 16 heads interleaved, as many as VMEM allows.
+
+  Static cycle estimates at B=1 T=256 Hk=16 Hv=32 K=V=128 bf16, C=128:
+  forward kernel, v6e, 8 / 16 / 32 heads interleaved: 51.7 k / 41.2 k /
+  42.9 k cycles; tpu7x (24 MiB limit) 4 / 8 / 16: 85.4 k / 52.2 k / 38.4 k.
+  Backward kernel, tpu7x, 4 heads: 58.9 k at C=128, 117 k at C=64: C=128
+  with fewer heads first, C=64 only where C=128 does not fit with one GVA
+  group (tpu7x's backward at T=4096: 27 MiB scoped with 4 heads at C=128,
+  over its 25 MiB cap).
+  """
+  sh, kind = _shapes(ba), _kind(backward)
+  cfg = _most_interleaved(128, sh, kind)
+  return cfg if _fits(cfg, sh, kind) else _most_interleaved(64, sh, kind)
+
+
+def _autotuning_configs(ba: op.BoundArguments, backward: bool) -> set[Config]:
+  sh, kind = _shapes(ba), _kind(backward)
+  configs = {_heuristics(ba, backward)}
   for chunk in (64, 128, 256):
-    for ilv in (4, 8, 16, 32):
-      cfg = Config(chunk_size=chunk, interleave=min(ilv, hv))
-      if _fits(cfg, ba):
-        configs.add(cfg)
+    for ilv in (2, 4, 8, 16, 32):
+      for save in ((False,) if backward else (False, True)):
+        cfg = Config(chunk_size=chunk, interleave=_run_interleave(ilv, sh), save_states=save)
+        if _fits(cfg, sh, kind):
+          configs.add(cfg)
   return configs
+
+
+def _states_config(config: Config, sh: _Shapes) -> Config:
+  """The VJP's states pass: the VJP's chunk size, its own interleave."""
+  return _most_interleaved(config.chunk_size, sh, "states")
 
 
 def _check_supported(q: jax.Array, v: jax.Array) -> bool:
@@ -134,13 +211,12 @@ def _check_supported(q: jax.Array, v: jax.Array) -> bool:
 
 
 def _kernel_args(config: Config, q: jax.Array, v: jax.Array, interpret: bool) -> dict:
-  """Kernel keywords for these (per-device) shapes."""
-  hk, hv = q.shape[2], v.shape[2]
-  est = vmem_estimate(chunk=config.chunk_size, hv=hv, hk=hk, dim_k=q.shape[3],
-                      dim_v=v.shape[3], itemsize=q.dtype.itemsize,
-                      interleave=min(config.interleave, hv))
-  return dict(chunk=config.chunk_size, interleave=config.interleave, interpret=interpret,
-              vmem_limit_bytes=_vmem_limit(gdn_config.target_generation(), est))
+  """Kernel keywords at these (per-device) shapes; every kernel gets the
+  `vmem_cap` limit."""
+  return dict(chunk=config.chunk_size,
+              interleave=_run_interleave(config.interleave, _shapes_of(q, v)),
+              interpret=interpret,
+              vmem_limit_bytes=vmem_cap(gdn_config.target_generation()))
 
 
 # Dimension labels of the kernels' operands (see `ops.partitioning`).
@@ -171,11 +247,11 @@ class PallasMosaicTpuGatedDeltaRule(base.GatedDeltaRule[Config, None]):
 
   @override
   def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
-    return _heuristics(ba)
+    return _heuristics(ba, backward=False)
 
   @override
   def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
-    return _autotuning_configs(ba)
+    return _autotuning_configs(ba, backward=False)
 
   @override
   def supported_on(self, device: jax.Device) -> bool:
@@ -213,11 +289,11 @@ class PallasMosaicTpuGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, None]):
 
   @override
   def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
-    return _heuristics(ba)
+    return _heuristics(ba, backward=True)
 
   @override
   def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
-    return _autotuning_configs(ba)
+    return _autotuning_configs(ba, backward=True)
 
   @override
   def supported_on(self, device: jax.Device) -> bool:
@@ -229,17 +305,27 @@ class PallasMosaicTpuGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, None]):
     t = q.shape[1]
     states = getattr(residuals, "states", None)
     tmats = getattr(residuals, "tmats", None)
-    # Residuals saved under another chunk size can't be reused: recompute.
-    if states is None or tmats is None or tmats.shape[-1] != config.chunk_size or (
-        states.shape[1] != -(-t // config.chunk_size)):
+    # Residuals the forward saved (save_states=True) fix the chunk size: the
+    # backward runs at theirs if it fits in VMEM there, else recomputes.
+    if states is not None and tmats is not None:
+      saved = Config(chunk_size=tmats.shape[-1], interleave=config.interleave)
+      if saved.chunk_size == config.chunk_size or _fits(saved, _shapes_of(q, v), "bwd"):
+        config = saved
+      else:
+        states = tmats = None
+    if states is not None and states.shape[1] != -(-t // config.chunk_size):
       states = tmats = None
 
     def body(q, k, v, log_decay, beta, d_out, d_final, states, tmats, initial_state,
              segment_ids):
+      if states is None:   # pass 1: the forward kernel without outputs
+        _, _, (states, tmats) = kernel.gdn_fwd(
+            q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
+            segment_ids=segment_ids, write_out=False, emit_residuals=True,
+            **_kernel_args(_states_config(config, _shapes_of(q, v)), q, v, interpret))
       return kernel.gdn_bwd(
           q, k, v, log_decay, beta, d_out, d_final, scale=scale,
-          initial_state=initial_state, segment_ids=segment_ids,
-          residuals=None if states is None else (states, tmats),
+          initial_state=initial_state, segment_ids=segment_ids, residuals=(states, tmats),
           **_kernel_args(config, q, v, interpret))
 
     out_labels = [_LABELS[n] for n in ("q", "k", "v", "log_decay", "beta", "d_final")]

@@ -586,7 +586,7 @@ def _starts(segment_ids):
   return jnp.concatenate([jnp.zeros_like(changed[:, :1]), changed], 1)[:, None, :]
 
 
-def _interleave(requested: int, hv: int, group: int) -> int:
+def normalize_interleave(requested: int, hv: int, group: int) -> int:
   """The largest multiple of the GVA group dividing Hv, at most `requested`
   (at least one group)."""
   ok = [n for n in range(group, hv + 1, group) if hv % n == 0]
@@ -601,7 +601,7 @@ def _static(q, v, *, scale, chunk, interleave, newton, segment_ids, initial_stat
     newton = 1 if passes == 1 else 2
   return _Static(t_len=t, chunk=chunk, hk=hk, hv=hv, dim_k=dim_k, dim_v=dim_v,
                  scale=float(scale), passes=passes, newton=newton,
-                 interleave=_interleave(interleave, hv, hv // hk),
+                 interleave=normalize_interleave(interleave, hv, hv // hk),
                  has_seg=segment_ids is not None, has_h0=initial_state is not None)
 
 

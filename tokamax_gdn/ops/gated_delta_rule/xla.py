@@ -73,6 +73,7 @@ class XlaGatedDeltaRule(base.GatedDeltaRule[Config, Any]):
 
   config_cls: ClassVar[type[Config]] = Config
   log_decay_floor: ClassVar[float | None] = base.CHUNKED_LOG_DECAY_FLOOR
+  supports_segment_states: ClassVar[bool] = True
 
   def __post_init__(self):
     if self.vjp is None:
@@ -120,7 +121,8 @@ class XlaGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, Any]):
   @override
   def _core_bwd(self, residuals, q, k, v, log_decay, beta, d_out, d_final, *,
                 scale, initial_state, segment_ids, config):
-    t_len, chunk = q.shape[1], config.chunk_size
+    chunk = config.chunk_size
+    t_len = kernel.scanned_length(q.shape[1], initial_state, chunk)
     block, states = config.block_size, None
     if residuals is not None:
       block = forward_block_size(t_len, chunk, residuals.states)

@@ -123,42 +123,104 @@ def _t(x):
 # ----------------------------------------------------------------------------
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["first", "last", "no_start"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Resets:
+  """Where segment starts cut a chunk (bool, broadcastable to [..., C]).
+
+  The state stages select with these (`jnp.where`) instead of multiplying by
+  the zero decays alone: a state that overflowed in one segment (an unstable
+  recurrence) would otherwise give 0 * inf = NaN in the next.
+  """
+
+  first: jax.Array      # [..., C] token i is in the segment entering the chunk
+  last: jax.Array       # [..., C] token j is in the chunk's last segment
+  no_start: jax.Array   # [...] no segment starts in the chunk
+
+
+def _keep(mask, x):
+  """x where `mask` (broadcast over x's trailing axes), else 0; x if mask is None."""
+  if mask is None:
+    return x
+  return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim)), x, 0.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkGate:
   """`chunk_gate`'s outputs, per value head and chunk ([..., C] / [..., C, C])."""
 
-  gcum: jax.Array         # [..., C] in-chunk cumsum of g
-  gamma: jax.Array        # [..., C, C] exp(gcum_i - gcum_j), j <= i, same segment
-  decay_in: jax.Array     # [..., C] exp(gcum_i) for the segment entering the chunk
-  decay_out: jax.Array    # [..., C] exp(gcum_last - gcum_j) for the chunk's last segment
-  decay_chunk: jax.Array  # [...] exp(gcum_last) if no segment starts in the chunk
+  gcum: tuple[jax.Array, jax.Array]  # [..., C] (hi, lo): G = hi + lo, compensated
+  gamma: jax.Array        # [..., C, C] exp(G_i - G_j), j <= i, same segment
+  decay_in: jax.Array     # [..., C] exp(G_i) for the segment entering the chunk
+  decay_out: jax.Array    # [..., C] exp(G_last - G_j) for the chunk's last segment
+  decay_chunk: jax.Array  # [...] exp(G_last) if no segment starts in the chunk
   mask: jax.Array         # [..., C, C] bool: j <= i and same segment (gamma's support)
+  resets: Resets | None   # None without segment starts
+
+
+def _two_sum(a, b):
+  """(s, e) with s = fl(a + b) and a + b = s + e exactly (Knuth's TwoSum)."""
+  s = a + b
+  b_virtual = s - a
+  e = (a - (s - b_virtual)) + (b - b_virtual)
+  return s, e
+
+
+def compensated_cumsum(g: jax.Array, restart: jax.Array | None):
+  """In-chunk cumsum of g [..., C] as an (hi, lo) pair, restarted where
+  `restart` (bool, broadcastable) is set: math.md, "The compensated cumsum".
+
+  An `associative_scan` whose combine adds with TwoSum: hi is the float32
+  cumsum and lo collects the rounding errors, so hi + lo keeps the small
+  gates that a plain float32 cumsum loses next to a large |G|.
+  """
+  restart = jnp.zeros(g.shape, bool) if restart is None else jnp.broadcast_to(restart, g.shape)
+
+  def combine(x, y):
+    h1, l1, f1 = x
+    h2, l2, f2 = y
+    h, e = _two_sum(h1, h2)
+    return (jnp.where(f2, h2, h), jnp.where(f2, l2, l1 + l2 + e), f1 | f2)
+
+  hi, lo, _ = jax.lax.associative_scan(combine, (g, jnp.zeros_like(g), restart),
+                                       axis=g.ndim - 1)
+  return hi, lo
+
+
+def _segment_ids_in_chunk(starts: jax.Array) -> jax.Array:
+  """Segment index inside the chunk: 0 for the segment the chunk starts in."""
+  return jnp.cumsum(starts.astype(jnp.int32), axis=-1)
 
 
 def chunk_gate(g: jax.Array, starts: jax.Array | None) -> ChunkGate:
   """Decays of math.md from the log-decays g [..., C] (float32).
 
   `starts` [..., C] bool (broadcastable to g) marks segment starts, or None.
-  Differences are masked BEFORE exp: never the exp of a positive number.
+  G restarts at each segment start; differences are masked BEFORE exp (never
+  the exp of a positive number) and taken as (hi_i - hi_j) + (lo_i - lo_j).
   """
   c = g.shape[-1]
-  gcum = jnp.cumsum(g, axis=-1)
+  hi, lo = compensated_cumsum(g, starts)
   causal = jnp.tril(jnp.ones((c, c), bool))
   if starts is None:
     mask = causal
-    first = last = True
+    first = last = no_start = True
   else:
-    seg = jnp.cumsum(starts.astype(jnp.int32), axis=-1)
+    seg = _segment_ids_in_chunk(starts)
     mask = causal & (seg[..., :, None] == seg[..., None, :])
     first = seg == 0
     last = seg == seg[..., -1:]
-  diff = gcum[..., :, None] - gcum[..., None, :]
+    no_start = first[..., -1]
+  diff = (hi[..., :, None] - hi[..., None, :]) + (lo[..., :, None] - lo[..., None, :])
   gamma = jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
-  g_last = gcum[..., -1]
-  decay_in = jnp.where(first, jnp.exp(gcum), 0.0)
-  decay_out = jnp.where(last, jnp.exp(g_last[..., None] - gcum), 0.0)
-  decay_chunk = jnp.where(first if starts is None else first[..., -1], jnp.exp(g_last), 0.0)
-  return ChunkGate(gcum, gamma, decay_in, decay_out, decay_chunk, mask)
+  to_last = (hi[..., -1:] - hi) + (lo[..., -1:] - lo)
+  decay_in = jnp.where(first, jnp.exp(jnp.where(first, hi + lo, 0.0)), 0.0)
+  decay_out = jnp.where(last, jnp.exp(jnp.where(last, to_last, 0.0)), 0.0)
+  g_last = hi[..., -1] + lo[..., -1]
+  decay_chunk = jnp.where(no_start, jnp.exp(jnp.where(no_start, g_last, 0.0)), 0.0)
+  resets = None if starts is None else Resets(first, last, no_start)
+  return ChunkGate((hi, lo), gamma, decay_in, decay_out, decay_chunk, mask, resets)
 
 
 def invert_unit_lower(a: jax.Array, precision) -> jax.Array:
@@ -244,24 +306,39 @@ def chunk_wy(q, k, v, beta, gate: ChunkGate, *, scale, precision) -> ChunkWy:
   return ChunkWy(kk, qk, a, tmat, k_beta, v_beta, w, u, p, k_out)
 
 
-def _state_step(s, w, u, k_out, decay_chunk, precision):
+def _first(resets):
+  return None if resets is None else resets.first
+
+
+def _last(resets):
+  return None if resets is None else resets.last
+
+
+def _no_start(resets):
+  return None if resets is None else resets.no_start
+
+
+def _state_step(s, w, u, k_out, decay_chunk, resets, precision):
   """(v_new, s_next) of one chunk: the part of `chunk_state_fwd` that the
   recurrence needs."""
-  v_new = u - jnp.einsum("bhgck,bhgkv->bhgcv", w, s, precision=precision)
-  s_next = decay_chunk[..., None, None] * s + jnp.einsum(
+  ws = jnp.einsum("bhgck,bhgkv->bhgcv", w, s, precision=precision)
+  v_new = u - _keep(_first(resets), ws)
+  s_next = _keep(_no_start(resets), decay_chunk[..., None, None] * s) + jnp.einsum(
       "bhgck,bhgcv->bhgkv", k_out, v_new, precision=precision)
   return v_new, s_next
 
 
-def chunk_state_fwd(s, q, w, u, p, k_out, decay_in, decay_chunk, *, scale, precision):
+def chunk_state_fwd(s, q, w, u, p, k_out, decay_in, decay_chunk, resets, *, scale,
+                    precision):
   """One chunk's state-dependent forward: (v_new, out, s_next).
 
   s [B, Hk, G, K, V] float32 (the state entering the chunk); q [B, Hk, C, K];
   the others are one chunk of `ChunkWy` / `ChunkGate`.
   """
-  v_new, s_next = _state_step(s, w, u, k_out, decay_chunk, precision)
+  v_new, s_next = _state_step(s, w, u, k_out, decay_chunk, resets, precision)
   qs = jnp.einsum("bhck,bhgkv->bhgcv", q, s, **_dot(precision))
-  out = scale * decay_in[..., None] * qs + jnp.matmul(p, v_new, precision=precision)
+  out = (scale * _keep(_first(resets), decay_in[..., None] * qs)
+         + jnp.matmul(p, v_new, precision=precision))
   return v_new, out, s_next
 
 
@@ -281,26 +358,29 @@ class StateGrads:
 
 
 def chunk_state_bwd(s, ds, d_out, q, k, v_new, w, p, k_out, decay_in, decay_out,
-                    decay_chunk, *, scale, precision) -> StateGrads:
+                    decay_chunk, resets, *, scale, precision) -> StateGrads:
   """One chunk's state-dependent backward (math.md, "Backward, state part").
 
   s: the state entering the chunk; ds: the gradient of the state leaving it
   (s_next); d_out [B, Hk, G, C, V] float32; v_new from the forward.
   """
   ein = lambda spec, *xs: jnp.einsum(spec, *xs, **_dot(precision))
-  d_v_new = jnp.matmul(_t(p), d_out, precision=precision) + ein(
-      "bhgck,bhgkv->bhgcv", k_out, ds)
-  d_out_s = ein("bhgcv,bhgkv->bhgck", d_out, s)                # d_out S^T
+  # Rows outside the entering (first) or last segment are selected out, not
+  # multiplied by their zero decays (see `Resets`).
+  first, last, no_start = _first(resets), _last(resets), _no_start(resets)
+  d_v_new = jnp.matmul(_t(p), d_out, precision=precision) + _keep(
+      last, ein("bhgck,bhgkv->bhgcv", k_out, ds))
+  d_out_s = _keep(first, ein("bhgcv,bhgkv->bhgck", d_out, s))  # d_out S^T
   ds_prev = (scale * ein("bhck,bhgcv->bhgkv", q, decay_in[..., None] * d_out)
-             + decay_chunk[..., None, None] * ds
+             + _keep(no_start, decay_chunk[..., None, None] * ds)
              - ein("bhgck,bhgcv->bhgkv", w, d_v_new))
-  d_w = -ein("bhgcv,bhgkv->bhgck", d_v_new, s)
+  d_w = -_keep(first, ein("bhgcv,bhgkv->bhgck", d_v_new, s))
   dq = scale * jnp.sum(decay_in[..., None] * d_out_s, axis=2)
   d_decay_in = scale * jnp.sum(q[:, :, None].astype(_F32) * d_out_s, axis=-1)
-  d_k_out = ein("bhgcv,bhgkv->bhgck", v_new, ds)               # v_new dS^T
+  d_k_out = _keep(last, ein("bhgcv,bhgkv->bhgck", v_new, ds))  # v_new dS^T
   dk = jnp.sum(decay_out[..., None] * d_k_out, axis=2)
   d_decay_out = jnp.sum(k[:, :, None].astype(_F32) * d_k_out, axis=-1)
-  d_decay_chunk = jnp.sum(s * ds, axis=(-1, -2))
+  d_decay_chunk = _keep(no_start, jnp.sum(s * ds, axis=(-1, -2)))
   # decay_in_i = e^{G_i}, decay_out_j = e^{G_last - G_j}, decay_chunk = e^{G_last}.
   d_gcum = decay_in * d_decay_in - decay_out * d_decay_out
   d_last = jnp.sum(decay_out * d_decay_out, axis=-1) + decay_chunk * d_decay_chunk
@@ -347,10 +427,20 @@ def chunk_wy_bwd(d_w, d_v_new, d_out, v_new, q, k, v, beta, gate: ChunkGate,
 
 
 def chunk_gate_bwd(d_gcum: jax.Array, starts: jax.Array | None) -> jax.Array:
-  """dg from d_gcum [..., C]: the transpose of the in-chunk cumsum (a reverse
-  cumsum)."""
-  del starts
-  return jnp.flip(jnp.cumsum(jnp.flip(d_gcum, -1), axis=-1), -1)
+  """dg from d_gcum [..., C]: the transpose of the segment-restarted in-chunk
+  cumsum, a reverse cumsum restarted at each segment's last token."""
+  if starts is None:
+    return jnp.flip(jnp.cumsum(jnp.flip(d_gcum, -1), axis=-1), -1)
+  starts = jnp.broadcast_to(starts, d_gcum.shape)
+  seg_end = jnp.concatenate([starts[..., 1:], jnp.zeros_like(starts[..., :1])], axis=-1)
+
+  def combine(x, y):
+    a, fa = x
+    b, fb = y
+    return jnp.where(fb, b, a + b), fa | fb
+
+  return jax.lax.associative_scan(combine, (d_gcum, seg_end), reverse=True,
+                                  axis=d_gcum.ndim - 1)[0]
 
 
 # ----------------------------------------------------------------------------
@@ -384,57 +474,135 @@ def _prepare(q, k, v, log_decay, beta, starts, *, c, scale, precision) -> _Block
   return _Block(qc, kc, vc, bc, sc, gate, wy)
 
 
-def _chunk_inputs(blk: _Block):
-  """Per-chunk scan inputs of `chunk_state_fwd`."""
-  return (blk.q, blk.wy.w, blk.wy.u, blk.wy.p, blk.wy.k_out, blk.gate.decay_in,
-          blk.gate.decay_chunk)
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["reset", "segment", "last"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class _SegmentChunks:
+  """Per-chunk tables of `base.SegmentLayout` ([..., B], chunk axes leading):
+  the chunk starts `segment` (select its initial state), it is the last chunk
+  of `segment` (its exit state is that segment's final state)."""
+
+  reset: jax.Array
+  segment: jax.Array
+  last: jax.Array
 
 
-def _forward_block(q, k, v, log_decay, beta, starts, s0, *, c, scale, precision):
-  """One block of whole chunks: (out [B, L, Hv, V] f32, exit state)."""
+def _row_index(states, seg):
+  """states[b, min(seg[b], N - 1)] for every row b, and whether seg < N."""
+  n = states.shape[1]
+  return states[jnp.arange(states.shape[0]), jnp.minimum(seg, n - 1)], seg < n
+
+
+def _bcast(flag, x):
+  return flag.reshape(flag.shape + (1,) * (x.ndim - flag.ndim))
+
+
+def _take_segment_state(x, ctl: _SegmentChunks | None, states, flag_name: str):
+  """states[b, n] of the chunk's segment n (zeros if n >= N) where the chunk's
+  flag `flag_name` ("reset" or "last") is set (a select), else x."""
+  if ctl is None:
+    return x
+  chosen, kept = _row_index(states, ctl.segment)
+  chosen = jnp.where(_bcast(kept, chosen), chosen, 0.0)
+  return jnp.where(_bcast(getattr(ctl, flag_name), x), chosen, x)
+
+
+def _put_segment_state(states, x, ctl: _SegmentChunks | None, flag_name: str):
+  """states with x stored at [b, n] for the chunk's segment n < N where the
+  chunk's flag `flag_name` is set."""
+  if ctl is None:
+    return states
+  rows = jnp.arange(states.shape[0])
+  idx = jnp.minimum(ctl.segment, states.shape[1] - 1)
+  keep = getattr(ctl, flag_name) & (ctl.segment < states.shape[1])
+  return states.at[rows, idx].set(jnp.where(_bcast(keep, x), x, states[rows, idx]))
+
+
+def _enter(s, ctl: _SegmentChunks | None, initial):
+  """The state entering a chunk: initial[b, n] if it starts segment n < N,
+  zeros if it starts a later one, else s."""
+  return _take_segment_state(s, ctl, initial, "reset")
+
+
+def _record(finals, s_next, ctl: _SegmentChunks | None):
+  """Keeps s_next as segment n's final state if the chunk ends segment n < N."""
+  return _put_segment_state(finals, s_next, ctl, "last")
+
+
+def _forward_block(q, k, v, log_decay, beta, starts, ctl, carry, initial, *, c, scale,
+                   precision):
+  """One block of whole chunks: (out [B, L, Hv, V] f32, exit carry).
+
+  carry = (state, per-segment final states or None); `ctl` (or None) and
+  `initial` [B, N, Hk, G, K, V] (or None): per-segment states."""
   blk = _prepare(q, k, v, log_decay, beta, starts, c=c, scale=scale,
                  precision=precision)
 
-  def step(s, xs):
+  def step(carry, xs):
+    s, finals = carry
+    ctl, xs = xs
+    s = _enter(s, ctl, initial)
     _, out, s_next = chunk_state_fwd(s, *xs, scale=scale, precision=precision)
-    return s_next, out
+    return (s_next, _record(finals, s_next, ctl)), out
 
-  final, out = jax.lax.scan(step, s0, _chunk_inputs(blk))
-  return _value_side_back(out), final
+  carry, out = jax.lax.scan(step, carry, (ctl, _chunk_inputs(blk)))
+  return _value_side_back(out), carry
 
 
-def _entry_states(blk: _Block, s0, precision):
+def _chunk_inputs(blk: _Block):
+  """Per-chunk scan inputs of `chunk_state_fwd`."""
+  return (blk.q, blk.wy.w, blk.wy.u, blk.wy.p, blk.wy.k_out, blk.gate.decay_in,
+          blk.gate.decay_chunk, blk.gate.resets)
+
+
+def _entry_states(blk: _Block, ctl, s0, initial, precision):
   """Float32 scan over chunks: (entry states, v_new of every chunk, exit state)."""
 
   def step(s, xs):
+    ctl, xs = xs
+    s = _enter(s, ctl, initial)
     v_new, s_next = _state_step(s, *xs, precision)
     return s_next, (s, v_new)
 
   final, (entries, v_new) = jax.lax.scan(
-      step, s0, (blk.wy.w, blk.wy.u, blk.wy.k_out, blk.gate.decay_chunk))
+      step, s0, (ctl, (blk.wy.w, blk.wy.u, blk.wy.k_out, blk.gate.decay_chunk,
+                       blk.gate.resets)))
   return entries, v_new, final
 
 
-def _backward_block(q, k, v, log_decay, beta, starts, d_out, s0, ds_final, *, c,
-                    scale, precision):
+def _exit_grad(ds, ctl: _SegmentChunks | None, d_finals):
+  """dS leaving a chunk: its segment's final-state cotangent (zeros past N)
+  if it is the segment's last chunk, else the next chunk's dS."""
+  return _take_segment_state(ds, ctl, d_finals, "last")
+
+
+def _record_initial_grad(d_initial, ds_prev, ctl: _SegmentChunks | None):
+  """Keeps dS entering a chunk that starts segment n < N as d initial[b, n]."""
+  return _put_segment_state(d_initial, ds_prev, ctl, "reset")
+
+
+def _backward_block(q, k, v, log_decay, beta, starts, ctl, d_out, s0, carry, initial,
+                    d_finals, *, c, scale, precision):
   """VJP of `_forward_block`: ((dq, dk, dv, d_log_decay, dbeta) in the block's
-  [B, L, ...] layout, d_s0)."""
+  [B, L, ...] layout, carry = (dS entering the block, d initial states or None))."""
   blk = _prepare(q, k, v, log_decay, beta, starts, c=c, scale=scale,
                  precision=precision)
-  entries, v_new, _ = _entry_states(blk, s0, precision)
+  entries, v_new, _ = _entry_states(blk, ctl, s0, initial, precision)
   d_out = _value_side(d_out.astype(_F32), c, q.shape[2])
   gate, wy = blk.gate, blk.wy
 
-  def step(ds, xs):
-    s, d_out, q, k, v_new, w, p, k_out, decay_in, decay_out, decay_chunk = xs
-    grads = chunk_state_bwd(s, ds, d_out, q, k, v_new, w, p, k_out, decay_in,
-                            decay_out, decay_chunk, scale=scale, precision=precision)
-    return grads.ds_prev, dataclasses.replace(grads, ds_prev=None)
+  def step(carry, xs):
+    ds, d_initial = carry
+    ctl, xs = xs
+    grads = chunk_state_bwd(xs[0], _exit_grad(ds, ctl, d_finals), *xs[1:], scale=scale,
+                            precision=precision)
+    carry = (grads.ds_prev, _record_initial_grad(d_initial, grads.ds_prev, ctl))
+    return carry, dataclasses.replace(grads, ds_prev=None)
 
-  d_s0, sg = jax.lax.scan(
-      step, ds_final,
-      (entries, d_out, blk.q, blk.k, v_new, wy.w, wy.p, wy.k_out, gate.decay_in,
-       gate.decay_out, gate.decay_chunk),
+  carry, sg = jax.lax.scan(
+      step, carry,
+      (ctl, (entries, d_out, blk.q, blk.k, v_new, wy.w, wy.p, wy.k_out, gate.decay_in,
+             gate.decay_out, gate.decay_chunk, gate.resets)),
       reverse=True)
   dq, dk, dv, dbeta, d_gcum = chunk_wy_bwd(
       sg.d_w, sg.d_v_new, d_out, v_new, blk.q, blk.k, blk.v, blk.beta, gate, wy,
@@ -442,7 +610,7 @@ def _backward_block(q, k, v, log_decay, beta, starts, d_out, s0, ds_final, *, c,
   d_g = chunk_gate_bwd(d_gcum + sg.d_gcum, blk.starts)
   grads = (_key_side_back(dq + sg.dq), _key_side_back(dk + sg.dk),
            _value_side_back(dv), _gate_side_back(d_g), _gate_side_back(dbeta))
-  return grads, d_s0
+  return grads, carry
 
 
 def _precision(dtype):
@@ -453,14 +621,16 @@ def _precision(dtype):
   return jax.lax.Precision.DEFAULT
 
 
-def _initial(initial_state, b, hk, grp, dk, dv):
-  if initial_state is None:
-    return jnp.zeros((b, hk, grp, dk, dv), _F32)
-  return initial_state.astype(_F32).reshape(b, hk, grp, dk, dv)
-
-
 def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
+
+
+def scanned_length(t_len: int, initial_state, chunk_size: int) -> int:
+  """Tokens the block scan covers: T, or the aligned length for per-segment
+  states (`base.SegmentLayout`)."""
+  if initial_state is None or initial_state.ndim != 5:
+    return t_len
+  return _round_up(t_len + initial_state.shape[1] * (chunk_size - 1), chunk_size)
 
 
 def block_layout(t_len: int, chunk_size: int, block_size: int) -> tuple[int, int]:
@@ -478,53 +648,101 @@ def _blocked(xs, length: int, n_blocks: int):
                for x in xs)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+  """What `chunked_forward` and `chunked_backward` share."""
+
+  blocks: tuple          # (q, k, v, log_decay, beta, starts, ctl) as [NB, B, L, ...]
+  s0: jax.Array          # [B, Hk, G, K, V] state entering the first block
+  initial: jax.Array | None   # [B, N, Hk, G, K, V] per-segment states, or None
+  layout: base.SegmentLayout | None
+  t_len: int             # tokens of the (aligned) sequence the blocks cover
+  length: int
+  n_blocks: int
+  kw: dict
+
+
 def _setup(q, k, v, log_decay, beta, *, scale, initial_state, segment_ids,
-           chunk_size, block_size):
-  """(inputs as [NB, B, L, ...] blocks, s0 [B, Hk, G, K, V], L, NB, the block
-  functions' keyword arguments) for `chunked_forward` / `chunked_backward`."""
-  b, t_len, hk, dk = q.shape
-  hv, dv = v.shape[2:]
-  starts = base.segment_starts(segment_ids, t_len)
+           chunk_size, block_size) -> _Setup:
+  """Blocks the inputs; for per-segment states (initial_state [B, N, Hv, K, V])
+  first moves them to the chunk-aligned layout of `base.align_segments`."""
+  b, t_len, hk, dim_k = q.shape
+  hv, dim_v = v.shape[2:]
+  grp = hv // hk
+  s0 = jnp.zeros((b, hk, grp, dim_k, dim_v), _F32)
+  initial = layout = ctl = None
+  if initial_state is not None and initial_state.ndim == 5:
+    n_states = initial_state.shape[1]
+    initial = initial_state.astype(_F32).reshape(b, n_states, hk, grp, dim_k, dim_v)
+    layout = base.align_segments(segment_ids, n_states, chunk_size)
+    q, k, v, log_decay, beta = map(layout.to_aligned, (q, k, v, log_decay, beta))
+    starts = layout.in_chunk_starts()
+    t_len = layout.aligned_length
+  else:
+    if initial_state is not None:
+      s0 = initial_state.astype(_F32).reshape(s0.shape)
+    starts = base.segment_starts(segment_ids, t_len)
   length, n_blocks = block_layout(t_len, chunk_size, block_size)
   blocks = _blocked((q, k, v, log_decay, beta, starts), length, n_blocks)
-  s0 = _initial(initial_state, b, hk, hv // hk, dk, dv)
+  if layout is not None:
+    # [B, Nc] tables -> [NB, L / C, B] (chunk axis leading inside a block); the
+    # padding chunks after the last one neither reset nor end a segment.
+    n_chunks = n_blocks * length // chunk_size
+
+    def per_block(x):
+      x = jnp.pad(x, ((0, 0), (0, n_chunks - x.shape[1])))
+      return jnp.moveaxis(x.reshape(b, n_blocks, length // chunk_size), 0, 2)
+
+    ctl = _SegmentChunks(per_block(layout.chunk_reset), per_block(layout.chunk_segment),
+                         per_block(layout.chunk_last))
   kw = dict(c=chunk_size, scale=scale, precision=_precision(q.dtype))
-  return blocks, s0, length, n_blocks, kw
+  return _Setup((*blocks, ctl), s0, initial, layout, t_len, length, n_blocks, kw)
 
 
-def _block_entry_states(blocks, s0, *, c, scale, precision):
+def _block_entry_states(st: _Setup):
   """State entering every block, [NB, B, Hk, G, K, V] (a state-only pass)."""
 
   def body(s, x):
-    blk = _prepare(*x, c=c, scale=scale, precision=precision)
-    return _entry_states(blk, s, precision)[2], s
+    *x, ctl = x
+    blk = _prepare(*x, **st.kw)
+    return _entry_states(blk, ctl, s, st.initial, st.kw["precision"])[2], s
 
-  return jax.lax.scan(body, s0, blocks)[1]
+  return jax.lax.scan(body, st.s0, st.blocks)[1]
+
+
+def _first_block(blocks):
+  return tuple(jax.tree.map(lambda a: a[0], x) for x in blocks)
 
 
 def chunked_forward(q, k, v, log_decay, beta, *, scale, initial_state,
                     segment_ids, chunk_size, block_size=2048):
-  """Chunked forward: (out [B, T, Hv, V] f32, final_state [B, Hv, K, V] f32,
-  the f32 state entering each block [B, Hv, NB, K, V], None for one block)."""
-  b, t_len, _, dk = q.shape
-  hv, dv = v.shape[2:]
-  blocks, s0, _, n_blocks, kw = _setup(
-      q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
-      segment_ids=segment_ids, chunk_size=chunk_size, block_size=block_size)
-  fwd = functools.partial(_forward_block, **kw)
-  if n_blocks == 1:
-    out, final = fwd(*(x if x is None else x[0] for x in blocks), s0)
+  """Chunked forward: (out [B, T, Hv, V] f32, final_state f32, the f32 state
+  entering each block [B, Hv, NB, K, V] or None for one block).
+
+  final_state is [B, Hv, K, V], or [B, N, Hv, K, V] for per-segment states
+  (`initial_state` [B, N, Hv, K, V] with `segment_ids`)."""
+  b, _, _, dim_k = q.shape
+  hv, dim_v = v.shape[2:]
+  st = _setup(q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
+              segment_ids=segment_ids, chunk_size=chunk_size, block_size=block_size)
+  finals = None if st.initial is None else jnp.zeros_like(st.initial)
+  fwd = functools.partial(_forward_block, initial=st.initial, **st.kw)
+  if st.n_blocks == 1:
+    out, (final, finals) = fwd(*_first_block(st.blocks), (st.s0, finals))
     out, block_entries = out[None], None
   else:
-    def body(s, x):
-      out, s_next = fwd(*x, s)
-      return s_next, (out, s)
+    def body(carry, x):
+      out, carry_next = fwd(*x, carry)
+      return carry_next, (out, carry[0])
 
-    final, (out, block_entries) = jax.lax.scan(body, s0, blocks)
+    (final, finals), (out, block_entries) = jax.lax.scan(body, (st.s0, finals), st.blocks)
     block_entries = jnp.moveaxis(block_entries, 0, 3).reshape(
-        b, hv, n_blocks, dk, dv)
-  out = _from_chunks(out)[:, :t_len]
-  return out, final.reshape(b, hv, dk, dv), block_entries
+        b, hv, st.n_blocks, dim_k, dim_v)
+  out = _from_chunks(out)[:, :st.t_len]
+  if st.layout is None:
+    return out, final.reshape(b, hv, dim_k, dim_v), block_entries
+  finals = finals.reshape(b, finals.shape[1], hv, dim_k, dim_v)
+  return st.layout.from_aligned(out), finals, block_entries
 
 
 def chunked_backward(q, k, v, log_decay, beta, d_out, d_final, *, scale,
@@ -537,31 +755,44 @@ def chunked_backward(q, k, v, log_decay, beta, d_out, d_final, *, scale,
   under another block size (block sizes are powers of two, so two of them
   never give the same number of blocks above one).
   """
-  b, t_len, _, dim_k = q.shape
+  b, _, _, dim_k = q.shape
   hv, dim_v = v.shape[2:]
-  blocks, s0, length, n_blocks, kw = _setup(
-      q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
-      segment_ids=segment_ids, chunk_size=chunk_size, block_size=block_size)
-  (d_out,) = _blocked((d_out,), length, n_blocks)
-  ds_final = (jnp.zeros_like(s0) if d_final is None
-              else d_final.astype(_F32).reshape(s0.shape))
-  if n_blocks == 1:
-    grads, d_s0 = _backward_block(*(x if x is None else x[0] for x in blocks),
-                                  d_out[0], s0, ds_final, **kw)
+  st = _setup(q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
+              segment_ids=segment_ids, chunk_size=chunk_size, block_size=block_size)
+  if st.layout is not None:
+    d_out = st.layout.to_aligned(d_out)
+  (d_out,) = _blocked((d_out,), st.length, st.n_blocks)
+  d_finals = d_initial = None
+  if st.initial is not None:
+    d_initial = jnp.zeros_like(st.initial)
+    d_finals = (jnp.zeros_like(st.initial) if d_final is None
+                else d_final.astype(_F32).reshape(st.initial.shape))
+    ds_final = jnp.zeros_like(st.s0)
+  else:
+    ds_final = (jnp.zeros_like(st.s0) if d_final is None
+                else d_final.astype(_F32).reshape(st.s0.shape))
+  bwd = functools.partial(_backward_block, initial=st.initial, d_finals=d_finals,
+                          **st.kw)
+  if st.n_blocks == 1:
+    grads, (d_s0, d_initial) = bwd(*_first_block(st.blocks), d_out[0], st.s0,
+                                   (ds_final, d_initial))
     grads = tuple(g[None] for g in grads)
   else:
-    if block_entries is None or block_entries.shape[2] != n_blocks:
-      block_entries = _block_entry_states(blocks, s0, **kw)
+    if block_entries is None or block_entries.shape[2] != st.n_blocks:
+      block_entries = _block_entry_states(st)
     else:  # [B, Hv, NB, K, V] -> [NB, B, Hk, G, K, V]
       block_entries = jnp.moveaxis(
-          block_entries.reshape(*s0.shape[:3], n_blocks, dim_k, dim_v), 3, 0)
+          block_entries.reshape(*st.s0.shape[:3], st.n_blocks, dim_k, dim_v), 3, 0)
 
-    def body(ds, x):
+    def body(carry, x):
       *x, s_entry = x
-      grads, d_s = _backward_block(*x, s_entry, ds, **kw)
-      return d_s, grads
+      grads, carry = bwd(*x, s_entry, carry)
+      return carry, grads
 
-    d_s0, grads = jax.lax.scan(body, ds_final, (*blocks, d_out, block_entries),
-                               reverse=True)
-  grads = tuple(_from_chunks(g)[:, :t_len] for g in grads)
-  return (*grads, d_s0.reshape(b, hv, dim_k, dim_v))
+    (d_s0, d_initial), grads = jax.lax.scan(
+        body, (ds_final, d_initial), (*st.blocks, d_out, block_entries), reverse=True)
+  grads = tuple(_from_chunks(g)[:, :st.t_len] for g in grads)
+  if st.layout is None:
+    return (*grads, d_s0.reshape(b, hv, dim_k, dim_v))
+  grads = tuple(map(st.layout.from_aligned, grads))
+  return (*grads, d_initial.reshape(b, d_initial.shape[1], hv, dim_k, dim_v))

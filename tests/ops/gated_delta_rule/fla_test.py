@@ -1,0 +1,160 @@
+"""`tokamax_gdn.chunk_gated_delta_rule` (FLA's interface): cu_seqlens equals the
+segment_ids form, per-sequence states equal separate runs, FLA's defaults."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax_gdn
+from tokamax_gdn import registry
+from tokamax_gdn.ops.gated_delta_rule.arg_specs import random_inputs
+from tokamax_gdn.testing.specs import rel_rms, tolerance
+
+# Four sequences packed in one row, one of them empty (FLA passes its state through).
+CU = (0, 9, 9, 30, 37)
+N = len(CU) - 1
+T = CU[-1]
+HK, HV, DK, DV = 1, 4, 8, 8
+
+
+def _inputs(seed=0, t=T, b=1):
+  (q, k, v, g, beta), _ = random_inputs(jax.random.key(seed), b=b, t=t, hk=HK, hv=HV,
+                                        dk=DK, dv=DV, initial_state=False)
+  h0 = 0.5 * jax.random.normal(jax.random.key(seed + 1), (N if b == 1 else b, HV, DK, DV))
+  return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0)
+
+
+def _cts(seed=3):
+  a, b = jax.random.split(jax.random.key(seed))
+  return jax.random.normal(a, (1, T, HV, DV)), jax.random.normal(b, (N, HV, DK, DV))
+
+
+def _fwd_bwd(fn, d, cts):
+  out, vjp = jax.vjp(fn, d)
+  return out, vjp(cts)[0]
+
+
+def _assert_close(got, want):
+  for part, grad in ((0, False), (1, True)):
+    tol = tolerance(jnp.float32, grad=grad)
+    for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want[part]),
+                            jax.tree.leaves(got[part])):
+      err = rel_rms(g, w)
+      assert err <= tol, f"{part}{jax.tree_util.keystr(path)}: rel-RMS {err:.2e} > {tol}"
+
+
+def _fla(d, impl, **kw):
+  d = dict(d)
+  return tokamax_gdn.chunk_gated_delta_rule(
+      d.pop("q"), d.pop("k"), d.pop("v"), d.pop("g"), d.pop("beta"), **d,
+      output_final_state=True, use_qk_l2norm_in_kernel=True, implementation=impl, **kw)
+
+
+def _per_segment_impls():
+  """Every implementation: those with per-segment states are compared, the
+  others must refuse with NotImplementedError (so `implementation=None` falls
+  through to one that has them)."""
+  return list(registry.implementations("gated_delta_rule"))
+
+
+@pytest.mark.parametrize("impl", _per_segment_impls())
+def test_cu_seqlens_equals_separate_runs(impl):
+  op = registry.get("gated_delta_rule", impl)
+  d = _inputs()
+  if not type(op).supports_segment_states:
+    with pytest.raises(ExceptionGroup) as e:
+      _fla(d, impl, cu_seqlens=jnp.asarray(CU))
+    assert e.group_contains(NotImplementedError)
+    return
+
+  def packed(d):
+    return _fla(d, impl, cu_seqlens=jnp.asarray(CU))
+
+  def separate(d):
+    outs, finals = [], []
+    for i in range(N):
+      lo, hi = CU[i], CU[i + 1]
+      piece = {n: x[:, lo:hi] for n, x in d.items() if n != "initial_state"}
+      o, f = _fla(dict(piece, initial_state=d["initial_state"][i:i + 1]), "reference")
+      outs.append(o)
+      finals.append(f)
+    return jnp.concatenate(outs, axis=1), jnp.concatenate(finals, axis=0)
+
+  with tokamax_gdn.config.interpret_mode(impl == "pallas_mosaic_tpu"):
+    got = jax.jit(functools.partial(_fwd_bwd, packed))(d, _cts())
+  want = jax.jit(functools.partial(_fwd_bwd, separate))(d, _cts())
+  _assert_close(got, want)
+  # The empty sequence's final state is its initial state; its gradient the cotangent.
+  np.testing.assert_allclose(got[0][1][1], d["initial_state"][1], rtol=0, atol=0)
+  np.testing.assert_allclose(got[1]["initial_state"][1], _cts()[1][1], rtol=1e-6)
+
+
+def test_cu_seqlens_equals_segment_ids_form():
+  """The per-sequence states through cu_seqlens = `gated_delta_rule` with
+  segment_ids and [1, N, Hv, K, V] states (no empty sequence: run n = sequence n)."""
+  cu = (0, 5, 21, 22, T)
+  d = _inputs()
+  ids = jnp.asarray(np.searchsorted(np.asarray(cu[1:-1]), np.arange(T), side="right"))[None]
+
+  def segment_form(d):
+    out, fin = tokamax_gdn.gated_delta_rule(
+        d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["initial_state"][None],
+        segment_ids=ids, output_final_state=True, use_qk_l2norm=True,
+        implementation="reference")
+    return out, fin[0]
+
+  got = jax.jit(functools.partial(
+      _fwd_bwd, lambda d: _fla(d, "reference", cu_seqlens=jnp.asarray(cu))))(d, _cts())
+  want = jax.jit(functools.partial(_fwd_bwd, segment_form))(d, _cts())
+  _assert_close(got, want)
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+def test_cu_seqlens_without_states_is_plain_segments(impl):
+  """No state in or out: plain segment resets, so every implementation runs it."""
+  d = _inputs()
+  del d["initial_state"]
+  ids = jnp.asarray(np.searchsorted(np.asarray(CU[1:-1]), np.arange(T), side="right"))[None]
+  got, fin = tokamax_gdn.chunk_gated_delta_rule(
+      d["q"], d["k"], d["v"], d["g"], d["beta"], cu_seqlens=jnp.asarray(CU),
+      implementation=impl)
+  want, _ = tokamax_gdn.gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"],
+                                         segment_ids=ids, implementation="reference")
+  assert fin is None
+  assert rel_rms(got, want) <= tolerance(jnp.float32, grad=False)
+
+
+def test_without_cu_seqlens_is_gated_delta_rule_with_fla_defaults():
+  """B rows, [B, Hv, K, V] states, scale K**-0.5, output in q's dtype."""
+  d = _inputs(b=2)
+  q, k, v, g, beta, h0 = (d[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
+  got, fin = tokamax_gdn.chunk_gated_delta_rule(
+      q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v, g, beta, initial_state=h0,
+      output_final_state=True, implementation="reference")
+  want, want_fin = tokamax_gdn.gated_delta_rule(
+      q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v, g, beta, initial_state=h0,
+      scale=DK**-0.5, output_final_state=True, implementation="reference")
+  assert got.dtype == jnp.bfloat16 and fin.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                np.asarray(want.astype(jnp.bfloat16), np.float32))
+  np.testing.assert_array_equal(fin, want_fin)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(cu_seqlens=(0, 5, T), batch=2), "batch size must be 1"),
+    (dict(cu_seqlens=(1, 5, T)), "must start at 0"),
+    (dict(cu_seqlens=(0, 5, T - 1)), "end at T"),
+    (dict(cu_seqlens=(0, 20, 5, T)), "not decrease"),
+    (dict(cu_seqlens=(0, 5, T), states=3), r"N = len\(cu_seqlens\) - 1 = 2"),
+])
+def test_bad_cu_seqlens(bad, match):
+  d = _inputs(b=bad.get("batch", 1))
+  h0 = jnp.zeros((bad.get("states", 2), HV, DK, DV))
+  with pytest.raises(ValueError, match=match):
+    tokamax_gdn.chunk_gated_delta_rule(
+        d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=h0,
+        output_final_state=True, cu_seqlens=jnp.asarray(bad["cu_seqlens"]),
+        implementation="reference")

@@ -1,0 +1,205 @@
+"""Packed sequences are isolated: a NaN or inf in one segment's inputs or
+cotangents reaches neither another segment's outputs, final state nor
+gradients, within a chunk and across chunk boundaries; the poisoned segment's
+own results are non-finite (never finite and silently wrong)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tokamax_gdn import registry
+
+from . import test_base as h  # pylint: disable=relative-beyond-top-level
+
+OP = "gated_delta_rule"
+# Three segments: [0, 20), [20, 45), [45, 70). At chunk 16 segment 1 spans
+# three chunks, two of them shared with its neighbours; at chunk 64 (Pallas)
+# all three meet inside one chunk.
+BOUNDS = (0, 20, 45, 70)
+BAD_TOKEN = 30
+HV, GROUP = 4, 2
+
+
+def _op(impl, chunk):
+  """The implementation with its chunk size fixed (where it has one)."""
+  return impl if chunk is None else h.with_config(impl, chunk_size=chunk)
+
+
+# The guard is in the base Op, shared by every implementation; the Pallas
+# kernel (interpret mode, slow on CPU) runs only a value and a cotangent case
+# at its smallest chunk (64: the three segments share one chunk). xla runs at
+# chunk 16, where segment 1 shares chunks with both neighbours and spans a
+# chunk boundary.
+CHUNKS = {"reference": None, "xla": 16, "pallas_mosaic_tpu": 64}
+PALLAS_CASES = (("value", np.nan), ("d_out", np.inf))
+
+
+def _params(cases=None):
+  """(impl, chunk[, name, value]) params: every case for reference and xla,
+  PALLAS_CASES for Pallas."""
+  out = []
+  for impl in registry.implementations(OP):
+    c = CHUNKS[impl]
+    if cases is None:
+      out.append(pytest.param(impl, c, id=f"{impl}-C{c}"))
+      continue
+    impl_cases = PALLAS_CASES if impl == "pallas_mosaic_tpu" else cases
+    out += [pytest.param(impl, c, n, v, id=f"{impl}-C{c}-{n}={v}") for n, v in impl_cases]
+  return out
+
+
+def _problem(per_segment_states=False):
+  t = BOUNDS[-1]
+  diff, static = h.inputs(3, b=2, t=t, hk=HV // GROUP, hv=HV, dk=8, dv=8, gate=True)
+  seg = np.zeros((2, t), np.int32)
+  for i, start in enumerate(BOUNDS[1:-1]):
+    seg[:, start:] = i + 1
+  if per_segment_states:
+    diff["initial_state"] = jnp.stack([diff["initial_state"] * (n + 1) for n in range(3)], 1)
+  static.update(segment_ids=jnp.asarray(seg), use_qk_l2norm=True)
+  return diff, static, h.cotangents(diff, static, seed=4)
+
+
+def _run(op, diff, static, cts):
+  return h.fwd_bwd(op, diff, static, cts)
+
+
+@functools.cache
+def _clean_run(impl, chunk, per_segment_states=False):
+  """The finite problem's results, once per implementation and chunk."""
+  diff, static, cts = _problem(per_segment_states)
+  return _run(_op(impl, chunk), diff, static, cts)
+
+
+def _inject(diff, cts, name, value):
+  """Row 0, token BAD_TOKEN (segment 1), value head 1 (key head 0), or the
+  state of row 0 (segment 0 for a [B, Hv, K, V] state, segment 1 for
+  per-segment states)."""
+  diff, cts = dict(diff), list(cts)
+  if name == "initial_state":
+    idx = (0, 1, 0) if diff[name].ndim == 4 else (0, 1, 1, 0, 0)
+    diff[name] = diff[name].at[idx].set(value)
+  elif name == "d_out":
+    cts[0] = cts[0].at[0, BAD_TOKEN, 1, 2].set(value)
+  elif name in ("query", "key"):
+    diff[name] = diff[name].at[0, BAD_TOKEN, 0, 2].set(value)
+  elif name == "value":
+    diff[name] = diff[name].at[0, BAD_TOKEN, 1, 2].set(value)
+  else:
+    diff[name] = diff[name].at[0, BAD_TOKEN, 1].set(value)
+  return diff, tuple(cts)
+
+
+CASES = [("query", np.nan), ("key", np.inf), ("value", np.nan), ("value", -np.inf),
+         ("g", np.nan), ("g", np.inf), ("beta", np.nan), ("initial_state", np.nan),
+         ("d_out", np.inf)]
+
+
+def _assert_same(a, b, what):
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6, err_msg=what)
+
+
+def _all_nonfinite(x, what):
+  assert not np.isfinite(np.asarray(x, np.float32)).any(), what
+
+
+@pytest.mark.parametrize("impl,chunk,name,value", _params(CASES))
+def test_bad_value_stays_in_its_segment(impl, chunk, name, value):
+  op = _op(impl, chunk)
+  diff, static, cts = _problem()
+  clean = _clean_run(impl, chunk)
+  bad_diff, bad_cts = _inject(diff, cts, name, value)
+  out, final, grads = _run(op, bad_diff, static, bad_cts)
+  c_out, c_final, c_grads = clean
+  s0, s1 = BOUNDS[1], BOUNDS[2]
+  poisoned = slice(0, s0) if name == "initial_state" else slice(s0, s1)
+  others = [slice(0, s0), slice(s1, None)] if poisoned.start else [slice(s0, None)]
+  # Row 1 and the other segments of row 0: equal to the clean run.
+  _assert_same(out[1], c_out[1], "row 1 out")
+  _assert_same(final[1], c_final[1], "row 1 final")
+  for sl in others:
+    _assert_same(out[0, sl], c_out[0, sl], f"out {sl}")
+  _assert_same(final[0], c_final[0], "final (of the last segment)")
+  for n in h.POSITIONAL:
+    _assert_same(grads[n][1], c_grads[n][1], f"row 1 d{n}")
+    for sl in others:
+      _assert_same(grads[n][0, sl], c_grads[n][0, sl], f"d{n} {sl}")
+  if name != "initial_state":
+    _assert_same(grads["initial_state"], c_grads["initial_state"], "d_initial_state")
+  else:
+    _assert_same(grads["initial_state"][1], c_grads["initial_state"][1], "row 1 d_initial")
+  # The poisoned segment: value head 1 (and key head 0) non-finite.
+  if name == "query":
+    _all_nonfinite(out[0, BAD_TOKEN, 0:2], "out at the bad query")
+    _assert_same(out[0, BAD_TOKEN + 1:s1], c_out[0, BAD_TOKEN + 1:s1], "later outputs")
+  elif name == "d_out":
+    _assert_same(out, c_out, "out (only the cotangent is bad)")
+  elif name == "initial_state":
+    _all_nonfinite(out[0, :s0, 1], "segment 0 out")
+  else:
+    _all_nonfinite(out[0, BAD_TOKEN:s1, 1], "out from the bad token on")
+    _assert_same(out[0, s0:BAD_TOKEN], c_out[0, s0:BAD_TOKEN], "outputs before it")
+  for n in ("value", "g", "beta"):
+    _all_nonfinite(grads[n][0, poisoned, 1], f"d{n} of the poisoned segment")
+  for n in ("query", "key"):
+    _all_nonfinite(grads[n][0, poisoned, 0], f"d{n} of the poisoned segment")
+  if name == "initial_state":
+    _all_nonfinite(grads["initial_state"][0, 1], "d_initial_state")
+
+
+@pytest.mark.parametrize("impl,chunk", [p for p in _params() if "pallas" not in p.id])
+def test_per_segment_state_bad_value_stays_in_its_segment(impl, chunk):
+  op = _op(impl, chunk)
+  diff, static, cts = _problem(per_segment_states=True)
+  c_out, c_final, c_grads = _clean_run(impl, chunk, per_segment_states=True)
+  out, final, grads = _run(op, _inject(diff, cts, "initial_state", np.nan)[0], static, cts)
+  s0, s1 = BOUNDS[1], BOUNDS[2]
+  _all_nonfinite(out[0, s0:s1, 1], "segment 1 out")
+  _all_nonfinite(final[0, 1, 1], "segment 1 final state")
+  _all_nonfinite(grads["initial_state"][0, 1, 1], "segment 1 d_initial_state")
+  for sl in (slice(0, s0), slice(s1, None)):
+    _assert_same(out[0, sl], c_out[0, sl], f"out {sl}")
+  for n in (0, 2):
+    _assert_same(final[0, n], c_final[0, n], f"final state {n}")
+    _assert_same(grads["initial_state"][0, n], c_grads["initial_state"][0, n], f"d_init {n}")
+  _assert_same(out[1], c_out[1], "row 1")
+
+
+@pytest.mark.parametrize("impl,chunk", [("reference", None), ("xla", 16)])
+def test_overflowing_segment_does_not_reach_the_next_chunk(impl, chunk):
+  """Finite inputs of an unstable recurrence (|k|^2 = 100, beta = 1, g = 0:
+  the state grows 99x per token and overflows) in segment 0, which ends at a
+  chunk boundary (32, at chunk 16): segment 1 starts from zeros selected in,
+  not from the inf state multiplied by a zero decay (0 * inf = NaN), forward
+  and backward. (Inside a chunk the matmuls still mix an overflowed
+  segment's rows with zero coefficients: math.md, "Segments".)"""
+  t, cut = 48, 32
+  r = np.random.default_rng(5)
+  k = np.tile(r.standard_normal(8), (1, t, 1, 1))
+  k = 10.0 * k / np.linalg.norm(k, axis=-1, keepdims=True)
+  args = dict(query=r.standard_normal((1, t, 1, 8)), key=k, value=r.standard_normal((1, t, 1, 8)),
+              g=np.zeros((1, t, 1)), beta=np.ones((1, t, 1)))
+  args = {n: jnp.asarray(x, jnp.float32) for n, x in args.items()}
+  args["key"] = args["key"].at[:, cut:].multiply(0.1)     # stable in segment 1
+  seg = jnp.asarray((np.arange(t) >= cut)[None], jnp.int32)
+  cot = jnp.asarray(r.standard_normal((1, t, 1, 8)), jnp.float32)
+
+  def run(op, a, segment_ids):
+    def loss(a):
+      out, final = h.call(op, a, dict(segment_ids=segment_ids, output_final_state=True))
+      return jnp.sum(out[:, -(t - cut):] * cot[:, -(t - cut):]) + jnp.sum(final), (out, final)
+    with h.context(impl):
+      return jax.jit(jax.grad(loss, has_aux=True))(a)
+
+  grads, (out, final) = run(_op(impl, chunk), args, seg)
+  assert not np.isfinite(np.asarray(out[0, cut - 1])).all()     # it did overflow
+  alone = {n: x[:, cut:] for n, x in args.items()}
+  want_grads, (want_out, want_final) = run("reference", alone, None)
+  np.testing.assert_allclose(out[:, cut:], want_out, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(final, want_final, rtol=1e-4, atol=1e-5)
+  for n in h.POSITIONAL:
+    np.testing.assert_allclose(grads[n][:, cut:], want_grads[n], rtol=1e-3, atol=1e-5,
+                               err_msg=n)

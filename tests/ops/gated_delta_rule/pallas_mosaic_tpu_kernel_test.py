@@ -1,0 +1,145 @@
+"""The Pallas GDN kernel's stages against the xla stages (and float64).
+
+Each stage is called on the layout it has inside the kernels (heads in
+sublanes, tokens in lanes), jitted on CPU (the stages are jnp/lax code; in
+Pallas interpret mode they run the same ops, only ~100x slower), and checked
+against the function of `xla_chunked_kernel` that computes the same quantity
+of math.md, or against float64 NumPy where the xla stage is less exact.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as pk
+from tokamax_gdn.ops.gated_delta_rule import xla_chunked_kernel as xk
+
+F32 = jnp.float32
+
+
+def _call(fn, *args):
+  return jax.tree.map(np.asarray, jax.jit(fn)(*args))
+
+
+def _gates(seed, h, c, mode):
+  r = np.random.default_rng(seed)
+  g = -np.logaddexp(0.0, r.standard_normal((h, c)) - 1.0)
+  if mode == "floor_then_tiny":   # math.md: the in-chunk cumsum precision case
+    g = np.where(np.arange(c) < c // 2, -29.5, -1e-5 * r.random((h, c)))
+  elif mode == "zeros":
+    g = np.where(r.random((h, c)) < 0.5, 0.0, g)
+  return g.astype(np.float32)
+
+
+def _starts(c, cuts):
+  s = np.zeros((1, c), np.float32)
+  s[0, list(cuts)] = 1.0
+  return s
+
+
+def _pallas_gate(g, starts):
+  """gcum, Γ per head, decay_in, decay_out, decay_chunk from the kernel's stages."""
+  h = g.shape[0]
+
+  def stages(g, starts):
+    gate = pk.chunk_gate(g, starts)
+    gammas, dins = [], []
+    for i in range(h):
+      rows = (gate.g_hi[i:i + 1], gate.g_lo[i:i + 1], gate.run)
+      gamma, din = pk.gamma_decay_in(rows, (gate.causal, gate.strict), 128)
+      gammas.append(gamma)
+      dins.append(din[:, 0])
+    return (gate.g_hi + gate.g_lo, jnp.stack(gammas), jnp.stack(dins), gate.decay_out,
+            gate.decay_chunk)
+
+  return _call(stages, g, None if starts is None else jnp.asarray(starts))
+
+
+def _float64_gamma(g, starts):
+  h, c = g.shape
+  seg = np.zeros(c, int) if starts is None else np.cumsum(starts[0]).astype(int)
+  gcum = np.zeros((h, c))
+  for i in range(c):
+    begin = 0 if starts is None else max(j for j in range(i + 1) if j == 0 or starts[0, j])
+    gcum[:, i] = np.sum(g[:, begin:i + 1].astype(np.float64), axis=1)
+  mask = np.tril(np.ones((c, c), bool)) & (seg[:, None] == seg[None, :])
+  diff = gcum[:, :, None] - gcum[:, None, :]
+  return np.where(mask, np.exp(np.where(mask, diff, 0.0)), 0.0)
+
+
+@pytest.mark.parametrize("c,cuts", [(64, None), (128, (0, 5, 77))], ids=["c64", "c128_segments"])
+def test_chunk_gate_matches_xla_stage(c, cuts):
+  g = _gates(c, 2, c, "zeros")
+  starts = None if cuts is None else _starts(c, cuts)
+  gcum, gamma, din, dout, dch = _pallas_gate(g, starts)
+  ref = xk.chunk_gate(jnp.asarray(g), None if starts is None else jnp.asarray(starts[0] > 0))
+  if starts is None:   # with segments, the kernel's gcum restarts at each start
+    np.testing.assert_allclose(gcum, ref.gcum, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(gamma, ref.gamma, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(din, ref.decay_in, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(dout, ref.decay_out, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(dch[:, 0], ref.decay_chunk, rtol=1e-5, atol=1e-6)
+
+
+def test_chunk_gate_keeps_tiny_gates_after_the_floor():
+  """Γ between the tiny-gate tokens after 64 tokens at the floor: the
+  compensated cumsum keeps them to float32 precision (an f32 running sum at
+  ~-1900 rounds 1e-5 steps to multiples of 1.2e-4)."""
+  c = 128
+  g = _gates(1, 2, c, "floor_then_tiny")
+  _, gamma, *_ = _pallas_gate(g, None)
+  want = _float64_gamma(g, None)
+  tail = slice(c // 2, c)
+  err = np.max(np.abs(np.asarray(gamma)[:, tail, tail] - want[:, tail, tail]))
+  assert err < 1e-6, err
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_chunk_cumsum_restarts_at_segment_starts(reverse):
+  c, cuts = 128, (0, 3, 64, 65, 100)
+  x = np.random.default_rng(2).standard_normal((8, c)).astype(np.float32)
+  starts = _starts(c, cuts)
+
+  got = _call(lambda x, s: sum(pk.chunk_cumsum(x, s, reverse=reverse)), x, starts)
+  bounds = list(cuts) + [c]
+  want = np.zeros((8, c))
+  for lo_, hi_ in zip(bounds[:-1], bounds[1:]):
+    part = x[:, lo_:hi_].astype(np.float64)
+    want[:, lo_:hi_] = (np.cumsum(part[:, ::-1], 1)[:, ::-1] if reverse
+                        else np.cumsum(part, 1))
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("near_duplicates", [False, True])
+@pytest.mark.parametrize("newton", [1, 2])
+def test_invert_unit_lower_matches_xla_stage(newton, near_duplicates):
+  """bf16 start + `newton` Newton steps against xla's substitution inverse
+  (f32 HIGHEST): one step suffices for bf16 inputs, two for float32."""
+  c, dk, h = 128, 64, 3
+  r = np.random.default_rng(newton + 2 * near_duplicates)
+  k = r.standard_normal((h, c, dk))
+  if near_duplicates:   # keys that repeat with small changes: ill-conditioned I + A
+    k = np.repeat(k[:, : c // 8], 8, axis=1) + 0.05 * r.standard_normal((h, c, dk))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  beta = 1.0 / (1.0 + np.exp(-r.standard_normal((h, c, 1))))
+  g = _gates(3, h, c, "zeros")
+  gamma = _float64_gamma(g, None)
+  a = np.tril(beta * (k @ np.swapaxes(k, -1, -2)) * gamma, -1).astype(np.float32)
+
+  got = _call(lambda a: jnp.stack(pk.invert_unit_lower(list(a), newton=newton)), a)
+  want = xk.invert_unit_lower(jnp.asarray(a), jax.lax.Precision.HIGHEST)
+  exact = np.linalg.inv(np.eye(c) + a.astype(np.float64))
+  err = np.linalg.norm(np.asarray(got) - exact) / np.linalg.norm(exact)
+  xla_err = np.linalg.norm(np.asarray(want) - exact) / np.linalg.norm(exact)
+  assert err < (2e-3 if newton == 1 else 1e-5), (err, xla_err)
+  np.testing.assert_allclose(got, want, atol=(2e-2 if newton == 1 else 2e-4))
+
+
+def test_rowsum_row_keeps_float32_precision():
+  x = np.random.default_rng(4).standard_normal((128, 256)).astype(np.float32)
+  x[:, 0] *= 1e4
+
+  got = _call(pk.rowsum_row, x)
+  want = np.sum(x.astype(np.float64), axis=1)
+  np.testing.assert_allclose(got[0], want, rtol=0, atol=2e-5 * np.abs(x).sum(1).max())
