@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default=DEFAULT_MODEL, help="preset name or .yml path")
   p.add_argument("--steps", type=int, help=f"default {DEFAULT_STEPS} ({INTERPRET_STEPS} with"
                  " --interpret); stops early once the recall accuracy of the last 10 steps"
-                 f" reaches {STOP_AT_ACCURACY:.0%} unless --steps is given")
+                 f" reaches {STOP_AT_ACCURACY * 100:.0f}%% unless --steps is given")  # %%: argparse formats help
   p.add_argument("--impl", default="xla", help="implementation of every op (xla,"
                  " pallas_mosaic_tpu, reference)")
   p.add_argument("--batch", type=int, help=f"sequences per step (default {DEFAULT_BATCH})")

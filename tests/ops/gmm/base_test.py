@@ -126,18 +126,15 @@ def test_empty_shapes_give_zeros_of_the_right_shape(interpret, op_name, impl, m,
 INT_DTYPES = [jnp.int8, jnp.uint8, jnp.int16, jnp.uint16, jnp.int32, jnp.uint32, jnp.int64]
 
 
-@pytest.mark.parametrize("op_name,impl", _IMPLS)
-@pytest.mark.parametrize("dtype", INT_DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_group_offsets_do_not_overflow_the_group_sizes_dtype(interpret, op_name, impl, dtype):
+def _overflow_case(op_name):
   """Sizes of 100 fit every integer dtype; their running sums (200, 260) do
-  not fit int8. Checked against a float64 numpy product per group."""
-  del interpret
+  not fit int8. (lhs, rhs, sizes, want): want from a float64 numpy product
+  per group."""
   sizes = np.array([100, 100, 60], np.int64)
   m, k, n = 300, 8, 8
   rng = np.random.default_rng(0)
   lhs = rng.standard_normal((m, k)).astype(np.float32)
   rows = np.split(np.arange(sizes.sum()), np.cumsum(sizes)[:-1])
-  gs = jnp.asarray(sizes).astype(dtype)
   if op_name == "gmm":
     rhs = rng.standard_normal((3, k, n)).astype(np.float32)
     want = np.zeros((m, n))
@@ -146,5 +143,27 @@ def test_group_offsets_do_not_overflow_the_group_sizes_dtype(interpret, op_name,
   else:
     rhs = rng.standard_normal((m, n)).astype(np.float32)
     want = np.stack([lhs[r].T.astype(np.float64) @ rhs[r] for r in rows])
-  out = _call(op_name, impl, jnp.asarray(lhs), jnp.asarray(rhs), gs)
+  return jnp.asarray(lhs), jnp.asarray(rhs), sizes, want
+
+
+@pytest.mark.parametrize("op_name", ["gmm", "tgmm"])
+def test_group_sizes_of_every_integer_dtype_are_summed_in_int32(op_name):
+  """The shared base hands every implementation int32 sizes (checked here on
+  the reference, whose per-group loop sums the offsets itself)."""
+  lhs, rhs, sizes, want = _overflow_case(op_name)
+  for dtype in INT_DTYPES:
+    gs = jnp.asarray(sizes).astype(dtype)
+    ba = registry.get(op_name, "reference").bind(lhs, rhs, gs)
+    assert ba.kwargs["group_sizes"].dtype == jnp.int32, dtype
+    out = _call(op_name, "reference", lhs, rhs, gs)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-4, err_msg=str(dtype))
+
+
+@pytest.mark.parametrize("op_name,impl", _IMPLS)
+def test_int8_group_offsets_do_not_overflow(interpret, op_name, impl):
+  """int8 sizes (the dtype whose running sum overflows) through every
+  implementation, against a float64 numpy product per group."""
+  del interpret
+  lhs, rhs, sizes, want = _overflow_case(op_name)
+  out = _call(op_name, impl, lhs, rhs, jnp.asarray(sizes).astype(jnp.int8))
   np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-4)

@@ -11,12 +11,8 @@ from .cases import CASES, SMALL, check_forward, check_vjp, inputs
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_forward(case):
+def test_forward_and_vjp(case):
   check_forward("xla", case)
-
-
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_vjp(case):
   check_vjp("xla", case)
 
 

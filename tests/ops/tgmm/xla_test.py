@@ -6,10 +6,6 @@ from .cases import CASES, check_forward, check_vjp
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_forward(case):
+def test_forward_and_vjp(case):
   check_forward("xla", case, garbage_tail=False)
-
-
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_vjp(case):
   check_vjp("xla", case)
