@@ -74,6 +74,14 @@ def test_gdn_training_step_compiles_with_a_partial_last_chunk():
   _check_compiles("v6e", workload.LayerShape(b=1, t=4100, hk=8, hv=8, k=128, v=128))
 
 
+@pytest.mark.aot
+def test_gdn_training_step_compiles_at_t32768():
+  """The README's long-T claim on a TPU target: value and gradients at
+  T=32768 (the finiteness itself is checked in interpret mode at T=4096 and
+  for xla at T=32768 in tests/stress_test.py)."""
+  _check_compiles("v6e", workload.LayerShape(b=1, t=32768, hk=2, hv=4, k=128, v=128))
+
+
 def test_roofline_formula_by_hand():
   s = workload.LayerShape(b=2, t=100, hk=2, hv=4, k=64, v=32, dtype=jnp.bfloat16)
   # Per token and value head at C=16: 2 (3·16·64 + 2·16·32 + 3·64·32) = 20480.

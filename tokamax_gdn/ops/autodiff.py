@@ -42,12 +42,12 @@ def _under_jvp(tree) -> bool:
 
 
 @contextlib.contextmanager
-def reverse_mode_only(op_name: str, *call_args):
+def reverse_mode_only(op_name: str, *call_args, up_front: bool = True):
   """Raises `ForwardModeError` naming `op_name` for forward-mode autodiff of
   the op called inside the block with `call_args` (any pytrees): up front
-  when an argument carries a forward-mode tracer, else when JAX's own
-  TypeError comes out of the block."""
-  if _under_jvp(call_args):
+  when an argument carries a forward-mode tracer (unless not `up_front`),
+  else when JAX's own TypeError comes out of the block."""
+  if up_front and _under_jvp(call_args):
     raise _error(op_name)
   try:
     yield
@@ -55,3 +55,17 @@ def reverse_mode_only(op_name: str, *call_args):
     if _JAX_JVP_OF_CUSTOM_VJP not in str(e) or isinstance(e, ForwardModeError):
       raise
     raise _error(op_name) from e
+
+
+class ReverseModeOnly:
+  """Mixin for an Op base class: forward-mode autodiff of an implementation
+  with a VJP raises `ForwardModeError` naming `forward_mode_name`. One without
+  a VJP Op is differentiated by JAX, forward mode included, unless it uses a
+  `jax.custom_vjp` inside: then JAX's TypeError becomes the same error."""
+
+  forward_mode_name: str = ""
+
+  def __call__(self, *args, **kwargs):
+    with reverse_mode_only(self.forward_mode_name, args, kwargs,
+                           up_front=getattr(self, "vjp", None) is not None):
+      return super().__call__(*args, **kwargs)

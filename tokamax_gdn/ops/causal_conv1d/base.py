@@ -32,6 +32,7 @@ from tokamax._src.ops import op
 
 from tokamax_gdn.autotuning import ShippedAutotuningCacheMixin
 from tokamax_gdn.ops import checks
+from tokamax_gdn.ops import autodiff
 
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
 Output: TypeAlias = tuple[jax.Array, jax.Array | None]
@@ -90,8 +91,11 @@ def final_state(x: jax.Array, initial_state: jax.Array | None,
   return state.astype(x.dtype)
 
 
-class CausalConv1d[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Residuals, C, K]):
+class CausalConv1d[C, K](autodiff.ReverseModeOnly, ShippedAutotuningCacheMixin,
+                        op.Op[Any, Output, Residuals, C, K]):
   """Causal depthwise conv1d. Subclasses implement `_conv`."""
+
+  forward_mode_name: ClassVar[str] = "causal_conv1d"
 
   # W above this: NotImplementedError, so `implementation=` falls through.
   max_width: ClassVar[int | None] = None

@@ -27,6 +27,7 @@ from tokamax._src.ops import op
 from tokamax._src.ops.ragged_dot import base as ragged_dot_base
 
 from tokamax_gdn.autotuning import ShippedAutotuningCacheMixin
+from tokamax_gdn.ops import autodiff
 from tokamax_gdn.ops.checks import describe, require_rank  # pylint: disable=g-importing-member
 
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
@@ -145,7 +146,8 @@ def check_compat_kwargs(
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupedMatmulOp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, jax.Array, Residuals, C, K]):
+class GroupedMatmulOp[C, K](autodiff.ReverseModeOnly, ShippedAutotuningCacheMixin,
+                           op.Op[Any, jax.Array, Residuals, C, K]):
   """What the gmm and tgmm Ops share.
 
   Group sizes with a negative entry or a sum over M give undefined results
@@ -171,6 +173,8 @@ class GroupedMatmulOp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, jax.Array, R
 @dataclasses.dataclass(frozen=True)
 class Gmm[C, K](GroupedMatmulOp[C, K]):
   """Grouped matmul. Subclasses implement `_gmm` (and may set `vjp_family`)."""
+
+  forward_mode_name: ClassVar[str] = "gmm"
 
   @staticmethod
   def make_vjp(family: str) -> Callable[..., Any]:

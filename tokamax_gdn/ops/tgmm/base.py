@@ -16,7 +16,7 @@ Both give zeros past sum(group_sizes), as they should.
 
 from collections.abc import Callable
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,8 @@ DIMS = ragged_dot_base.RAGGED_CONTRACTING_DOT_DIM_NUMS
 class Tgmm[C, K](gmm_base.GroupedMatmulOp[C, K]):
   """Transposed grouped matmul. Subclasses implement `_tgmm` (and may set
   `vjp_family`); group-size checks as in `gmm_base.GroupedMatmulOp`."""
+
+  forward_mode_name: ClassVar[str] = "tgmm"
 
   @staticmethod
   def make_vjp(family: str) -> Callable[..., Any]:
