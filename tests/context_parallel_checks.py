@@ -9,7 +9,7 @@ Run in a subprocess by `context_parallel_test.py`: `cp` needs 8 host devices
 Every `cp` check runs forward and backward (a VJP with random cotangents) of
 GDN / causal_conv1d / the GatedDeltaNet layer inside `jax.shard_map` with T
 split over the "cp" axis, and compares outputs, final states and every
-gradient with the unsharded `reference` run, within DESIGN.md's float32
+gradient with the unsharded `reference` run, within the README's float32
 contract. The problem has what CP has to carry across devices: segments that
 cross device boundaries, one that starts exactly at a boundary (t = 20, a
 boundary for 2, 4 and 8 devices) and one a token before it (its conv halo
