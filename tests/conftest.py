@@ -7,3 +7,25 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+# XLA:CPU compiles dominate the suite's time; without the optimisation
+# pipeline they take about half as long (measured: the xla GDN tests, 446 ->
+# 240 CPU-s) and every numerical comparison still holds. Compiles for TPU
+# targets (tests marked `aot`: memory and cycle estimates are what they
+# check) keep the full pipeline.
+jax.config.update("jax_disable_most_optimizations", True)
+
+
+@pytest.fixture(autouse=True)
+def _full_optimizations_for_tpu_compiles(request):
+  if request.node.get_closest_marker("aot") is None:
+    yield
+    return
+  jax.config.update("jax_disable_most_optimizations", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", True)
