@@ -73,9 +73,11 @@ def _shapes(ba: op.BoundArguments) -> _Shapes:
 
 
 def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, itemsize: int,
-                  interleave: int, kernel: Literal["fwd", "states", "bwd"]) -> int:
-  """Scoped VMEM one grid step of `kernel` needs ("fwd": outputs, with or
-  without residuals; "states": the VJP's first pass; "bwd").
+                  interleave: int, kernel: Literal["fwd", "states", "bwd"],
+                  save_states: bool = False) -> int:
+  """Scoped VMEM one grid step of `kernel` needs ("fwd": outputs, and with
+  `save_states` the residual blocks too; "states": the VJP's first pass;
+  "bwd").
 
   The kernel's f32 scratch (the state or dS, the head-major copies of the
   blocks, the gate rows), exactly; plus what Mosaic allocates itself: a part
@@ -108,7 +110,8 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
   scratch = state + 2 * key + values * value + rows
   blocks = (2 * key + values * value) * itemsize // 4
   blocks += residuals if kernel == "states" else 0
-  return scratch + 2 * (2 * key + value) + blocks // 2 + interleave * 6 * tile
+  written = residuals if kernel == "fwd" and save_states else 0
+  return scratch + 2 * (2 * key + value) + blocks // 2 + written + interleave * 6 * tile
 
 
 def vmem_cap(gen: gdn_config.TpuGeneration) -> int:
@@ -132,13 +135,10 @@ def _run_interleave(interleave: int, sh: _Shapes) -> int:
 
 
 def _estimate(cfg: Config, sh: _Shapes, kind: str) -> int:
-  est = vmem_estimate(chunk=cfg.chunk_size, hv=sh.hv, hk=sh.hk, dim_k=sh.dim_k,
-                      dim_v=sh.dim_v, itemsize=sh.itemsize,
-                      interleave=_run_interleave(cfg.interleave, sh), kernel=kind)
-  if kind == "fwd" and cfg.save_states:   # the forward also writes the residual blocks
-    est += sh.hv * (round_up(sh.dim_k, 128) * round_up(sh.dim_v, 128)
-                    + cfg.chunk_size ** 2) * sh.itemsize
-  return est
+  return vmem_estimate(chunk=cfg.chunk_size, hv=sh.hv, hk=sh.hk, dim_k=sh.dim_k,
+                       dim_v=sh.dim_v, itemsize=sh.itemsize,
+                       interleave=_run_interleave(cfg.interleave, sh), kernel=kind,
+                       save_states=cfg.save_states)
 
 
 def _fits(cfg: Config, sh: _Shapes, kind: str) -> bool:
