@@ -74,27 +74,12 @@ def gated_delta_rule(
   mode (jax.jvp, jax.jacfwd) raises `tokamax_gdn.ops.autodiff.ForwardModeError`
   (a TypeError naming the op).
   """
+  kwargs = dict(scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
+                a_log=a_log, dt_bias=dt_bias, segment_ids=segment_ids)
   if context_parallel_axis is not None:
     return context_parallel.gated_delta_rule(
-        query, key, value, g, beta,
-        axis_name=context_parallel_axis,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        use_qk_l2norm=use_qk_l2norm,
-        a_log=a_log,
-        dt_bias=dt_bias,
-        segment_ids=segment_ids,
-        implementation=implementation,
-    )
-  return registry.call(
-      "gated_delta_rule", implementation,
-      query, key, value, g, beta,
-      scale=scale,
-      initial_state=initial_state,
-      output_final_state=output_final_state,
-      use_qk_l2norm=use_qk_l2norm,
-      a_log=a_log,
-      dt_bias=dt_bias,
-      segment_ids=segment_ids,
-  )
+        query, key, value, g, beta, axis_name=context_parallel_axis,
+        implementation=implementation, **kwargs)
+  return registry.call("gated_delta_rule", implementation, query, key, value, g, beta,
+                       **kwargs)
