@@ -230,6 +230,11 @@ class SegmentLayout:
     return changed & ~at_boundary
 
 
+def aligned_length(t: int, num_states: int, chunk_size: int) -> int:
+  """Ta of `align_segments`: round_up(T + N (C - 1), C)."""
+  return _round_up(t + num_states * (chunk_size - 1), chunk_size)
+
+
 def align_segments(segment_ids: jax.Array, num_states: int, chunk_size: int) -> SegmentLayout:
   """The chunk-aligned layout of `segment_ids` [B, T] (T >= 1) for N states.
 
@@ -241,7 +246,7 @@ def align_segments(segment_ids: jax.Array, num_states: int, chunk_size: int) -> 
   """
   b, t = segment_ids.shape
   c = chunk_size
-  t_al = _round_up(t + num_states * (c - 1), c)
+  t_al = aligned_length(t, num_states, c)
   pos = jnp.arange(t, dtype=jnp.int32)
   starts = segment_starts(segment_ids, t)
   seg = jnp.cumsum(starts, axis=1, dtype=jnp.int32)

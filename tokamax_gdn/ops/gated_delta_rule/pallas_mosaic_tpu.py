@@ -227,9 +227,20 @@ _LABELS = dict(
 )
 
 
+_SEGMENT_STATES = "b n hv k v"   # per-segment initial / final states
+
+
+def _state_label(initial_state) -> str:
+  """The label of state-shaped operands: [B, Hv, K, V] or [B, N, Hv, K, V]."""
+  per_segment = initial_state is not None and initial_state.ndim == 5
+  return _SEGMENT_STATES if per_segment else _LABELS["d_final"]
+
+
 def _per_shard(body, out_labels, hk: int, hv: int, arrays: dict):
   """body(**arrays) per batch/key-head shard under jit with sharded inputs."""
-  return partitioning.call_per_shard(body, arrays, _LABELS, out_labels,
+  labels = dict(_LABELS)
+  labels["initial_state"] = labels["d_final"] = _state_label(arrays.get("initial_state"))
+  return partitioning.call_per_shard(body, arrays, labels, out_labels,
                                      key_heads=hk, group=hv // hk)
 
 
@@ -240,6 +251,7 @@ class PallasMosaicTpuGatedDeltaRule(base.GatedDeltaRule[Config, None]):
   config_cls: ClassVar[type[Config]] = Config
   max_head_dim: ClassVar[int | None] = 256
   log_decay_floor: ClassVar[float | None] = base.CHUNKED_LOG_DECAY_FLOOR
+  supports_segment_states: ClassVar[bool] = True
 
   def __post_init__(self):
     if self.vjp is None:
@@ -268,7 +280,7 @@ class PallasMosaicTpuGatedDeltaRule(base.GatedDeltaRule[Config, None]):
           **_kernel_args(config, q, v, interpret))
       return (out, final) + (tuple(res) if res is not None else ())
 
-    out_labels = [_LABELS["d_out"], _LABELS["d_final"]]
+    out_labels = [_LABELS["d_out"], _state_label(initial_state)]
     if config.save_states:
       out_labels += [_LABELS["states"], _LABELS["tmats"]]
     res = _per_shard(body, out_labels, q.shape[2], v.shape[2], dict(
@@ -313,6 +325,8 @@ class PallasMosaicTpuGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, None]):
         config = saved
       else:
         states = tmats = None
+    if initial_state is not None and initial_state.ndim == 5:   # the aligned layout's chunks
+      t = base.aligned_length(t, initial_state.shape[1], config.chunk_size)
     if states is not None and states.shape[1] != -(-t // config.chunk_size):
       states = tmats = None
 
@@ -328,7 +342,8 @@ class PallasMosaicTpuGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, None]):
           initial_state=initial_state, segment_ids=segment_ids, residuals=(states, tmats),
           **_kernel_args(config, q, v, interpret))
 
-    out_labels = [_LABELS[n] for n in ("q", "k", "v", "log_decay", "beta", "d_final")]
+    out_labels = [_LABELS[n] for n in ("q", "k", "v", "log_decay", "beta")]
+    out_labels.append(_state_label(initial_state))
     return _per_shard(body, out_labels, q.shape[2], v.shape[2], dict(
         q=q, k=k, v=v, log_decay=log_decay, beta=beta, d_out=d_out,
         d_final=d_final, states=states, tmats=tmats, initial_state=initial_state,

@@ -51,6 +51,12 @@ T ← T + T (I − (I + A') T), the residual with A' split hi + lo: one step
 for bf16 inputs (errors of a bf16 T0, up to 1e-2 on correlated keys, fall to
 ~1e-4), two for float32 (~1e-5).
 
+Per-segment states ([B, N, Hv, K, V] with segment ids): the wrappers move
+the tokens to the chunk-aligned layout (`base.align_segments`) and give the
+kernels one code per chunk in SMEM (scalar prefetch): take the segment's
+state on entry, write the state out on leaving, and which slot the state
+blocks' index maps fetch (math.md, "Per-segment states").
+
 Backward. Pass 1 is the forward kernel without outputs, emitting the state
 entering every chunk and T' (bf16 for bf16 inputs: the forward's products
 use them rounded to bf16 anyway). Pass 2 walks the chunks in reverse
@@ -68,6 +74,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
+
+from tokamax_gdn.ops.gated_delta_rule import base
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 _NEG_INF = -jnp.inf
@@ -321,6 +329,7 @@ class _Static:
   interleave: int     # value heads per group: a multiple of the GVA group dividing Hv
   has_seg: bool
   has_h0: bool
+  n_states: int = 0   # per-segment states (0: a [B, Hv, K, V] state or none)
 
   @property
   def group(self) -> int:
@@ -386,6 +395,7 @@ def _group_heads(st: _Static, gi):
 
 def _fwd_kernel(*refs, st: _Static, write_out: bool, emit: bool):
   refs = list(refs)
+  code_ref = refs.pop(0) if st.n_states else None
   q_ref, k_ref, v_ref, g_ref, b_ref = (refs.pop(0) for _ in range(5))
   st_ref = refs.pop(0) if st.has_seg else None
   h0_ref = refs.pop(0) if st.has_h0 else None
@@ -398,7 +408,13 @@ def _fwd_kernel(*refs, st: _Static, write_out: bool, emit: bool):
   c, c_idx = st.chunk, pl.program_id(1)
   dim_k, mm, passes = st.dim_k, st.mm, st.passes
 
-  @pl.when(c_idx == 0)
+  if st.n_states:     # a segment starts here: its own state (zeros from segment N on)
+    code = code_ref[pl.program_id(0) * pl.num_programs(1) + c_idx]
+    enter, leave = _code_reset(code) == 1, _code_last(code) == 1
+  else:
+    enter, leave = c_idx == 0, c_idx == pl.num_programs(1) - 1
+
+  @pl.when(enter)
   def _init():
     s_scr[...] = h0_ref[...].astype(F32) if st.has_h0 else jnp.zeros(s_scr.shape, F32)
 
@@ -448,13 +464,14 @@ def _fwd_kernel(*refs, st: _Static, write_out: bool, emit: bool):
   if write_out:
     o_ref[...] = pltpu.einshape("hcd->chd", out_scr[...]).astype(o_ref.dtype)
 
-  @pl.when(c_idx == pl.num_programs(1) - 1)
+  @pl.when(leave)
   def _final():
     ht_ref[...] = s_scr[...]
 
 
 def _bwd_kernel(*refs, st: _Static):
   refs = list(refs)
+  code_ref = refs.pop(0) if st.n_states else None
   q_ref, k_ref, v_ref, g_ref, b_ref = (refs.pop(0) for _ in range(5))
   st_ref = refs.pop(0) if st.has_seg else None
   states_ref, tm_ref, do_ref, dht_ref = (refs.pop(0) for _ in range(4))
@@ -464,7 +481,13 @@ def _bwd_kernel(*refs, st: _Static):
   c, c_idx = st.chunk, pl.num_programs(1) - 1 - pl.program_id(1)
   dim_k, mm, passes = st.dim_k, st.mm, st.passes
 
-  @pl.when(pl.program_id(1) == 0)
+  if st.n_states:     # the segment ends here: dS is its final state's cotangent
+    code = code_ref[pl.program_id(0) * pl.num_programs(1) + c_idx]
+    leave, enter = _code_last(code) == 1, _code_reset(code) == 1
+  else:
+    leave, enter = pl.program_id(1) == 0, pl.program_id(1) == pl.num_programs(1) - 1
+
+  @pl.when(leave)
   def _init():
     ds_scr[...] = dht_ref[...].astype(F32)
 
@@ -562,7 +585,7 @@ def _bwd_kernel(*refs, st: _Static):
   for ref, scr in ((dq_ref, dq_scr), (dk_ref, dk_scr), (dv_ref, dv_scr)):
     ref[...] = pltpu.einshape("hcd->chd", scr[...]).astype(ref.dtype)
 
-  @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)
+  @pl.when(enter)
   def _final():
     dh0_ref[...] = ds_scr[...]
 
@@ -586,6 +609,63 @@ def _starts(segment_ids):
   return jnp.concatenate([jnp.zeros_like(changed[:, :1]), changed], 1)[:, None, :]
 
 
+# Per-segment states: one int32 code per chunk, read from SMEM (scalar
+# prefetch) by the kernels and by the index maps of the state blocks.
+def _code_slot(code):
+  """The state slot of the chunk's segment: min(segment, N); slot N is zeros."""
+  return lax.shift_right_logical(code, jnp.int32(2))
+
+
+def _code_reset(code):
+  """1 where a segment starts at the chunk: the state entering it is its slot's."""
+  return lax.shift_right_logical(code, jnp.int32(1)) & 1
+
+
+def _code_last(code):
+  """1 where the chunk is its segment's last: the state leaving it is its slot's."""
+  return code & 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Segments:
+  """Per-segment states ([B, N, Hv, K, V]) on the chunk-aligned layout of
+  `base.align_segments`: every segment n < N starts at a chunk boundary, so a
+  chunk either continues the state or takes its segment's own (`_code_*`);
+  later segments start in-chunk from zeros (the kernels' segment masks).
+  """
+
+  layout: base.SegmentLayout
+  code: jax.Array      # [B * Nc] int32: slot * 4 + reset * 2 + last
+
+  @classmethod
+  def build(cls, segment_ids, n_states: int, chunk: int) -> "_Segments":
+    layout = base.align_segments(segment_ids, n_states, chunk)
+    slot = jnp.minimum(layout.chunk_segment, n_states)
+    code = (slot * 4 + layout.chunk_reset.astype(jnp.int32) * 2
+            + layout.chunk_last.astype(jnp.int32))
+    return cls(layout, code.reshape(-1))
+
+  @property
+  def n_states(self) -> int:
+    return self.layout.num_states
+
+  def starts(self):
+    """[B, 1, Ta] int32: the in-chunk starts (segments past N)."""
+    return self.layout.in_chunk_starts().astype(jnp.int32)[:, None, :]
+
+  def with_zero_slot(self, states):
+    """[B, N, ...] -> [B, N + 1, ...] f32, slot N zeros (segments from N on)."""
+    states = states.astype(F32)
+    return jnp.concatenate([states, jnp.zeros_like(states[:, :1])], axis=1)
+
+  def per_segment(self, states):
+    """The kernel's [B, N + 1, ...] -> [B, N, ...], zeros past each row's
+    segments (slots the kernel never wrote)."""
+    n = self.n_states
+    used = jnp.arange(n)[None, :] < self.layout.num_segments[:, None]
+    return jnp.where(used[:, :, None, None, None], states[:, :n], 0.0)
+
+
 def normalize_interleave(requested: int, hv: int, group: int) -> int:
   """The largest multiple of the GVA group dividing Hv, at most `requested`
   (at least one group)."""
@@ -593,7 +673,7 @@ def normalize_interleave(requested: int, hv: int, group: int) -> int:
   return max([n for n in ok if n <= requested] or [ok[0]])
 
 
-def _static(q, v, *, scale, chunk, interleave, newton, segment_ids, initial_state):
+def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states=0):
   b, t, hk, dim_k = q.shape
   hv, dim_v = v.shape[2], v.shape[3]
   passes = 1 if q.dtype == BF16 else 3
@@ -602,7 +682,7 @@ def _static(q, v, *, scale, chunk, interleave, newton, segment_ids, initial_stat
   return _Static(t_len=t, chunk=chunk, hk=hk, hv=hv, dim_k=dim_k, dim_v=dim_v,
                  scale=float(scale), passes=passes, newton=newton,
                  interleave=normalize_interleave(interleave, hv, hv // hk),
-                 has_seg=segment_ids is not None, has_h0=initial_state is not None)
+                 has_seg=has_seg, has_h0=has_h0, n_states=n_states)
 
 
 def _head_scratch(st: _Static, *, values: int):
@@ -613,27 +693,72 @@ def _head_scratch(st: _Static, *, values: int):
           + [pltpu.VMEM((st.hv, st.chunk, st.dim_v), F32)] * values)
 
 
-def _common_inputs(q, k, v, log_decay, beta, segment_ids, st: _Static, chunk_of):
-  """(arrays, BlockSpecs) of the inputs both kernels read per chunk."""
+def _common_inputs(q, k, v, log_decay, beta, starts, st: _Static, chunk_of):
+  """(arrays, BlockSpecs) of the inputs both kernels read per chunk.
+
+  Index maps take (b, i, *scalar_prefetch_refs)."""
   hk, hv = q.shape[2], v.shape[2]
   c = st.chunk
   args = [q, k, v, log_decay, beta]
   specs = [
-      pl.BlockSpec((None, c, hk, st.dim_k), lambda b, i: (b, chunk_of(i), 0, 0)),
-      pl.BlockSpec((None, c, hk, st.dim_k), lambda b, i: (b, chunk_of(i), 0, 0)),
-      pl.BlockSpec((None, c, hv, st.dim_v), lambda b, i: (b, chunk_of(i), 0, 0)),
-      pl.BlockSpec((None, c, hv), lambda b, i: (b, chunk_of(i), 0)),
-      pl.BlockSpec((None, c, hv), lambda b, i: (b, chunk_of(i), 0)),
+      pl.BlockSpec((None, c, hk, st.dim_k), lambda b, i, *_: (b, chunk_of(i), 0, 0)),
+      pl.BlockSpec((None, c, hk, st.dim_k), lambda b, i, *_: (b, chunk_of(i), 0, 0)),
+      pl.BlockSpec((None, c, hv, st.dim_v), lambda b, i, *_: (b, chunk_of(i), 0, 0)),
+      pl.BlockSpec((None, c, hv), lambda b, i, *_: (b, chunk_of(i), 0)),
+      pl.BlockSpec((None, c, hv), lambda b, i, *_: (b, chunk_of(i), 0)),
   ]
   if st.has_seg:
-    args.append(_starts(segment_ids))
-    specs.append(pl.BlockSpec((None, 1, c), lambda b, i: (b, 0, chunk_of(i))))
+    args.append(starts)
+    specs.append(pl.BlockSpec((None, 1, c), lambda b, i, *_: (b, 0, chunk_of(i))))
   return args, specs
 
 
-def _params(vmem_limit_bytes):
-  return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                              vmem_limit_bytes=vmem_limit_bytes)
+def _state_spec(st: _Static, chunk_of):
+  """The BlockSpec of a state-shaped operand: the row's [Hv, K, V] state, or
+  with per-segment states the slot of the chunk's segment."""
+  if not st.n_states:
+    return pl.BlockSpec((None, st.hv, st.dim_k, st.dim_v), lambda b, i, *_: (b, 0, 0, 0))
+  nc = st.t_len // st.chunk
+
+  def index(b, i, code_ref):
+    return (b, _code_slot(code_ref[b * nc + chunk_of(i)]), 0, 0, 0)
+
+  return pl.BlockSpec((None, None, st.hv, st.dim_k, st.dim_v), index)
+
+
+def _state_shape(st: _Static, b: int) -> jax.ShapeDtypeStruct:
+  lead = (b, st.n_states + 1) if st.n_states else (b,)
+  return jax.ShapeDtypeStruct((*lead, st.hv, st.dim_k, st.dim_v), F32)
+
+
+def _call(kernel, st: _Static, seg: "_Segments | None", *, grid, in_specs, out_specs,
+          out_shape, scratch_shapes, vmem_limit_bytes, interpret, name, args):
+  """pallas_call with the per-segment chunk codes as scalar prefetch when
+  `seg` is given."""
+  params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                vmem_limit_bytes=vmem_limit_bytes)
+  if seg is None:
+    return pl.pallas_call(
+        functools.partial(kernel, st=st), grid=grid, in_specs=in_specs,
+        out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch_shapes,
+        compiler_params=params, interpret=interpret, name=name)(*args)
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1, grid=grid, in_specs=in_specs, out_specs=out_specs,
+      scratch_shapes=scratch_shapes)
+  return pl.pallas_call(
+      functools.partial(kernel, st=st), grid_spec=grid_spec, out_shape=out_shape,
+      compiler_params=params, interpret=interpret, name=name)(seg.code, *args)
+
+
+def _prepare(q, k, v, log_decay, beta, *, initial_state, segment_ids, chunk):
+  """Per-segment states: the inputs moved to the aligned layout, the states
+  with their zero slot, and the `_Segments`; otherwise the inputs as given."""
+  if initial_state is None or initial_state.ndim != 5:
+    starts = None if segment_ids is None else _starts(segment_ids)
+    return (q, k, v, log_decay, beta), initial_state, starts, None
+  seg = _Segments.build(segment_ids, initial_state.shape[1], chunk)
+  xs = tuple(map(seg.layout.to_aligned, (q, k, v, log_decay, beta)))
+  return xs, seg.with_zero_slot(initial_state), seg.starts(), seg
 
 
 def gdn_fwd(q, k, v, log_decay, beta, *, scale, initial_state=None, segment_ids=None,
@@ -642,41 +767,55 @@ def gdn_fwd(q, k, v, log_decay, beta, *, scale, initial_state=None, segment_ids=
   """Chunked GDN forward on prepared inputs (after `base.prologue`).
 
   Returns (out [B, T, Hv, V] in v.dtype or None without `write_out`,
-  final_state [B, Hv, K, V] f32, residuals or None): with `emit_residuals`,
+  final_state f32, residuals or None): with `emit_residuals`,
   (states [B, NC, Hv, K, V], tmats [B, NC, Hv, C, C]), the state entering
   each chunk and T' of each chunk, bf16 for bf16 inputs, else f32.
+
+  `initial_state` [B, Hv, K, V] gives final_state [B, Hv, K, V];
+  per-segment states [B, N, Hv, K, V] (with `segment_ids`) give each
+  segment's end state [B, N, Hv, K, V], and the kernel then runs on the
+  chunk-aligned layout (`_Segments`): NC counts its chunks.
   """
+  (q, k, v, log_decay, beta), h0, starts, seg = _prepare(
+      q, k, v, log_decay, beta, initial_state=initial_state, segment_ids=segment_ids,
+      chunk=chunk)
   b, t = q.shape[:2]
   st = _static(q, v, scale=scale, chunk=chunk, interleave=interleave, newton=newton,
-               segment_ids=segment_ids, initial_state=initial_state)
+               has_seg=starts is not None, has_h0=h0 is not None,
+               n_states=0 if seg is None else seg.n_states)
   nc = -(-t // chunk)
-  args, in_specs = _common_inputs(q, k, v, log_decay, beta, segment_ids, st, lambda i: i)
-  state_spec = pl.BlockSpec((None, st.hv, st.dim_k, st.dim_v), lambda b, i: (b, 0, 0, 0))
+  args, in_specs = _common_inputs(q, k, v, log_decay, beta, starts, st, lambda i: i)
+  state_spec = _state_spec(st, lambda i: i)
   if st.has_h0:
-    args.append(initial_state.astype(F32))
+    args.append(h0.astype(F32))
     in_specs.append(state_spec)
   out_specs, out_shape = [], []
   if write_out:
-    out_specs.append(pl.BlockSpec((None, chunk, st.hv, st.dim_v), lambda b, i: (b, i, 0, 0)))
+    out_specs.append(pl.BlockSpec((None, chunk, st.hv, st.dim_v),
+                                  lambda b, i, *_: (b, i, 0, 0)))
     out_shape.append(jax.ShapeDtypeStruct((b, t, st.hv, st.dim_v), v.dtype))
   out_specs.append(state_spec)
-  out_shape.append(jax.ShapeDtypeStruct((b, st.hv, st.dim_k, st.dim_v), F32))
+  out_shape.append(_state_shape(st, b))
   if emit_residuals:
     out_specs += [
-        pl.BlockSpec((None, None, st.hv, st.dim_k, st.dim_v), lambda b, i: (b, i, 0, 0, 0)),
-        pl.BlockSpec((None, None, st.hv, chunk, chunk), lambda b, i: (b, i, 0, 0, 0))]
+        pl.BlockSpec((None, None, st.hv, st.dim_k, st.dim_v),
+                     lambda b, i, *_: (b, i, 0, 0, 0)),
+        pl.BlockSpec((None, None, st.hv, chunk, chunk), lambda b, i, *_: (b, i, 0, 0, 0))]
     out_shape += [jax.ShapeDtypeStruct((b, nc, st.hv, st.dim_k, st.dim_v), st.mm),
                   jax.ShapeDtypeStruct((b, nc, st.hv, chunk, chunk), st.mm)]
-  res = pl.pallas_call(
-      functools.partial(_fwd_kernel, st=st, write_out=write_out, emit=emit_residuals),
+  res = _call(
+      functools.partial(_fwd_kernel, write_out=write_out, emit=emit_residuals), st, seg,
       grid=(b, nc), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32)]
       + _head_scratch(st, values=2 if write_out else 1),
-      compiler_params=_params(vmem_limit_bytes), interpret=interpret,
-      name="gdn_fwd" if write_out else "gdn_fwd_states")(*args)
+      vmem_limit_bytes=vmem_limit_bytes, interpret=interpret,
+      name="gdn_fwd" if write_out else "gdn_fwd_states", args=args)
   res = list(res)
   out = res.pop(0) if write_out else None
   final = res.pop(0)
+  if seg is not None:
+    out = None if out is None else seg.layout.from_aligned(out)
+    final = seg.per_segment(final)
   residuals = tuple(res) if emit_residuals else None
   return out, final, residuals
 
@@ -686,39 +825,53 @@ def gdn_bwd(q, k, v, log_decay, beta, d_out, d_final, *, scale, initial_state=No
             interpret=False, vmem_limit_bytes=None):
   """Chunked GDN backward: (dq, dk, dv, d_log_decay, dbeta, d_initial_state f32).
 
-  `residuals`: `gdn_fwd(emit_residuals=True)`'s, or None to recompute them
-  (pass 1: the forward kernel without outputs).
+  `residuals`: `gdn_fwd(emit_residuals=True)`'s (same `initial_state`,
+  `segment_ids` and chunk), or None to recompute them (pass 1: the forward
+  kernel without outputs). d_final and d_initial_state have the final
+  state's shape ([B, N, Hv, K, V] for per-segment states).
   """
-  b, t = q.shape[:2]
-  st = _static(q, v, scale=scale, chunk=chunk, interleave=interleave, newton=newton,
-               segment_ids=segment_ids, initial_state=initial_state)
-  nc = -(-t // chunk)
   if residuals is None:
     _, _, residuals = gdn_fwd(
         q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
         segment_ids=segment_ids, chunk=chunk, interleave=interleave, newton=newton,
         write_out=False, emit_residuals=True, interpret=interpret,
         vmem_limit_bytes=vmem_limit_bytes)
+  t_in = q.shape[1]
+  (q, k, v, log_decay, beta), h0, starts, seg = _prepare(
+      q, k, v, log_decay, beta, initial_state=initial_state, segment_ids=segment_ids,
+      chunk=chunk)
+  b, t = q.shape[:2]
+  st = _static(q, v, scale=scale, chunk=chunk, interleave=interleave, newton=newton,
+               has_seg=starts is not None, has_h0=h0 is not None,
+               n_states=0 if seg is None else seg.n_states)
+  nc = -(-t // chunk)
   states, tmats = residuals
+  if states.shape[1] != nc:
+    raise ValueError(f"residuals for {states.shape[1]} chunks; this call has {nc}.")
   rev = lambda i: nc - 1 - i
-  args, in_specs = _common_inputs(q, k, v, log_decay, beta, segment_ids, st, rev)
-  state_spec = pl.BlockSpec((None, st.hv, st.dim_k, st.dim_v), lambda b, i: (b, 0, 0, 0))
-  d_final = (jnp.zeros((b, st.hv, st.dim_k, st.dim_v), F32) if d_final is None
-             else d_final.astype(F32))
-  args += [states, tmats, d_out, d_final]
+  args, in_specs = _common_inputs(q, k, v, log_decay, beta, starts, st, rev)
+  state_spec = _state_spec(st, rev)
+  if d_final is None:
+    d_final = jnp.zeros(_state_shape(st, b).shape, F32)
+  elif seg is not None:
+    d_final = seg.with_zero_slot(d_final)
+  if seg is not None:
+    d_out = seg.layout.to_aligned(d_out)
+  args += [states, tmats, d_out, d_final.astype(F32)]
   in_specs += [
-      pl.BlockSpec((None, None, st.hv, st.dim_k, st.dim_v), lambda b, i: (b, rev(i), 0, 0, 0)),
-      pl.BlockSpec((None, None, st.hv, chunk, chunk), lambda b, i: (b, rev(i), 0, 0, 0)),
-      pl.BlockSpec((None, chunk, st.hv, st.dim_v), lambda b, i: (b, rev(i), 0, 0)),
+      pl.BlockSpec((None, None, st.hv, st.dim_k, st.dim_v),
+                   lambda b, i, *_: (b, rev(i), 0, 0, 0)),
+      pl.BlockSpec((None, None, st.hv, chunk, chunk), lambda b, i, *_: (b, rev(i), 0, 0, 0)),
+      pl.BlockSpec((None, chunk, st.hv, st.dim_v), lambda b, i, *_: (b, rev(i), 0, 0)),
       state_spec,
   ]
   hk = q.shape[2]
   out_specs = [
-      pl.BlockSpec((None, chunk, hk, st.dim_k), lambda b, i: (b, rev(i), 0, 0)),
-      pl.BlockSpec((None, chunk, hk, st.dim_k), lambda b, i: (b, rev(i), 0, 0)),
-      pl.BlockSpec((None, chunk, st.hv, st.dim_v), lambda b, i: (b, rev(i), 0, 0)),
-      pl.BlockSpec((None, chunk, st.hv), lambda b, i: (b, rev(i), 0)),
-      pl.BlockSpec((None, chunk, st.hv), lambda b, i: (b, rev(i), 0)),
+      pl.BlockSpec((None, chunk, hk, st.dim_k), lambda b, i, *_: (b, rev(i), 0, 0)),
+      pl.BlockSpec((None, chunk, hk, st.dim_k), lambda b, i, *_: (b, rev(i), 0, 0)),
+      pl.BlockSpec((None, chunk, st.hv, st.dim_v), lambda b, i, *_: (b, rev(i), 0, 0)),
+      pl.BlockSpec((None, chunk, st.hv), lambda b, i, *_: (b, rev(i), 0)),
+      pl.BlockSpec((None, chunk, st.hv), lambda b, i, *_: (b, rev(i), 0)),
       state_spec,
   ]
   out_shape = [
@@ -727,15 +880,20 @@ def gdn_bwd(q, k, v, log_decay, beta, d_out, d_final, *, scale, initial_state=No
       jax.ShapeDtypeStruct(v.shape, v.dtype),
       jax.ShapeDtypeStruct((b, t, st.hv), F32),
       jax.ShapeDtypeStruct((b, t, st.hv), F32),
-      jax.ShapeDtypeStruct((b, st.hv, st.dim_k, st.dim_v), F32),
+      _state_shape(st, b),
   ]
-  return tuple(pl.pallas_call(
-      functools.partial(_bwd_kernel, st=st),
+  grads = _call(
+      _bwd_kernel, st, seg,
       grid=(b, nc), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32)]
       + _head_scratch(st, values=2)
       + [pltpu.VMEM((st.hk, chunk, st.dim_k), F32)] * 2
       + [pltpu.VMEM((st.hv, chunk, st.dim_v), F32)]
       + [pltpu.VMEM((st.hv, chunk), F32)] * 2,
-      compiler_params=_params(vmem_limit_bytes), interpret=interpret,
-      name="gdn_bwd")(*args))
+      vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, name="gdn_bwd", args=args)
+  if seg is None:
+    return tuple(grads)
+  *per_token, d_h0 = grads
+  per_token = [seg.layout.from_aligned(x) for x in per_token]
+  assert per_token[0].shape[1] == t_in
+  return (*per_token, seg.per_segment(d_h0))

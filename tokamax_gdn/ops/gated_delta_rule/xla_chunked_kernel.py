@@ -630,7 +630,7 @@ def scanned_length(t_len: int, initial_state, chunk_size: int) -> int:
   states (`base.SegmentLayout`)."""
   if initial_state is None or initial_state.ndim != 5:
     return t_len
-  return _round_up(t_len + initial_state.shape[1] * (chunk_size - 1), chunk_size)
+  return base.aligned_length(t_len, initial_state.shape[1], chunk_size)
 
 
 def block_layout(t_len: int, chunk_size: int, block_size: int) -> tuple[int, int]:
