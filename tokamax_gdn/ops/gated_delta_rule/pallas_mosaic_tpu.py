@@ -61,20 +61,26 @@ class _Shapes(NamedTuple):
   dim_k: int
   dim_v: int
   itemsize: int
+  length: int
 
 
 def _shapes_of(q, v) -> _Shapes:
   return _Shapes(q.shape[-2], v.shape[-2], q.shape[-1], v.shape[-1],
-                 jnp.dtype(q.dtype).itemsize)
+                 jnp.dtype(q.dtype).itemsize, q.shape[1])
 
 
 def _shapes(ba: op.BoundArguments) -> _Shapes:
   return _shapes_of(ba.arguments["query"], ba.arguments["value"])
 
 
+# What the backward's scoped VMEM grows by past T = _LONG_BWD_FROM (see
+# `vmem_estimate`): 1.07 MiB measured at T = 131072, with a quarter MiB to spare.
+_LONG_BWD_FROM, _LONG_BWD_HEADROOM = 4096, 5 * _MIB // 4
+
+
 def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, itemsize: int,
                   interleave: int, kernel: Literal["fwd", "states", "bwd"],
-                  save_states: bool = False) -> int:
+                  save_states: bool = False, length: int = 0) -> int:
   """Scoped VMEM one grid step of `kernel` needs ("fwd": outputs, and with
   `save_states` the residual blocks too; "states": the VJP's first pass;
   "bwd").
@@ -94,7 +100,11 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
   forward with 16 heads 23.0 MiB at T = 4096; the estimate adds the blocks
   (half of them in the forward kernels) at every length. v5e/v6e need more
   for the backward (16 heads: over 32 MiB), which their larger `vmem_cap`
-  leaves room for.
+  leaves room for. Past T = 4096 (`length`, 0 if unknown) the backward's
+  scoped allocation grows by up to another MiB (tpu7x, C=64, 8 heads: 20.72 /
+  21.22 / 21.34 / 21.45 MiB at T = 4096 / 8192 / 32768 / 131072, over the
+  21 MiB cap from 8192 on; 4 heads: 17.44 / 17.31 MiB at 4096 / 131072), so
+  the backward estimate then adds `_LONG_BWD_HEADROOM`.
   """
   dim_k, dim_v = round_up(dim_k, 128), round_up(dim_v, 128)
   state = hv * dim_k * dim_v * 4
@@ -105,7 +115,8 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
   if kernel == "bwd":
     scratch = state + 4 * key + 3 * value + rows
     blocks = (4 * key + 3 * value) * itemsize // 4 + residuals
-    return scratch + 9 * (2 * key + value) // 4 + blocks + interleave * 10 * tile
+    long = _LONG_BWD_HEADROOM if length > _LONG_BWD_FROM else 0
+    return scratch + 9 * (2 * key + value) // 4 + blocks + interleave * 10 * tile + long
   values = 2 if kernel == "fwd" else 1
   scratch = state + 2 * key + values * value + rows
   blocks = (2 * key + values * value) * itemsize // 4
@@ -138,7 +149,7 @@ def _estimate(cfg: Config, sh: _Shapes, kind: str) -> int:
   return vmem_estimate(chunk=cfg.chunk_size, hv=sh.hv, hk=sh.hk, dim_k=sh.dim_k,
                        dim_v=sh.dim_v, itemsize=sh.itemsize,
                        interleave=_run_interleave(cfg.interleave, sh), kernel=kind,
-                       save_states=cfg.save_states)
+                       save_states=cfg.save_states, length=sh.length)
 
 
 def _fits(cfg: Config, sh: _Shapes, kind: str) -> bool:
