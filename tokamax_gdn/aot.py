@@ -63,6 +63,12 @@ def enable_cycle_estimates(dump_dir: str | None = None) -> str | None:
 
   Returns the dump folder, or None if libtpu was already initialised without
   it in this process (then `CompileReport.kernel_cycles` stays empty).
+
+  The dump changes what fits: with it XLA reserves VMEM of its own ("HLO
+  temp 46 MiB, 0% utilization" next to the GDN backward on tpu7x at T=1024
+  and 4096, which then fails with 65-67 of 64 MiB where it compiles without
+  the dump). Take cycles from short lengths (as the `aot` report does) and
+  judge VMEM and memory from compiles without it.
   """
   global _cycle_dir
   if _cycle_dir is not None:
