@@ -43,7 +43,6 @@ sc = importlib.util.module_from_spec(_sc_spec)
 _sc_spec.loader.exec_module(sc)
 from tokamax_gdn import config  # pylint: disable=g-import-not-at-top
 from tokamax_gdn import layers  # pylint: disable=g-import-not-at-top
-from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
 from tokamax_gdn.ops.causal_conv1d.api import causal_conv1d  # pylint: disable=g-import-not-at-top
 from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule  # pylint: disable=g-import-not-at-top
 from tokamax_gdn.testing.specs import rel_rms, tolerance  # pylint: disable=g-import-not-at-top
@@ -72,8 +71,11 @@ def segment_ids(b, t=T, seed=7):
   return jnp.asarray(np.cumsum(cuts, axis=1), jnp.int32)
 
 
-def compare_contract(got, want):
-  """Outputs (got[0]) within the f32 forward bound, gradients (got[1]) within the gradient bound."""
+def compare_contract(got, want, summed_tol=None):
+  """Outputs (got[0]) within the f32 forward bound, gradients (got[1]) within
+  the gradient bound; the gate parameters' gradients (sums over B·T) within
+  `summed_tol` when given (Pallas: `sharding_checks.PALLAS_SUMMED_TOL`, its
+  known d log-decay precision gap)."""
   errs, bad = {}, {}
   for part, grad in ((0, False), (1, True)):
     tol = tolerance(jnp.float32, grad=grad)
@@ -84,7 +86,8 @@ def compare_contract(got, want):
                             jax.tree.leaves(got[part])):
       name = ("out" if part == 0 else "grad") + jax.tree_util.keystr(path)
       errs[name] = rel_rms(g, w)
-      if not errs[name] <= tol:
+      bound = max(tol, summed_tol) if summed_tol and name.endswith(sc._SUMMED) else tol  # pylint: disable=protected-access
+      if not errs[name] <= bound:
         bad[name] = errs[name]
   if bad:
     raise AssertionError(f"context-parallel != unsharded: {bad} (all: {errs})")
@@ -102,14 +105,18 @@ def put(tree, mesh, specs):
   return jax.tree.map(place, specs, tree, is_leaf=lambda s: isinstance(s, P))
 
 
-def _run_cp(f_plain, f_cp, d, seg, cts, mesh, specs, seg_spec, out_specs):
+def _summed_tol(impl):
+  return sc.PALLAS_SUMMED_TOL if impl == "pallas_mosaic_tpu" else None
+
+
+def _run_cp(f_plain, f_cp, d, seg, cts, mesh, specs, seg_spec, out_specs, summed_tol=None):
   """(reference unsharded, impl under shard_map) forward+backward, compared."""
   want = jax.jit(functools.partial(sc.fwd_bwd, lambda d: f_plain(d, seg)))(d, cts)
   sm = jax.shard_map(f_cp, mesh=mesh, in_specs=(specs, seg_spec), out_specs=out_specs,
                      check_vma=False)
   ds, seg_s, cts_s = put((d, seg, cts), mesh, (specs, seg_spec, out_specs))
   got = jax.jit(functools.partial(sc.fwd_bwd, lambda d: sm(d, seg_s)))(ds, cts_s)
-  return compare_contract(got, want)
+  return compare_contract(got, want, summed_tol)
 
 
 # ------------------------------------------------------------------ GDN
@@ -142,11 +149,11 @@ def gdn_cp(impl, mesh_shape, names, *, b=2, hk=2, hv=8, segments=True, init=True
   with _interpret(impl):
     return _run_cp(functools.partial(gdn_call, impl="reference"),
                    functools.partial(gdn_call, impl=impl, axis="cp"), d, seg, cts, mesh,
-                   specs, P(data, "cp"), (row, P(data, model)))
+                   specs, P(data, "cp"), (row, P(data, model)), _summed_tol(impl))
 
 
 # One compile per check (the CI budget): the cp8 problem has two key heads, so
-# the transition call runs in two head groups; the 2x2x2 mesh shards batch,
+# the fold runs in two head groups; the 2x2x2 mesh shards batch,
 # heads and T at once (one key head per device: one group); the plain problem
 # (no segments, initial state or gate parameters) runs the reference; Pallas
 # runs interpreted on the smallest problem that still crosses boundaries.
@@ -164,9 +171,6 @@ def gdn_segment_states_cp(impl, mesh_shape, names, *, n_states=3):
   segments than N (the later ones start from zero), a device holding more
   than N segment starts, a row with a single segment (its other N-1 final
   states are zeros), segments crossing and starting at device boundaries."""
-  op = registry.get("gated_delta_rule", impl)
-  if not type(op).supports_segment_states:
-    return f"XFAIL: {impl} has no per-segment states yet (needed by each device's call)"
   mesh = make_mesh(mesh_shape, names)
   b, hk, hv = 4, 2, 4
   starts = (*_STARTS, (2, 4, 6, 8, 25), ())
@@ -184,11 +188,9 @@ def gdn_segment_states_cp(impl, mesh_shape, names, *, n_states=3):
   with _interpret(impl):
     return _run_cp(functools.partial(gdn_call, impl="reference"),
                    functools.partial(gdn_call, impl=impl, axis="cp"), d, seg, cts, mesh,
-                   specs, row, (row, P()))
+                   specs, row, (row, P()), _summed_tol(impl))
 
 
-# The reference has per-segment states on main; the others report XFAIL (at no
-# cost) until their `supports_segment_states` says so, then run.
 add("gdn_segment_states_reference_cp4",
     functools.partial(gdn_segment_states_cp, "reference", (4,), ("cp",)))
 add("gdn_segment_states_xla_cp4", functools.partial(gdn_segment_states_cp, "xla", (4,), ("cp",)))
@@ -317,14 +319,16 @@ add("causal_conv1d_pallas_mosaic_tpu_plain_jit_T_sharded",
 # ------------------------------------------------------------------ AOT
 # The CI case: K=V=128 (Qwen3-Next's head dims), GVA 1:2, bf16, B=1, two key
 # heads (two transition groups), CP=2, 1024 tokens per device: it shows that
-# CP Pallas GDN fwd+bwd compiles for tpu7x, in about a CPU-minute. Its memory
-# ratio means nothing (at this size the gathered maps outweigh the local
-# work), so the ratio is bounded only for the Qwen3-Next case, run with
-# CP_AOT_HEADS=16,32 CP_AOT_DEVICES=4 CP_AOT_T_LOCAL=2048 (README numbers).
-CP_AOT_HEADS = tuple(int(v) for v in os.environ.get("CP_AOT_HEADS", "2,4").split(","))
-CP_AOT_T_LOCAL = int(os.environ.get("CP_AOT_T_LOCAL", 1024))
-CP_AOT_DEVICES = int(os.environ.get("CP_AOT_DEVICES", 2))
-QWEN3_NEXT_HEADS, CP_AOT_MAX_RATIO = (16, 32), 1.3
+# CP Pallas GDN fwd+bwd at the long-context target: T=131072 over CP=4
+# (32768 tokens per chip), Qwen3-Next heads, compiled for tpu7x 2x2x1, its
+# per-device temp within CP_AOT_MAX_RATIO of the unsharded op's at T=32768
+# (both compiles: about 1.5 CPU-minutes). Other sizes through the environment
+# (the ratio is bounded only at Qwen3-Next's heads; at short local T the
+# gathered maps, fixed in size, are a larger part of it: 1.29 at 2048).
+CP_AOT_HEADS = tuple(int(v) for v in os.environ.get("CP_AOT_HEADS", "16,32").split(","))
+CP_AOT_T_LOCAL = int(os.environ.get("CP_AOT_T_LOCAL", 32768))
+CP_AOT_DEVICES = int(os.environ.get("CP_AOT_DEVICES", 4))
+QWEN3_NEXT_HEADS, CP_AOT_MAX_RATIO = (16, 32), 1.2
 
 
 def _gdn_aot_temp(mesh, t, axis):
@@ -358,9 +362,10 @@ def _gdn_aot_temp(mesh, t, axis):
 
 
 def gdn_pallas_cp_aot_tpu7x():
-  """CP fwd+bwd of the Pallas GDN compiles for tpu7x; at Qwen3-Next's heads its
-  per-device temp is within CP_AOT_MAX_RATIO of the unsharded op's on the
-  same local T."""
+  """CP fwd+bwd of the Pallas GDN compiles for tpu7x; at Qwen3-Next's heads
+  and 32768 tokens per chip or more its per-device temp is within
+  CP_AOT_MAX_RATIO of the unsharded op's on the same local T (other sizes:
+  the ratio is reported)."""
   from tokamax_gdn import aot  # pylint: disable=g-import-not-at-top
   p, t = CP_AOT_DEVICES, CP_AOT_T_LOCAL
   cp_temp = _gdn_aot_temp(aot.target_mesh("tpu7x", p, ("cp",)), p * t, "cp")
@@ -371,7 +376,7 @@ def gdn_pallas_cp_aot_tpu7x():
   one_temp = _gdn_aot_temp(aot.target_mesh("tpu7x", 1, ("x",)), t, None)
   ratio = cp_temp / one_temp
   detail += f"; unsharded T={t}: {one_temp / 2**20:.1f} MiB; ratio {ratio:.2f}"
-  if ratio > CP_AOT_MAX_RATIO:
+  if t >= 32768 and ratio > CP_AOT_MAX_RATIO:
     raise AssertionError(f"{detail} > {CP_AOT_MAX_RATIO}")
   return detail
 

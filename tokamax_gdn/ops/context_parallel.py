@@ -48,71 +48,81 @@ def shift_right(x, axis_name: str, size: int):
   return jax.lax.ppermute(x, axis_name, [(i, i + 1) for i in range(size - 1)])
 
 
-def one_backward_at_a_time(*calls):
-  """[fn(*args) for fn, args, recompute in calls], with the backward passes
-  run one at a time, last call first.
+def one_backward_at_a_time(shared, *calls):
+  """[fn(shared, extra) for fn, extra in calls], each call recomputed inside
+  its own backward step and the backward steps run one at a time, last call
+  first, accumulating the gradient of `shared` as they go.
 
   Autodiff leaves the backward passes of independent computations unordered,
   and XLA then runs them side by side, holding every set of transients at
   once (for the GDN op: the chunk states its VJP recomputes, 1 KiB per token
-  and head). Here each call's VJP starts from its residuals passed through an
-  optimization barrier together with the gradients of the call after it (for
-  the last call: with its own cotangents), so nothing of it, not even what it
-  recomputes from its residuals, can be scheduled earlier.
+  and head), and holds every call's gradient of the arguments they share
+  until it sums them. Here each call keeps only its arguments and runs its
+  forward again inside its backward step (as `jax.checkpoint`), so what it
+  builds from them (sliced or constant operands, the op's own residuals)
+  lives only there; that step waits, through an optimization barrier, for the
+  gradients of the call after it (for the last call: for its own cotangents,
+  else XLA would hoist the recomputation into the forward's tail); and its
+  gradient of `shared` is added to the running sum at once, so one set of
+  them is alive, not one per call.
 
-  A call with `recompute` keeps only its arguments and runs its forward again
-  inside its backward step (as `jax.checkpoint`), so what it builds from them
-  (sliced or constant operands, the op's own residuals) lives only there.
-  `fn`s are Python callables; the args pytrees may hold integer arrays (they
-  get no gradient) and None.
+  `fn`s are Python callables; `shared` and the `extra` pytrees may hold
+  integer arrays (they get no gradient) and None.
   """
-  static, floats, others = [], [], []
-  for fn, args, recompute in calls:
-    leaves, tree = jax.tree.flatten(args)
-    mask = tuple(bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact)) for x in leaves)
-    static.append((fn, tree, mask, bool(recompute)))
-    floats.append([x for x, m in zip(leaves, mask) if m])
-    others.append([x for x, m in zip(leaves, mask) if not m])
-  return _ordered(tuple(static), floats, others)
+  s_static, s_floats, s_others = _split(shared)
+  static, e_floats, e_others = [], [], []
+  for fn, extra in calls:
+    st, fl, ot = _split(extra)
+    static.append((fn, st))
+    e_floats.append(fl)
+    e_others.append(ot)
+  return _ordered((s_static, tuple(static)), s_floats, s_others, e_floats, e_others)
 
 
-def _vjp(static_one, floats, others):
-  fn, tree, mask, _ = static_one
+def _split(tree):
+  """(static (treedef, float mask), float leaves, other leaves) of a pytree."""
+  leaves, treedef = jax.tree.flatten(tree)
+  mask = tuple(bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact)) for x in leaves)
+  return ((treedef, mask), [x for x, m in zip(leaves, mask) if m],
+          [x for x, m in zip(leaves, mask) if not m])
 
-  def on_floats(floats):
-    it_f, it_o = iter(floats), iter(others)
-    return fn(*tree.unflatten([next(it_f) if m else next(it_o) for m in mask]))
 
-  return jax.vjp(on_floats, floats)
+def _join(static, floats, others):
+  (treedef, mask), it_f, it_o = static, iter(floats), iter(others)
+  return treedef.unflatten([next(it_f) if m else next(it_o) for m in mask])
+
+
+def _vjp(static, i, s_floats, s_others, e_floats, e_others):
+  """(call i's output, its VJP on (shared floats, its extra floats))."""
+  s_static, calls = static
+  fn, e_static = calls[i]
+  return jax.vjp(lambda sf, ef: fn(_join(s_static, sf, s_others), _join(e_static, ef, e_others)),
+                 s_floats, e_floats)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ordered(static, floats, others):
-  return [_vjp(*c)[0] for c in zip(static, floats, others)]
+def _ordered(static, s_floats, s_others, e_floats, e_others):
+  return [_vjp(static, i, s_floats, s_others, e_floats[i], e_others[i])[0]
+          for i in range(len(static[1]))]
 
 
-def _ordered_fwd(static, floats, others):
-  outs, residuals = [], []
-  for st, fl, ot in zip(static, floats, others):
-    out, vjp = _vjp(st, fl, ot)
-    outs.append(out)
-    residuals.append((fl, ot) if st[3] else vjp)
-  return outs, residuals
+def _ordered_fwd(static, s_floats, s_others, e_floats, e_others):
+  outs = _ordered(static, s_floats, s_others, e_floats, e_others)
+  return outs, (s_floats, s_others, e_floats, e_others)
 
 
 def _ordered_bwd(static, residuals, cts):
-  grads = [None] * len(static)
+  s_floats, s_others, e_floats, e_others = residuals
+  count = len(static[1])
+  e_grads, total = [None] * count, None
   gate = cts[-1]
-  for i in reversed(range(len(static))):
-    # The residuals wait for `gate`: the next call's gradients (or, for the
-    # last call, its own cotangents, else XLA would hoist what the VJP
-    # recomputes from residuals into the forward's tail).
-    res, ct, gate = jax.lax.optimization_barrier((residuals[i], cts[i], gate))
-    vjp = _vjp(static[i], *res)[1] if static[i][3] else res
-    (grads[i],) = vjp(ct)
-    gate = grads[i]
+  for i in reversed(range(count)):
+    sf, ef, ct, gate = jax.lax.optimization_barrier((s_floats, e_floats[i], cts[i], gate))
+    s_grads, e_grads[i] = _vjp(static, i, sf, s_others, ef, e_others[i])[1](ct)
+    total = s_grads if total is None else jax.tree.map(jnp.add, total, s_grads)
+    gate = (total, e_grads[i])
   # The integer leaves get no gradient.
-  return grads, [[None] * st[2].count(False) for st in static]
+  return (total, [None] * len(s_others), e_grads, [[None] * len(o) for o in e_others])
 
 
 _ordered.defvjp(_ordered_fwd, _ordered_bwd)

@@ -6,25 +6,21 @@ Per value head the recurrence is affine in the state, token by token:
 
 so device d's tokens map the state entering it, S_in, to
 
-  S_out = A S_in + B,   A = M_T ... M_1,  B = the local run's final state from zero,
+  S_out = A S_in + B,   A = M_T ... M_1,  B = the local run's final state from zero.
 
-and every local output is affine in S_in as well:
-
-  o_t = scale S_t^T q_t = o_t(0) + S_in^T r_t,   r_t = scale (M_t ... M_1)^T q_t.
-
-All of these come from THE OP ITSELF (whichever implementation), twice per
-device on the local tokens:
-  - the plain call from a zero state gives o(0) and B;
-  - a call with zero values [B, T, Hv, K] and initial state I_K gives r (its
-    outputs: scale S_t^T q_t with S_t = M_t...M_1) and A (its final state).
-    A segment starting inside the device resets that state, so A and r are 0
-    from there on: the chain is cut exactly as the unsharded op cuts it.
-Then one all_gather brings every device's (A, B) to every device, each device
-composes the P maps in sequence order (a scan of P small K x K @ K x V
-matmuls), takes the state entering it and adds S_in^T r_t to its outputs. The
-state entering device d is the caller's `initial_state` (or 0) for d = 0, and
-0 when a segment starts exactly at device d's first token (found from the
-neighbours' segment ids, one more tiny all_gather).
+Two passes over the local tokens, each made of calls of THE OP ITSELF
+(whichever implementation), around one exchange:
+  - the fold: a call with zero values [B, T, Hv, K] and initial state I_K
+    gives A (its final state); the plain call from a zero state gives B (its
+    final state). A segment starting inside the device resets the state, so A
+    is 0 from there on: the chain is cut exactly as the unsharded op cuts it.
+  - one all_gather brings every device's (A, B) to every device, each device
+    composes the P maps in sequence order (a scan of P small K x K @ K x V
+    matmuls) and takes the state entering it: the caller's `initial_state`
+    (or 0) for d = 0, and 0 when a segment starts exactly at device d's first
+    token (found from the neighbours' segment ids, one more tiny all_gather);
+  - the replay: the op from that state gives the outputs (and, per segment,
+    the end states of the segments that end here).
 
 Why all_gather + a local prefix rather than a ppermute chain: the chain needs
 P dependent collective steps (each device waits for its predecessor's state),
@@ -33,23 +29,29 @@ at P=4, 32 heads, K=V=128), is small next to the local work; the P-step
 prefix is a few hundred small matmuls, and computing it on every device also
 gives every device the final state: `final_state` is replicated over the axis.
 
-Why no replay of the local tokens from S_in (the other common design): the
-outputs are affine in S_in, so r_t carries all a replay would, and the two op
-calls have the local op's widths (V, and K for the transition) rather than
-one of width K+V plus a replay. Nothing keeps a per-chunk stack of A: the
-backward is autodiff through the above, each op call's analytical VJP inside
-(the gather's transpose hands each device the cotangent of its own (A, B)).
+Why a replay rather than a readout: the outputs are affine in S_in too,
+o_t = o_t(0) + S_in^T r_t with r_t = scale (M_t ... M_1)^T q_t (the transition
+call's outputs), which saves the replay's forward. But r and its cotangent
+are [T_local, Hv, K] each, kept from the forward to the backward: 1.27x the
+unsharded op's temp memory (tpu7x, Qwen3-Next heads, 2048 tokens per
+device), where the replay keeps what the unsharded op keeps.
 
-Memory. Left to itself XLA would run the two op backwards side by side, each
-with its recomputed chunk states (1 KiB per token and head at K=V=128, C=64):
-1.9x the temp memory of the unsharded op on the same local T. So the op
-backwards run one at a time (`context_parallel.one_backward_at_a_time`): the
-plain call's first, then the transition's, in two key-head groups when the
-local key heads split evenly, each recomputed inside its own backward step
-so that its zero values and head slices exist only there. What stays beyond
-the plain op's own is r and its cotangent ([T_local, Hv, K] each, value
-dtype) and O(P·Hv·K·(K+V)) for the gathered maps. Measured numbers: README,
-"Long context". The price is one more forward pass of the transition call.
+Memory. Nothing keeps a per-chunk stack of A: the backward is autodiff
+through the above, each op call's analytical VJP inside (the gather's
+transpose hands each device the cotangent of its own (A, B)). Left to itself
+XLA would run the op backwards side by side, each with its recomputed chunk
+states (1 KiB per token and head at K=V=128, C=64), and would hold every
+call's gradients until it sums them. So the fold's calls run in up to four
+key-head groups, keep only their arguments, run their forwards again inside
+their backward steps (as `jax.checkpoint`) and run their backwards one at a
+time (`context_parallel.one_backward_at_a_time`), each adding its gradients
+to one running sum, after the replay's backward (which needs their results).
+What stays beyond the unsharded op's own is that sum (one set of input
+gradients, during the fold's backward) and O(P·Hv·K·(K+V)) for the
+gathered maps. Measured numbers: README, "Long context". The price in compute: per device, the op's forward three times in
+the forward pass (transition, zero-state call, replay), and in the backward
+pass the fold's two forwards again plus three backwards, against one forward
+and one backward of the unsharded op on T/P tokens.
 
 Requirements: T divisible by the axis size (shard_map's even split; the
 local T need not be a multiple of any chunk size).
@@ -134,52 +136,70 @@ def gated_delta_rule(
   bounds = cp.boundaries(segment_ids, axis_name, size)
   first_segment, last_run = bounds.first_segment[index], bounds.last_run[index]   # [B]
 
-  def call(v, s0, q, k, g, beta, a_log, dt_bias, segment_ids):
+  def call(v, s0, q, k, g, beta, a_log, dt_bias, segment_ids, final=True):
     return registry.call(
         "gated_delta_rule", implementation, q, k, v, g, beta,
-        scale=scale, initial_state=s0, output_final_state=True,
+        scale=scale, initial_state=s0, output_final_state=final,
         use_qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
         segment_ids=segment_ids)
 
-  # The transition call runs in `groups` key-head groups (whole GVA groups),
-  # each recomputed inside its backward step, one backward at a time after
-  # the plain call's: its zero values, head slices and the transients of its
-  # backward (the recomputed chunk states above all) then live only there, at
-  # 1/groups of the plain call's size, instead of adding a second full set.
-  groups = 2 if hk % 2 == 0 else 1
+  def final_only(*args):
+    return call(*args)[1]
+
+  # The fold, in `groups` key-head groups (whole GVA groups): per group the
+  # transition call (zero values from I_K: A) and the zero-state call (B).
+  # Every fold call keeps only its arguments and is recomputed inside its own
+  # backward step, one backward at a time, each adding its gradient to one
+  # running sum: its zero values, head slices, outputs, gradients and the
+  # transients of its backward (the recomputed chunk states above all) then
+  # live only there, at 1/groups of the replay's size.
+  groups = next(d for d in (4, 2, 1) if hk % d == 0)
   rk, rv = hk // groups, hv // groups
 
-  def transition(i, q, k, g, beta, a_log, dt_bias, segment_ids):
-    kh, vh = slice(i * rk, (i + 1) * rk), slice(i * rv, (i + 1) * rv)
+  def group(i, x):
+    """Group i's value heads (x: [B, T, Hv, ...] arrays, [Hv] parameters)."""
+    if x is None:
+      return None
+    heads = slice(i * rv, (i + 1) * rv)
+    return x[heads] if x.ndim == 1 else x[:, :, heads]
+
+  def fold_call(i, v, s0, args):
+    q, k, g, beta, a_log, dt_bias, segment_ids = args
+    kh = slice(i * rk, (i + 1) * rk)
+    return final_only(v, s0, q[:, :, kh], k[:, :, kh], group(i, g), group(i, beta),
+                      group(i, a_log), group(i, dt_bias), segment_ids)
+
+  def transition(i, args, _):
     eye = jnp.eye(dk, dtype=jnp.float32)
     # Per-segment mode: one state slot, so that the result is the first local
     # segment's transition even when another segment follows it.
     eye = jnp.broadcast_to(eye, (b, 1, rv, dk, dk) if per_segment else (b, rv, dk, dk))
-    return call(jnp.zeros((b, t, rv, dk), value.dtype), eye,
-                q[:, :, kh], k[:, :, kh], g[:, :, vh], beta[:, :, vh],
-                None if a_log is None else a_log[vh],
-                None if dt_bias is None else dt_bias[vh], segment_ids)
+    return fold_call(i, jnp.zeros((b, t, rv, dk), value.dtype), eye, args[1:])
 
-  shared = (query, key, g, beta, a_log, dt_bias, segment_ids)
-  calls = [(functools.partial(transition, i), shared, True) for i in range(groups)]
+  def from_zero(i, args, s0):
+    """The state after the last local run, the first run started from zero
+    (per segment: every local run's end state, later runs from `s0`)."""
+    return fold_call(i, group(i, args[0]), s0, args[1:])
+
+  shared = (value, query, key, g, beta, a_log, dt_bias, segment_ids)
+  calls = [(functools.partial(transition, i), None) for i in range(groups)]
+  calls += [(functools.partial(from_zero, i), None) for i in range(groups)]
   if per_segment:
     # The segments starting on this device (local run j >= 1) start from their
-    # own states; the first local run's comes through the readout.
+    # own states; the first local run's state is the incoming one (slot 0).
     local = first_segment[:, None] + jnp.arange(n_states)
     local_states = jax.vmap(_states_at, in_axes=(None, 1), out_axes=1)(initial_state, local)
-    local_states = local_states.at[:, 0].set(0.0)
-    # The state after the last local run from zero, for the chain when that
-    # run is past the per-segment call's N (which then returns no state for it).
-    calls.append((lambda *a: call(*a)[1], (value, None, *shared), True))
-    calls.append((call, (value, local_states, *shared), False))
-    *parts, chain_map, (out_zero, run_ends) = cp.one_backward_at_a_time(*calls)
-  else:
-    calls.append((call, (value, None, *shared), False))
-    *parts, (out_zero, b_map) = cp.one_backward_at_a_time(*calls)
-  readout = jnp.concatenate([r for r, _ in parts], axis=2)
-  a_map = jnp.concatenate([a for _, a in parts], axis=-3)     # heads
-
+    local_states = local_states.astype(jnp.float32)
+    # Every local run's end state with the first one started from zero: the
+    # last run's, when it is one of the N, is this device's B.
+    zero_first = local_states.at[:, 0].set(0.0)
+    calls += [(functools.partial(from_zero, i), zero_first[:, :, i * rv:(i + 1) * rv])
+              for i in range(groups)]
+  maps = cp.one_backward_at_a_time(shared, *calls)
+  heads = lambda parts: jnp.concatenate(parts, axis=-3)
+  a_map, b_map = heads(maps[:groups]), heads(maps[groups:2 * groups])
   if per_segment:
+    chain_map, run_ends = b_map, heads(maps[2 * groups:])
     first_run_map = a_map[:, 0]          # the first local run's transition
     a_map = jnp.where((last_run == 0)[:, None, None, None], first_run_map, 0.0)
     # The last local run's end state: from the per-segment call when that run
@@ -196,14 +216,11 @@ def gated_delta_rule(
   a_all, b_all = cp.gather((a_map, b_map), axis_name)
   entering, final = _compose(a_all, b_all, bounds.resets, entry)
   s_in = entering[index]
-  if readout.dtype == jnp.float32:
-    carried = jnp.einsum("bthk,bhkv->bthv", readout, s_in, precision=_HIGHEST)
+  # The replay: the op on the local tokens from the state entering them.
+  if per_segment:
+    out, run_ends = call(value, local_states.at[:, 0].set(s_in), *shared[1:])
   else:
-    # Below float32 the contract is 2e-2: S_in rounded to the value dtype and
-    # the product kept in it (a float32 product would be a [T, Hv, V] float32
-    # temporary, and its cotangent another).
-    carried = jnp.einsum("bthk,bhkv->bthv", readout, s_in.astype(readout.dtype))
-  out = (out_zero.astype(jnp.float32) + carried.astype(jnp.float32)).astype(value.dtype)
+    out, _ = call(value, s_in, *shared[1:], final=False)
   if not output_final_state:
     return out, None
   if not per_segment:
@@ -211,8 +228,6 @@ def gated_delta_rule(
   # Each segment's end state, from the device where it ends: local run j is
   # global segment first_segment + j; it ends here if a later run follows it
   # here, or at the last device, or before a reset on the next one.
-  run_ends = run_ends.at[:, 0].add(
-      jnp.einsum("bhij,bhjv->bhiv", first_run_map, s_in, precision=_HIGHEST))
   ends_here = jnp.where(index == size - 1, True,
                         bounds.resets[jnp.minimum(index + 1, size - 1)])
   run = jnp.arange(n_states)[None, :] - first_segment[:, None]            # [B, N]
