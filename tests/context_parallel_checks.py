@@ -154,12 +154,14 @@ def gdn_cp(impl, mesh_shape, names, *, b=2, hk=2, hv=8, segments=True, init=True
 
 # One compile per check (the CI budget): the cp8 problem has two key heads, so
 # the fold runs in two head groups; the 2x2x2 mesh shards batch,
-# heads and T at once (one key head per device: one group); the plain problem
+# heads and T at once (one key head per device: one group), the 2x4 mesh heads
+# and T (the layer check has batch x T); the plain problem
 # (no segments, initial state or gate parameters) runs the reference; Pallas
 # runs interpreted on the smallest problem that still crosses boundaries.
 _MESH3 = ((2, 2, 2), ("data", "model", "cp"))
 add("gdn_xla_cp8", functools.partial(gdn_cp, "xla", (8,), ("cp",)))
 add("gdn_xla_batch2_x_heads2_x_cp2", functools.partial(gdn_cp, "xla", *_MESH3, b=4))
+add("gdn_xla_heads2_x_cp4", functools.partial(gdn_cp, "xla", (2, 4), ("model", "cp")))
 add("gdn_reference_cp4_plain", functools.partial(gdn_cp, "reference", (4,), ("cp",),
                                                  segments=False, init=False, gates=False))
 add("gdn_pallas_interpret_cp2", functools.partial(gdn_cp, "pallas_mosaic_tpu", (2,), ("cp",),
