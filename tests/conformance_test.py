@@ -1,6 +1,8 @@
 """Every registered (op, implementation) against `reference`, on every
 'conformance' spec the op declares. Registering an implementation adds it."""
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -52,7 +54,9 @@ def _inputs_and_expected(op_name, spec):
   key = (op_name, spec.name)
   if key not in _EXPECTED:
     ref = registry.get(op_name, "reference")
-    args, kwargs = spec.make(jax.random.key(hash(spec.name) % 2**31))
+    # A stable seed per spec (crc32, not hash(): that changes per process and
+    # made failures unreproducible).
+    args, kwargs = spec.make(jax.random.key(zlib.crc32(spec.name.encode()) % 2**31))
     diff, call = conf.split_diff(spec, ref, args, kwargs)
     _EXPECTED[key] = args, kwargs, diff, call, conf.loss_and_grads(ref, call, diff, _CT_KEY)
   return _EXPECTED[key]
@@ -64,11 +68,11 @@ def test_forward_and_vjp_match_reference(case):
   impl = registry.get(op_name, impl_name)
   args, kwargs, diff, call, (expected, expected_grads) = _inputs_and_expected(op_name, spec)
   tol_f = specs_lib.tolerance(conf.lowest_float_dtype(args, kwargs), grad=False)
-  tol_g = specs_lib.tolerance(conf.lowest_float_dtype(args, kwargs), grad=True)
   with conf.execution_context(impl_name):
     actual, grads = conf.loss_and_grads(impl, call, diff, _CT_KEY)
   conf.assert_close(actual, expected, tol_f, f"{op_name}/{impl_name} forward")
   for name in diff:
+    tol_g = specs_lib.grad_tolerance(conf.lowest_float_dtype(args, kwargs), impl_name, name)
     conf.assert_close(grads[name], expected_grads[name], tol_g,
                       f"{op_name}/{impl_name} d{name}")
 
