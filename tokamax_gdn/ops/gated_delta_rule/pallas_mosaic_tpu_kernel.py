@@ -750,15 +750,23 @@ def _call(kernel, st: _Static, seg: "_Segments | None", *, grid, in_specs, out_s
       compiler_params=params, interpret=interpret, name=name)(seg.code, *args)
 
 
-def _prepare(q, k, v, log_decay, beta, *, initial_state, segment_ids, chunk):
-  """Per-segment states: the inputs moved to the aligned layout, the states
-  with their zero slot, and the `_Segments`; otherwise the inputs as given."""
+def _prepare(q, k, v, log_decay, beta, *, initial_state, segment_ids, chunk, scale,
+             interleave, newton):
+  """(inputs, h0, starts, segments, static, number of chunks) of one kernel call.
+
+  Per-segment states: the inputs moved to the aligned layout, the states with
+  their zero slot, and the `_Segments`; otherwise the inputs as given."""
   if initial_state is None or initial_state.ndim != 5:
     starts = None if segment_ids is None else _starts(segment_ids)
-    return (q, k, v, log_decay, beta), initial_state, starts, None
-  seg = _Segments.build(segment_ids, initial_state.shape[1], chunk)
-  xs = tuple(map(seg.layout.to_aligned, (q, k, v, log_decay, beta)))
-  return xs, seg.with_zero_slot(initial_state), seg.starts(), seg
+    xs, h0, seg = (q, k, v, log_decay, beta), initial_state, None
+  else:
+    seg = _Segments.build(segment_ids, initial_state.shape[1], chunk)
+    xs = tuple(map(seg.layout.to_aligned, (q, k, v, log_decay, beta)))
+    h0, starts = seg.with_zero_slot(initial_state), seg.starts()
+  st = _static(xs[0], xs[2], scale=scale, chunk=chunk, interleave=interleave, newton=newton,
+               has_seg=starts is not None, has_h0=h0 is not None,
+               n_states=0 if seg is None else seg.n_states)
+  return xs, h0, starts, seg, st, -(-xs[0].shape[1] // chunk)
 
 
 def gdn_fwd(q, k, v, log_decay, beta, *, scale, initial_state=None, segment_ids=None,
@@ -776,14 +784,10 @@ def gdn_fwd(q, k, v, log_decay, beta, *, scale, initial_state=None, segment_ids=
   segment's end state [B, N, Hv, K, V], and the kernel then runs on the
   chunk-aligned layout (`_Segments`): NC counts its chunks.
   """
-  (q, k, v, log_decay, beta), h0, starts, seg = _prepare(
+  (q, k, v, log_decay, beta), h0, starts, seg, st, nc = _prepare(
       q, k, v, log_decay, beta, initial_state=initial_state, segment_ids=segment_ids,
-      chunk=chunk)
+      chunk=chunk, scale=scale, interleave=interleave, newton=newton)
   b, t = q.shape[:2]
-  st = _static(q, v, scale=scale, chunk=chunk, interleave=interleave, newton=newton,
-               has_seg=starts is not None, has_h0=h0 is not None,
-               n_states=0 if seg is None else seg.n_states)
-  nc = -(-t // chunk)
   args, in_specs = _common_inputs(q, k, v, log_decay, beta, starts, st, lambda i: i)
   state_spec = _state_spec(st, lambda i: i)
   if st.has_h0:
@@ -837,14 +841,10 @@ def gdn_bwd(q, k, v, log_decay, beta, d_out, d_final, *, scale, initial_state=No
         write_out=False, emit_residuals=True, interpret=interpret,
         vmem_limit_bytes=vmem_limit_bytes)
   t_in = q.shape[1]
-  (q, k, v, log_decay, beta), h0, starts, seg = _prepare(
+  (q, k, v, log_decay, beta), h0, starts, seg, st, nc = _prepare(
       q, k, v, log_decay, beta, initial_state=initial_state, segment_ids=segment_ids,
-      chunk=chunk)
+      chunk=chunk, scale=scale, interleave=interleave, newton=newton)
   b, t = q.shape[:2]
-  st = _static(q, v, scale=scale, chunk=chunk, interleave=interleave, newton=newton,
-               has_seg=starts is not None, has_h0=h0 is not None,
-               n_states=0 if seg is None else seg.n_states)
-  nc = -(-t // chunk)
   states, tmats = residuals
   if states.shape[1] != nc:
     raise ValueError(f"residuals for {states.shape[1]} chunks; this call has {nc}.")
