@@ -98,7 +98,7 @@ def _check(op_name, impl_name, case, key):
   grad_err = max(grad_errs.values())
   finite = all(bool(jnp.all(jnp.isfinite(x))) for x in leaves((out, grads)))
   ok = (finite and fwd_err <= specs_lib.tolerance(dtype, grad=False)
-        and all(e <= specs_lib.grad_tolerance(dtype, impl_name, n) for n, e in grad_errs.items()))
+        and grad_err <= specs_lib.tolerance(dtype, grad=True))
   return dict(op=op_name, implementation=impl_name, shape=shape,
               fwd_rel_rms=f"{fwd_err:.2e}", grad_rel_rms=f"{grad_err:.2e}",
               fwd_bwd_ms=f"{ms:.1f}", status="PASS" if ok else "FAIL")
