@@ -68,11 +68,11 @@ def test_forward_and_vjp_match_reference(case):
   impl = registry.get(op_name, impl_name)
   args, kwargs, diff, call, (expected, expected_grads) = _inputs_and_expected(op_name, spec)
   tol_f = specs_lib.tolerance(conf.lowest_float_dtype(args, kwargs), grad=False)
+  tol_g = specs_lib.tolerance(conf.lowest_float_dtype(args, kwargs), grad=True)
   with conf.execution_context(impl_name):
     actual, grads = conf.loss_and_grads(impl, call, diff, _CT_KEY)
   conf.assert_close(actual, expected, tol_f, f"{op_name}/{impl_name} forward")
   for name in diff:
-    tol_g = specs_lib.tolerance(conf.lowest_float_dtype(args, kwargs), grad=True)
     conf.assert_close(grads[name], expected_grads[name], tol_g,
                       f"{op_name}/{impl_name} d{name}")
 

@@ -311,11 +311,9 @@ add("causal_conv1d_pallas_mosaic_tpu_plain_jit_T_sharded",
 
 
 # ------------------------------------------------------------------ AOT
-# The CI case: K=V=128 (Qwen3-Next's head dims), GVA 1:2, bf16, B=1, two key
-# heads (two transition groups), CP=2, 1024 tokens per device: it shows that
-# CP Pallas GDN fwd+bwd at the long-context target: T=131072 over CP=4
-# (32768 tokens per chip), Qwen3-Next heads, compiled for tpu7x 2x2x1, its
-# per-device temp within CP_AOT_MAX_RATIO of the unsharded op's at T=32768
+# The CI case: CP Pallas GDN fwd+bwd at the long-context target, T=131072
+# over CP=4 (32768 tokens per chip), Qwen3-Next heads (K=V=128, bf16, B=1),
+# compiled for tpu7x 2x2x1, its per-device temp within CP_AOT_MAX_RATIO of the unsharded op's at T=32768
 # (both compiles: about 1.5 CPU-minutes). Other sizes through the environment
 # (the ratio is bounded only at Qwen3-Next's heads; at short local T the
 # gathered maps, fixed in size, are a larger part of it: 1.29 at 2048).

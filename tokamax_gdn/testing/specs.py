@@ -26,4 +26,3 @@ def tolerance(dtype, *, grad: bool) -> float:
   if jnp.dtype(dtype) == jnp.float32:
     return 2e-3 if grad else 2e-4
   return 2e-2
-

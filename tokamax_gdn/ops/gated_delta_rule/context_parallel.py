@@ -48,10 +48,11 @@ time (`context_parallel.one_backward_at_a_time`), each adding its gradients
 to one running sum, after the replay's backward (which needs their results).
 What stays beyond the unsharded op's own is that sum (one set of input
 gradients, during the fold's backward) and O(P·Hv·K·(K+V)) for the
-gathered maps. Measured numbers: README, "Long context". The price in compute: per device, the op's forward three times in
-the forward pass (transition, zero-state call, replay), and in the backward
-pass the fold's two forwards again plus three backwards, against one forward
-and one backward of the unsharded op on T/P tokens.
+gathered maps. Measured numbers: README, "Long context". The price in
+compute: per device, the op's forward three times in the forward pass
+(transition, zero-state call, replay), and in the backward pass the fold's
+two forwards again plus three backwards, against one forward and one
+backward of the unsharded op on T/P tokens.
 
 Requirements: T divisible by the axis size (shard_map's even split; the
 local T need not be a multiple of any chunk size).
@@ -157,7 +158,7 @@ def gated_delta_rule(
   rk, rv = hk // groups, hv // groups
 
   def group(i, x):
-    """Group i's value heads (x: [B, T, Hv, ...] arrays, [Hv] parameters)."""
+    """Group i's value heads (x: [B, T or N, Hv, ...] arrays, [Hv] parameters)."""
     if x is None:
       return None
     heads = slice(i * rv, (i + 1) * rv)
@@ -193,8 +194,7 @@ def gated_delta_rule(
     # Every local run's end state with the first one started from zero: the
     # last run's, when it is one of the N, is this device's B.
     zero_first = local_states.at[:, 0].set(0.0)
-    calls += [(functools.partial(from_zero, i), zero_first[:, :, i * rv:(i + 1) * rv])
-              for i in range(groups)]
+    calls += [(functools.partial(from_zero, i), group(i, zero_first)) for i in range(groups)]
   maps = cp.one_backward_at_a_time(shared, *calls)
   heads = lambda parts: jnp.concatenate(parts, axis=-3)
   a_map, b_map = heads(maps[:groups]), heads(maps[groups:2 * groups])
