@@ -231,17 +231,17 @@ def gamma_decay_in(gate_rows, masks, dim_k: int):
   return gamma, decay_in
 
 
-def rowsum_row(x):
+def rowsum_row(x, pieces=2):
   """Row sums of x (C×n f32) as a (1, C) row, by the MXU against ones (NT).
 
   A lane reduction on the vector units costs ~9 cycles per vreg; the MXU sums
-  exactly per bf16 piece, and two pieces (hi + lo) keep ~2⁻¹⁶ of each term.
+  exactly per bf16 piece: two pieces (hi + lo) keep ~2⁻¹⁶ of each term, three
+  all of it (for sums that must cancel against a float32 sum of the same terms).
   """
   c = x.shape[0]
-  hi, lo = split_bf16(x, 2)
   ones = jnp.ones((8, x.shape[1]), BF16)
-  y = _mm(ones, jnp.concatenate([hi, lo], 0), tb=True)   # (8, 2C)
-  return y[0:1, :c] + y[0:1, c:]
+  y = _mm(ones, jnp.concatenate(split_bf16(x, pieces), 0), tb=True)   # (8, pieces C)
+  return sum(y[0:1, p * c:(p + 1) * c] for p in range(pieces))
 
 
 # ----------------------------------------------------------------------------
@@ -477,7 +477,7 @@ def _bwd_kernel(*refs, st: _Static):
   states_ref, tm_ref, do_ref, dht_ref = (refs.pop(0) for _ in range(4))
   dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref = (refs.pop(0) for _ in range(6))
   (ds_scr, rows_scr, qh_scr, kh_scr, vh_scr, doh_scr, dq_scr, dk_scr, dv_scr,
-   dgr_scr, dbr_scr, dge_scr) = refs
+   dgr_scr, dbr_scr) = refs
   c, c_idx = st.chunk, pl.num_programs(1) - 1 - pl.program_id(1)
   dim_k, mm, passes = st.dim_k, st.mm, st.passes
 
@@ -496,9 +496,6 @@ def _bwd_kernel(*refs, st: _Static):
   for ref, scr in ((q_ref, qh_scr), (k_ref, kh_scr), (v_ref, vh_scr), (do_ref, doh_scr)):
     scr[...] = _tail_mask(_heads(ref), st, c_idx)
   lane = lax.broadcasted_iota(jnp.int32, (1, c), 1)
-  # [i >= t] at (t, i): summing rows i >= t of a C x C tile on the MXU.
-  suffix_rows = jnp.where(lax.broadcasted_iota(jnp.int32, (c, c), 1)
-                          >= lax.broadcasted_iota(jnp.int32, (c, c), 0), 1.0, 0.0).astype(BF16)
 
   def group(gi, carry):
     heads, kheads = _group_heads(st, gi)
@@ -571,16 +568,14 @@ def _bwd_kernel(*refs, st: _Static):
                                  + jnp.sum(d_p * pq[u], axis=0, keepdims=True)
                                  + d_kout * decay_out)
       dgr_scr[pl.ds(i, 1), :] = (
-          rowsum_row((d_xin[u][:, :dim_k] * k[ku] + dqw[u][:c] * q[ku]) * dins[u])
-          - d_dout + jnp.where(lane == c - 1, jnp.sum(d_dout) + d_lam, 0.0))
-      # dΓ ⊙ Γ's part of d_gcum is rowsum(e) − colsum(e), whose suffix sum at t
-      # is the sum of e over rows i >= t and columns j < t (the pairs inside
-      # [t, C) cancel): summed so, directly, it keeps no cancellation residue
-      # (a strongly decaying head's d g is tiny next to e). Two bf16 pieces of
-      # e (~2⁻¹⁶ of each term) at any input dtype: static estimate the same
-      # as one piece (tpu7x, T=512, C=64, 8 heads: 217 k vs 221 k cycles).
-      dge_scr[pl.ds(i, 1), :] = rowsum_row(
-          jnp.where(strict, mxu(suffix_rows, e, passes=3), 0.0))
+          # rowsum(e) − colsum(e) cancels in every suffix sum of d_gcum (all of
+          # e's pairs inside it): exact row sums, else the hi + lo truncation
+          # (~2⁻¹⁶ of e) is left in every token's dg, large next to a strongly
+          # decaying head's tiny true dg.
+          rowsum_row(e, pieces=3)
+          + rowsum_row((d_xin[u][:, :dim_k] * k[ku] + dqw[u][:c] * q[ku]) * dins[u])
+          - jnp.sum(e, axis=0, keepdims=True) - d_dout
+          + jnp.where(lane == c - 1, jnp.sum(d_dout) + d_lam, 0.0))
     for ku, j in kheads.items():
       dq_scr[j] = dq_acc[ku]
       dk_scr[j] = dk_acc[ku]
@@ -589,7 +584,7 @@ def _bwd_kernel(*refs, st: _Static):
   lax.fori_loop(0, st.hv // st.interleave, group, 0)
   starts = None if gate.run is None else _starts_row(gate)
   d_g = chunk_cumsum(dgr_scr[...], starts, reverse=True)
-  dg_ref[...] = (d_g[0] + d_g[1] + dge_scr[...]).T.astype(dg_ref.dtype)
+  dg_ref[...] = (d_g[0] + d_g[1]).T.astype(dg_ref.dtype)
   db_ref[...] = dbr_scr[...].T.astype(db_ref.dtype)
   for ref, scr in ((dq_ref, dq_scr), (dk_ref, dk_scr), (dv_ref, dv_scr)):
     ref[...] = pltpu.einshape("hcd->chd", scr[...]).astype(ref.dtype)
@@ -898,7 +893,7 @@ def gdn_bwd(q, k, v, log_decay, beta, d_out, d_final, *, scale, initial_state=No
       + _head_scratch(st, values=2)
       + [pltpu.VMEM((st.hk, chunk, st.dim_k), F32)] * 2
       + [pltpu.VMEM((st.hv, chunk, st.dim_v), F32)]
-      + [pltpu.VMEM((st.hv, chunk), F32)] * 3,
+      + [pltpu.VMEM((st.hv, chunk), F32)] * 2,
       vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, name="gdn_bwd", args=args)
   if seg is None:
     return tuple(grads)
