@@ -152,6 +152,20 @@ def test_per_segment_states_zero_tokens(impl):
   np.testing.assert_array_equal(grad, 0.0)
 
 
+def _assert_packed_equals_separate(op, lengths, *, n_states):
+  """`op` (a configured instance) on one row of packed segments, GVA 1:2,
+  qk-l2norm and gate parameters, against separate runs; returns (inputs,
+  segment ids)."""
+  diff, segment_ids, cts, want = _expected(lengths, n_states, 1, 2, True, True)
+  out, final, grads = _packed(op, diff, segment_ids, cts, True)
+  want_out, want_final, want_grads = want
+  tol, gtol = tolerance(jnp.float32, grad=False), tolerance(jnp.float32, grad=True)
+  assert rel_rms(out, want_out) <= tol and rel_rms(final, want_final) <= tol
+  for name, g in want_grads.items():
+    assert rel_rms(grads[name], g) <= gtol, name
+  return diff, segment_ids
+
+
 @pytest.mark.parametrize("chunk,block,vjp_block", [(16, 256, None), (32, 256, 512)])
 def test_xla_per_segment_states_over_several_blocks(chunk, block, vjp_block):
   """Aligned layouts longer than one block (segments crossing blocks, the
@@ -162,14 +176,7 @@ def test_xla_per_segment_states_over_several_blocks(chunk, block, vjp_block):
   op = op.replace(config=xla.Config(chunk_size=chunk, block_size=block),
                   vjp=op.vjp.replace(config=xla.Config(chunk_size=chunk,
                                                        block_size=vjp_block or block)))
-  lengths = ((100, 150, 7, 63),)
-  diff, segment_ids, cts, want = _expected(lengths, 3, 1, 2, True, True)
-  out, final, grads = _packed(op, diff, segment_ids, cts, True)
-  want_out, want_final, want_grads = want
-  tol, gtol = tolerance(jnp.float32, grad=False), tolerance(jnp.float32, grad=True)
-  assert rel_rms(out, want_out) <= tol and rel_rms(final, want_final) <= tol
-  for name, g in want_grads.items():
-    assert rel_rms(grads[name], g) <= gtol, name
+  _assert_packed_equals_separate(op, ((100, 150, 7, 63),), n_states=3)
 
 
 def test_pallas_per_segment_states_with_saved_residuals_at_c64():
@@ -181,13 +188,7 @@ def test_pallas_per_segment_states_with_saved_residuals_at_c64():
   op = registry.get(OP, "pallas_mosaic_tpu")
   op = op.replace(config=cfg, vjp=op.vjp.replace(config=cfg))
   lengths = ((64, 70, 2, 9, 5),)
-  diff, segment_ids, cts, want = _expected(lengths, 2, 1, 2, True, True)
-  out, final, grads = _packed(op, diff, segment_ids, cts, True)
-  want_out, want_final, want_grads = want
-  tol, gtol = tolerance(jnp.float32, grad=False), tolerance(jnp.float32, grad=True)
-  assert rel_rms(out, want_out) <= tol and rel_rms(final, want_final) <= tol
-  for name, g in want_grads.items():
-    assert rel_rms(grads[name], g) <= gtol, name
+  diff, segment_ids = _assert_packed_equals_separate(op, lengths, n_states=2)
   d = dict(diff)
   with h.context(op):
     _, residuals = jax.eval_shape(lambda d: op(
