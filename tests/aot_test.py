@@ -38,7 +38,7 @@ KERNELS = ("gdn_fwd", "gdn_fwd_states", "gdn_bwd")
 def _train_fn():
   """Value and gradients of the layer's GDN call: all three kernels, one compile."""
   forward, _ = workload.layer_fns(IMPL)
-  return jax.value_and_grad(lambda *xs: jnp.sum(forward(*xs).astype(jnp.float32)),
+  return jax.value_and_grad(lambda *xs: workload.step_loss(forward(*xs)),
                             argnums=tuple(range(7)))
 
 
@@ -80,6 +80,23 @@ def test_gdn_training_step_compiles_at_t32768():
   T=32768 (the finiteness itself is checked in interpret mode at T=4096 and
   for xla at T=32768 in tests/stress_test.py)."""
   _check_compiles("v6e", workload.LayerShape(b=1, t=32768, hk=2, hv=4, k=128, v=128))
+
+
+@pytest.mark.aot
+def test_the_measured_grad_program_keeps_the_forward_kernel():
+  """What `aot` and autotuning compile as "fwd+bwd" (`workload.layer_fns`)
+  must run the forward kernel, as a model's training step does; a loss that
+  does not use the outputs' values (sum(out)) loses it, and so must fail the
+  same check."""
+  mesh = aot.target_mesh("v6e")
+  args = workload.abstract_inputs(workload.LayerShape(b=1, t=128, hk=1, hv=2, k=128, v=128),
+                                  NamedSharding(mesh, P()))
+  forward, grad = workload.layer_fns(IMPL)
+  step = {name: 1 for name in KERNELS}
+  assert aot.compile_for("v6e", grad, *args, mesh=mesh).pallas_calls == step
+  plain_sum = jax.grad(lambda *xs: jnp.sum(forward(*xs).astype(jnp.float32)),
+                       argnums=tuple(range(7)))
+  assert aot.compile_for("v6e", plain_sum, *args, mesh=mesh).pallas_calls != step
 
 
 def test_roofline_formula_by_hand():

@@ -116,6 +116,8 @@ class CompileReport:
   argument_bytes: int
   output_bytes: int
   kernel_cycles: dict[str, int]
+  # Pallas kernels in the optimised program: name -> number of calls.
+  pallas_calls: dict[str, int] = dataclasses.field(default_factory=dict)
 
   def as_row(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -131,6 +133,23 @@ def _snapshot(d: str | None) -> dict[str, int]:
 def kernel_name(dump_name: str) -> str:
   """`gdn_fwd_scan.1_TPU v6 lite_...` (a dump file's stem) -> `gdn_fwd_scan`."""
   return re.sub(r"\.\d+$", "", re.sub(r"_TPU.*$", "", dump_name))
+
+
+_PALLAS_CALL = re.compile(r"^\s*(?:ROOT\s+)?%([\w-]+?)(?:\.\d+)?\s*=.*"
+                          r'custom_call_target="tpu_custom_call"', re.M)
+
+
+def pallas_calls(hlo_text: str) -> dict[str, int]:
+  """Pallas TPU kernels called in an (optimised) HLO module's text, by name.
+
+  A Pallas call's instruction is named after its kernel (`%gdn_fwd.1 =
+  custom-call(...)`). Counts what survives XLA's optimisations: a kernel
+  whose outputs are dead is gone from the compiled program.
+  """
+  out: dict[str, int] = {}
+  for name in _PALLAS_CALL.findall(hlo_text):
+    out[name] = out.get(name, 0) + 1
+  return out
 
 
 def _read_cycles(paths) -> dict[str, int]:
@@ -171,6 +190,7 @@ def compile_for(target: str, fn: Callable[..., Any], *arg_specs,
       output_bytes=int(getattr(mem, "output_size_in_bytes", 0)),
       kernel_cycles=_read_cycles(
           p for p, mtime in _snapshot(_cycle_dir).items() if before.get(p) != mtime),
+      pallas_calls=pallas_calls(compiled.as_text()),
   )
 
 

@@ -1,7 +1,8 @@
 """Static TPU report of the Pallas gated delta rule, compiled on CPU (`tokamax-gdn aot`).
 
 For one layer call (`ops.gated_delta_rule.workload`) and one TPU generation,
-per pass (forward, forward+backward):
+per pass (forward; forward+backward, the gradient of `workload.step_loss`,
+sum(out²), which keeps the forward kernel in the program as a training step does):
 - memory: temp / argument / output bytes;
 - cycles: the compiler's static estimate per Pallas kernel (names `gdn_*`), the
   XLA glue around them summed, and the total;
@@ -19,7 +20,7 @@ them (`tests/aot_test.py` checks this against a direct estimate), and the
 report gives the ratio of their totals. Memory comes from a compile at T
 itself, unless `full_length_memory=False`, which scales it too: temporaries
 do not grow linearly from short lengths, where XLA keeps more in VMEM
-(Qwen3-Next fwd+bwd on v6e: 18 MiB scaled from 512 vs 139 MiB at 4096). With
+(Qwen3-Next fwd+bwd on v6e: 18.5 MiB scaled from 512 vs 172 MiB at 4096). With
 `kda=True` tokamax's `kimi_delta_attention` (mosaic, the scalar gate broadcast
 over K, q/k repeated to Hv heads: it has no GVA) is compiled on the same
 shapes for comparison.
@@ -54,7 +55,7 @@ def _kda_fns(k_dim: int):
     return out
 
   def loss(*xs):
-    return jnp.sum(forward(*xs).astype(jnp.float32))
+    return workload.step_loss(forward(*xs))
 
   return forward, jax.grad(loss, argnums=tuple(range(5)))
 

@@ -1,5 +1,5 @@
 """Compiles the Pallas gated delta rule for a TPU generation on CPU and reports,
-per pass (fwd, fwd+bwd): memory, each Pallas kernel's static cycle estimate,
+per pass (fwd; fwd+bwd: the gradient of sum(out²), a real training step): memory, each Pallas kernel's static cycle estimate,
 the XLA glue (summed), the total, and the total over the roofline floor.
 
   tokamax-gdn aot --target v6e --model qwen3-next-80b-a3b --seq-len 4096 [--kda] [--json]
@@ -12,7 +12,7 @@ and its cycles are scaled to --seq-len (two lengths extrapolate along the line
 through them, "T2/T1" being the ratio of their totals); memory comes from a
 compile at --seq-len (`--scaled-memory` scales it from the short length
 instead: faster, but it underestimates, since XLA keeps more in VMEM at short
-lengths: 18 vs 139 MiB of temporaries for the Qwen3-Next fwd+bwd on v6e). The roofline floor is max(essential FLOPs / peak FLOP per cycle, minimal HBM bytes
+lengths: 18.5 vs 172 MiB of temporaries for the Qwen3-Next fwd+bwd on v6e). The roofline floor is max(essential FLOPs / peak FLOP per cycle, minimal HBM bytes
 / bytes per cycle), both peaks measured with the same estimator
 (`tokamax_gdn.config.TpuGeneration`). `--kda` adds tokamax's
 kimi_delta_attention on the same shapes. See `tokamax_gdn.benchmarks.gated_delta_rule_aot`.
