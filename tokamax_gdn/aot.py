@@ -118,6 +118,8 @@ class CompileReport:
   kernel_cycles: dict[str, int]
   # Pallas kernels in the optimised program: name -> number of calls.
   pallas_calls: dict[str, int] = dataclasses.field(default_factory=dict)
+  # Temporaries in host memory (what a remat policy offloads).
+  host_temp_bytes: int = 0
 
   def as_row(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -191,6 +193,7 @@ def compile_for(target: str, fn: Callable[..., Any], *arg_specs,
       kernel_cycles=_read_cycles(
           p for p, mtime in _snapshot(_cycle_dir).items() if before.get(p) != mtime),
       pallas_calls=pallas_calls(compiled.as_text()),
+      host_temp_bytes=int(getattr(mem, "host_temp_size_in_bytes", 0)),
   )
 
 

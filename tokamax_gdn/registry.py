@@ -8,7 +8,7 @@ conformance suite) by existing, with no list to edit; a name whose module does
 not exist is simply absent.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import importlib
 import importlib.util
 from typing import Any
@@ -100,10 +100,16 @@ def call(
     ValueError: for an unknown implementation name (before anything runs).
     ExceptionGroup: when every implementation raised NotImplementedError.
   """
+  return call_each(op_name, implementation, lambda impl: impl(*args, **kwargs))
+
+
+def call_each(op_name: str, implementation: Implementation, fn: Callable[[Any], Any]) -> Any:
+  """`fn(impl)` for the implementations in order, up to the first that does
+  not raise NotImplementedError (`call` with a caller's own way to call)."""
   errors = []
   for impl in resolve(op_name, implementation):
     try:
-      return impl(*args, **kwargs)
+      return fn(impl)
     except NotImplementedError as e:
       errors.append(e)
   raise ExceptionGroup(f"all implementations of {op_name} failed", errors)
@@ -119,4 +125,4 @@ def table() -> list[tuple[str, str, str, str]]:
   return rows
 
 
-__all__ = ["list_ops", "implementations", "get", "default_order", "resolve", "call", "table"]
+__all__ = ["list_ops", "implementations", "get", "default_order", "resolve", "call", "call_each", "table"]

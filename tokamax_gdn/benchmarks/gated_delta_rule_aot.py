@@ -60,13 +60,27 @@ def _kda_fns(k_dim: int):
   return forward, jax.grad(loss, argnums=tuple(range(5)))
 
 
+def remat_pass(policy: str) -> str:
+  """The pass name of fwd+bwd under `jax.checkpoint` with a remat policy."""
+  return f"fwd+bwd/{policy}"
+
+
+def _gdn_fn(pass_: str):
+  if pass_ == "fwd":
+    return workload.layer_fns("pallas_mosaic_tpu")[0]
+  policy = pass_.split("/", 1)[1] if "/" in pass_ else None
+  return workload.layer_fns("pallas_mosaic_tpu", policy)[1]
+
+
 def cases(mesh: Mesh, shape: dict[str, Any], kda: bool = False,
           passes: Sequence[str] = PASSES) -> list[aot.Case]:
-  """AOT cases "<impl>|<pass>" for `shape` (LayerShape fields; dtype by name)."""
+  """AOT cases "<impl>|<pass>" for `shape` (LayerShape fields; dtype by name).
+
+  Passes: "fwd", "fwd+bwd", and `remat_pass(policy)` (GDN only)."""
   s = workload.LayerShape(**shape)
   rep = NamedSharding(mesh, P())
-  gdn_fns = dict(zip(PASSES, workload.layer_fns("pallas_mosaic_tpu")))
-  out = [(f"{GDN}|{p}", gdn_fns[p], workload.abstract_inputs(s, rep)) for p in passes]
+  out = [(f"{GDN}|{p}", _gdn_fn(p), workload.abstract_inputs(s, rep)) for p in passes]
+  passes = [p for p in passes if p in PASSES]
   if kda:
     sds = lambda *dims: jax.ShapeDtypeStruct((s.hv, s.b, s.t) + dims, s.dtype, sharding=rep)
     kda_args = (sds(s.k), sds(s.k), sds(s.v), sds(), sds())
@@ -131,6 +145,7 @@ class PassReport:
   compiled: str                      # "ok" or the compile error
   memory_from: str = ""              # "T=<full>" or "T=<short> scaled"
   temp_bytes: int | None = None
+  host_temp_bytes: int | None = None  # offloaded to host (remat policies)
   argument_bytes: int | None = None
   output_bytes: int | None = None
   kernels: dict[str, int] = dataclasses.field(default_factory=dict)  # incl. GLUE
@@ -150,6 +165,7 @@ _CYCLE_BUILDER = "tokamax_gdn.benchmarks.gated_delta_rule_aot:cycle_cases"
 
 def report(target: str, s: workload.LayerShape, *, kda: bool = False,
            cycle_lengths: Sequence[int] = (512,), full_length_memory: bool = True,
+           remat_policies: Sequence[str] = (),
            timeout: float | None = 900) -> list[PassReport]:
   """Compiles and estimates every pass; see the module docstring.
 
@@ -158,12 +174,15 @@ def report(target: str, s: workload.LayerShape, *, kda: bool = False,
   T); cycles, and memory unless `full_length_memory`, are scaled from there
   to T (`extrapolate`). A pass whose child has no report (a libtpu abort) and
   every pass with `full_length_memory` get a compile at T in this process for
-  their memory. Empty `cycle_lengths`: memory at T only.
+  their memory. Empty `cycle_lengths`: memory at T only. `remat_policies`
+  add one fwd+bwd pass each under `jax.checkpoint` with that policy
+  (`workload.layer_fns`), with the bytes it offloads to host memory.
   """
   lengths = sorted({min(t, s.t) for t in cycle_lengths})
   shape = dict(dataclasses.asdict(s), dtype=jnp.dtype(s.dtype).name)
   mesh = aot.target_mesh(target)
-  labels = [label for label, _, _ in cases(mesh, shape, kda)]
+  passes = list(PASSES) + [remat_pass(p) for p in remat_policies]
+  labels = [label for label, _, _ in cases(mesh, shape, kda, passes)]
   estimates: dict[str, list[aot.ChildResult]] = {}
   if lengths:
     def in_child(label):
@@ -176,7 +195,7 @@ def report(target: str, s: workload.LayerShape, *, kda: bool = False,
         estimates[label] = [r for r in results if r.label.startswith(label + "|")]
   chunk = _chunk_size(s, mesh)
   reports = []
-  for label, fn, args in cases(mesh, shape, kda):
+  for label, fn, args in cases(mesh, shape, kda, passes):
     impl, pass_ = label.split("|")
     r = PassReport(impl, pass_, "ok")
     reports.append(r)
@@ -190,7 +209,7 @@ def report(target: str, s: workload.LayerShape, *, kda: bool = False,
       totals = [sum(x.values()) for x in split]
       r.scaling = totals[-1] / totals[0] if len(lengths) > 1 and totals[0] else None
       if not full_length_memory:
-        for field in ("temp_bytes", "argument_bytes", "output_bytes"):
+        for field in ("temp_bytes", "host_temp_bytes", "argument_bytes", "output_bytes"):
           values = [getattr(e.report, field) for e in est]
           setattr(r, field, round(extrapolate(values, lengths, s.t)))
         r.memory_from = f"T={lengths} scaled"
@@ -202,11 +221,12 @@ def report(target: str, s: workload.LayerShape, *, kda: bool = False,
         rep = aot.compile_for(target, fn, *args, mesh=mesh)
         r.temp_bytes, r.argument_bytes, r.output_bytes = (
             rep.temp_bytes, rep.argument_bytes, rep.output_bytes)
+        r.host_temp_bytes = rep.host_temp_bytes
         r.memory_from = f"T={s.t}"
       except Exception as e:  # pylint: disable=broad-exception-caught
         r.compiled = f"FAIL: {str(e).splitlines()[0][:160]}"
     if impl == GDN:
-      backward = pass_ == "fwd+bwd"
+      backward = pass_.startswith("fwd+bwd")
       r.flops = workload.essential_flops(s, chunk, backward=backward)
       r.hbm_bytes = workload.min_hbm_bytes(s, backward=backward)
       floor = aot.roofline_cycles(target, r.flops, r.hbm_bytes)

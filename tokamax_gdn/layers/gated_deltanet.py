@@ -26,12 +26,14 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 import yaml
 
 from tokamax_gdn import registry
 from tokamax_gdn.ops.causal_conv1d.api import causal_conv1d
+from tokamax_gdn.ops.gated_delta_rule import remat as gdn_remat
 from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule
 
 VARIANTS = ("qwen3_next", "qwen3_5")
@@ -367,6 +369,7 @@ def gated_deltanet(
     cache: GatedDeltaNetCache | None = None,
     return_cache: bool = False,
     context_parallel_axis: str | None = None,
+    named_residuals: bool = False,
 ):
   """The GatedDeltaNet block: x [B, T, hidden] -> y [B, T, hidden] (x's dtype).
 
@@ -388,6 +391,10 @@ def gated_deltanet(
       `gated_delta_rule`); the rest of the layer is per token. The returned
       cache is then the whole sequence's, on every device of the axis, and a
       given `cache` enters at the first token (pass it replicated).
+    named_residuals: passed to `gated_delta_rule`: its forward emits the
+      backward's residuals under `checkpoint_name`s for a `jax.checkpoint`
+      policy (`ops.gated_delta_rule.remat`). The conv output is always named
+      `gdn_conv_out`.
 
   Returns:
     y, or (y, cache) with `return_cache`.
@@ -412,6 +419,7 @@ def gated_deltanet(
       implementation=_implementations("causal_conv1d", implementation, cfg),
       context_parallel_axis=context_parallel_axis,
   )
+  qkv = checkpoint_name(qkv, gdn_remat.CONV_OUT)
   q = qkv[..., :cfg.key_dim].reshape(b, t, hk, dk)
   k = qkv[..., cfg.key_dim:2 * cfg.key_dim].reshape(b, t, hk, dk)
   v = qkv[..., 2 * cfg.key_dim:].reshape(b, t, hv, dv)
@@ -427,6 +435,7 @@ def gated_deltanet(
       segment_ids=segment_ids,
       implementation=_implementations("gated_delta_rule", implementation, cfg),
       context_parallel_axis=context_parallel_axis,
+      named_residuals=named_residuals,
   )
   o = gated_rmsnorm(o.astype(dtype), z.reshape(b, t, hv, dv),
                     params["norm_weight"].astype(dtype), cfg.rms_norm_eps)

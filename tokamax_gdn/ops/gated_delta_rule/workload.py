@@ -72,22 +72,36 @@ def step_loss(out: jax.Array) -> jax.Array:
   return jnp.sum(jnp.square(out.astype(jnp.float32)))
 
 
-def layer_fns(implementation):
+def layer_fns(implementation, remat_policy: str | None = None):
   """(forward, forward+backward) of the layer's call on `abstract_inputs`' arguments.
 
-  The backward is `jax.grad` of `step_loss(out)` with respect to all seven
-  inputs: the forward kernel, and everything the backward runs.
+  forward+backward is `jax.value_and_grad` of `step_loss(out)` with respect
+  to all seven inputs, as a training step takes them (the loss is reported):
+  the forward kernel, and everything the backward runs. With a
+  `remat_policy` ("recompute", "save_gdn", "offload_gdn"; see
+  `ops.gated_delta_rule.remat`) the call and the loss's square run under
+  `jax.checkpoint` with that policy, as a model's block runs (its output is
+  then internal to the region, and the square's VJP needs it, as the
+  layer's gated norm does), with named residuals unless "recompute".
   """
+  from tokamax_gdn.ops.gated_delta_rule import remat  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule  # pylint: disable=g-import-not-at-top
+  named = remat_policy not in (None, remat.RECOMPUTE)
 
   def forward(q, k, v, g, beta, a_log, dt_bias):
     return gated_delta_rule(q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias,
-                            use_qk_l2norm=True, implementation=implementation)[0]
+                            use_qk_l2norm=True, implementation=implementation,
+                            named_residuals=named)[0]
 
   def loss(*xs):
     return step_loss(forward(*xs))
 
-  return forward, jax.grad(loss, argnums=tuple(range(7)))
+  if remat_policy is not None:
+    squares = jax.checkpoint(lambda *xs: jnp.square(forward(*xs).astype(jnp.float32)),
+                             policy=remat.checkpoint_policy(remat_policy))
+    loss = lambda *xs: jnp.sum(squares(*xs))
+
+  return forward, jax.value_and_grad(loss, argnums=tuple(range(7)))
 
 
 def essential_flops(s: LayerShape, chunk: int, *, backward: bool) -> int:
