@@ -208,3 +208,35 @@ def test_aot_compiles_while_another_process_holds_libtpu():
     assert proc.stdout.split()[-1] == str(8 * 128 * 4)
   finally:
     holder.communicate("\n", timeout=60)
+
+
+@pytest.mark.aot
+def test_heads_over_one_tpu7x_chips_two_devices():
+  """tpu7x: JAX exposes each of a chip's two TensorCores as a device. The
+  layer's call with its heads split over the first two (one chip) by
+  shard_map compiles, each device runs all three kernels on its half, with
+  less memory than one device running every head."""
+  mesh = aot.target_mesh("tpu7x", 2)
+  assert len({tuple(d.coords) for d in mesh.devices.flat}) == 1   # one chip
+  shape = dict(b=1, t=256, hk=2, hv=4, k=128, v=128, dtype="bfloat16")
+  (label, fn, args), = report_lib.sharded_cases(mesh, shape, passes=["fwd+bwd"])
+  half = aot.compile_for("tpu7x", fn, *args, mesh=mesh)
+  (_, fn1, args1), = report_lib.sharded_cases(aot.target_mesh("tpu7x"), shape, ["fwd+bwd"])
+  whole = aot.compile_for("tpu7x", fn1, *args1)
+  assert half.pallas_calls == whole.pallas_calls == {name: 1 for name in KERNELS}, label
+  assert half.temp_bytes < whole.temp_bytes
+
+
+@pytest.mark.aot
+def test_each_kernel_alone_has_a_tpu7x_cycle_estimate():
+  """Where the whole step's estimate overflows tpu7x's VMEM (the cycle dump
+  reserves VMEM of its own), each kernel compiled alone at a lower scoped
+  limit gets one (the Qwen3-Next heads, all on one device)."""
+  shape = dict(b=1, t=256, hk=16, hv=32, k=128, v=128, dtype="bfloat16")
+  results = aot.compile_in_child("tpu7x", "tokamax_gdn.benchmarks.gated_delta_rule_aot:kernel_cases",
+                                 dict(shape=shape, vmem_limit_mib=19), timeout=600)
+  assert [r.label.split()[0] for r in results] == list(KERNELS)
+  for r in results:
+    assert r.report is not None, (r.label, r.error)
+    name = r.label.split()[0]
+    assert [c for n, c in r.report.kernel_cycles.items() if aot.kernel_name(n) == name][0] > 0

@@ -219,17 +219,20 @@ class ChildResult:
 
 
 def compile_in_child(target: str, builder: str, kwargs: dict[str, Any] | None = None, *,
-                     cycles: bool = True, timeout: float | None = None) -> list[ChildResult]:
+                     cycles: bool = True, timeout: float | None = None,
+                     num_devices: int = 1) -> list[ChildResult]:
   """Compiles, in a fresh Python process, the cases `builder` returns.
 
   Args:
     target: TPU generation (`config.TPU_GENERATIONS`).
     builder: "package.module:function", called there as
-      `function(mesh, **kwargs) -> [(label, fn, arg_specs)]` with a one-chip
-      mesh of `target`; the arguments should be placed on that mesh.
+      `function(mesh, **kwargs) -> [(label, fn, arg_specs)]` with a mesh
+      ("x") of the first `num_devices` devices of `target` (2 on tpu7x: the
+      two TensorCores of one chip); the arguments should be placed on it.
     kwargs: JSON-serialisable keyword arguments for the builder.
     cycles: turn the static cycle dump on in the child.
     timeout: seconds before the child is killed (its finished cases are kept).
+    num_devices: devices in the builder's mesh.
 
   Returns:
     One `ChildResult` per case, in the builder's order. A case that failed to
@@ -237,7 +240,8 @@ def compile_in_child(target: str, builder: str, kwargs: dict[str, Any] | None = 
     of the child (libtpu aborts on some compiles with the dump on) have the
     crash's reason.
   """
-  request = json.dumps(dict(target=target, builder=builder, kwargs=kwargs or {}, cycles=cycles))
+  request = json.dumps(dict(target=target, builder=builder, kwargs=kwargs or {}, cycles=cycles,
+                            num_devices=num_devices))
   cmd = [sys.executable, "-c", "from tokamax_gdn import aot; aot._child_main()"]
   env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
   try:
@@ -283,7 +287,7 @@ def _child_main() -> None:
     enable_cycle_estimates()
   module, function = request["builder"].split(":")
   builder = getattr(importlib.import_module(module), function)
-  mesh = target_mesh(request["target"])
+  mesh = target_mesh(request["target"], request["num_devices"])
   cases = builder(mesh, **request["kwargs"])
 
   def emit(msg):

@@ -235,3 +235,92 @@ def report(target: str, s: workload.LayerShape, *, kda: bool = False,
       if r.total_cycles:
         r.total_over_floor = r.total_cycles / r.floor_cycles
   return reports
+
+
+# ------------------------------------------------------------ kernels alone
+def kernel_cases(mesh: Mesh, shape: dict[str, Any],
+                 vmem_limit_mib: int | None = None) -> list[aot.Case]:
+  """The three GDN kernels of a training step, each compiled alone ("gdn_fwd",
+  "gdn_fwd_states", "gdn_bwd" with its residuals as inputs), on the prepared
+  inputs of the layer's call, with the configs the op picks for `shape`.
+
+  For per-kernel cycles where the whole step's estimate does not compile:
+  with the cycle dump on, XLA reserves VMEM of its own next to the kernel
+  (`aot.enable_cycle_estimates`), and tpu7x's backward at its 21 MiB scoped
+  limit then overflows (65.3 of 63.9 MiB at T=512). `vmem_limit_mib` lowers
+  every kernel's scoped limit (19 fits there); it bounds the kernel's VMEM,
+  it does not change its code, so the estimate is the kernel's own.
+  """
+  from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu as pallas  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as kernel  # pylint: disable=g-import-not-at-top
+  s = workload.LayerShape(**shape)
+  args = workload.abstract_inputs(s)
+  op = registry.get("gated_delta_rule", "pallas_mosaic_tpu")
+  with aot.on_target(mesh):
+    ba = op.bind(*args[:5], a_log=args[5], dt_bias=args[6], use_qk_l2norm=True)
+    fwd_cfg = ba.default_config
+    bwd_cfg = pallas._heuristics(ba, backward=True)   # pylint: disable=protected-access
+    states_cfg = pallas._states_config(bwd_cfg, pallas._shapes(ba))   # pylint: disable=protected-access
+  sds = lambda dims, dtype: aot.spec(mesh, dims, dtype)
+  dtype, f32 = jnp.dtype(s.dtype), jnp.float32
+  q, v = sds((s.b, s.t, s.hk, s.k), dtype), sds((s.b, s.t, s.hv, s.v), dtype)
+  g, beta = sds((s.b, s.t, s.hv), f32), sds((s.b, s.t, s.hv), dtype)
+  c = bwd_cfg.chunk_size
+  nc = -(-s.t // c)
+  states = sds((s.b, nc, s.hv, s.k, s.v), dtype)
+  tmats = sds((s.b, nc, s.hv, c, c), dtype)
+  scale = s.k ** -0.5
+
+  def kwargs(cfg):
+    with aot.on_target(mesh):
+      out = pallas._kernel_args(cfg, q, v, False)   # pylint: disable=protected-access
+    if vmem_limit_mib:
+      out["vmem_limit_bytes"] = vmem_limit_mib << 20
+    return out
+
+  def fwd(q, k, v, g, beta):
+    return kernel.gdn_fwd(q, k, v, g, beta, scale=scale, **kwargs(fwd_cfg))[:2]
+
+  def states_pass(q, k, v, g, beta):
+    return kernel.gdn_fwd(q, k, v, g, beta, scale=scale, write_out=False,
+                          emit_residuals=True, **kwargs(states_cfg))[2]
+
+  def bwd(q, k, v, g, beta, d_out, states, tmats):
+    return kernel.gdn_bwd(q, k, v, g, beta, d_out, None, scale=scale,
+                          residuals=(states, tmats), **kwargs(bwd_cfg))
+
+  label = lambda name, cfg: f"{name} C={cfg.chunk_size} interleave={cfg.interleave}"
+  return [(label("gdn_fwd", fwd_cfg), fwd, [q, q, v, g, beta]),
+          (label("gdn_fwd_states", states_cfg), states_pass, [q, q, v, g, beta]),
+          (label("gdn_bwd", bwd_cfg), bwd, [q, q, v, g, beta, v, states, tmats])]
+
+
+# ------------------------------------------------------------ heads over devices
+def sharded_cases(mesh: Mesh, shape: dict[str, Any],
+                  passes: Sequence[str] = PASSES) -> list[aot.Case]:
+  """The layer's call with its heads split over `mesh`'s "x" devices by
+  `jax.shard_map` (each device: Hk/n key heads with their value heads), as a
+  user on one tpu7x chip runs it over the chip's two devices (JAX exposes
+  each TensorCore as a device; a "parallel" grid axis never splits across
+  them). The compiled program is one device's: its memory and cycles are
+  per device. fwd+bwd: value and gradients of `workload.step_loss`, the loss
+  summed over the devices."""
+  s = workload.LayerShape(**shape)
+  n = mesh.devices.size
+  if s.hk % n:
+    raise ValueError(f"{s.hk} key heads do not split over {n} devices")
+  heads, vec = P(None, None, "x"), P("x")
+  in_specs = (heads,) * 5 + (vec, vec)
+  forward, step = workload.layer_fns("pallas_mosaic_tpu")
+
+  def local_step(*xs):
+    loss, grads = step(*xs)
+    return jax.lax.psum(loss, "x"), grads
+
+  fns = {"fwd": jax.shard_map(forward, mesh=mesh, in_specs=in_specs, out_specs=heads,
+                              check_vma=False),
+         "fwd+bwd": jax.shard_map(local_step, mesh=mesh, in_specs=in_specs,
+                                  out_specs=(P(), in_specs), check_vma=False)}
+  args = [aot.spec(mesh, x.shape, x.dtype, spec)
+          for x, spec in zip(workload.abstract_inputs(s), in_specs)]
+  return [(f"{GDN}|{p}|{n} devices", fns[p], args) for p in passes]
