@@ -267,7 +267,7 @@ _CHECK_INSTALLED = textwrap.dedent("""
                        default=ba.default_config.chunk_size))
     from tokamax_gdn.layers import presets
     print(json.dumps(dict(package=str(pkg),
-                          tiny_preset=str(presets.preset_path("qwen3.5-tiny")),
+                          tiny_preset=str(presets.preset_file("qwen3.5-tiny")),
                           files=[p.relative_to(autotuning.package_dir()).as_posix()
                                  for p in autotuning.shipped_files()],
                           rows=rows)))
