@@ -23,15 +23,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import pytest
 
 from tokamax_gdn import aot
-from tokamax_gdn import autotuning
 from tokamax_gdn import cli
 from tokamax_gdn import config
+from tokamax_gdn import registry
 from tokamax_gdn.benchmarks import gated_delta_rule_aot as report_lib
 from tokamax_gdn.ops.gated_delta_rule import workload
 
 IMPL = "pallas_mosaic_tpu"
 QWEN = [workload.layer_shape(s.abstract()[0])
-        for s in autotuning.arg_specs("gated_delta_rule", "aot")]
+        for s in registry.arg_specs("gated_delta_rule", "aot")]
 KERNELS = ("gdn_fwd", "gdn_fwd_states", "gdn_bwd")
 
 

@@ -57,8 +57,8 @@ def gdn_shape(args: argparse.Namespace):
 
 def select_specs(op_name: str, names: str | None, tag: str) -> list:
   """The op's ArgSpecs named in `names` (comma-separated), else those tagged `tag`."""
-  from tokamax_gdn import autotuning  # pylint: disable=g-import-not-at-top
-  every = autotuning.arg_specs(op_name)
+  from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
+  every = registry.arg_specs(op_name)
   if names:
     by_name = {s.name: s for s in every}
     unknown = [n for n in names.split(",") if n not in by_name]
