@@ -41,6 +41,7 @@ from tokamax_gdn.layers.gated_deltanet import in_projection, out_projection  # p
 from tokamax_gdn.models import blocks
 from tokamax_gdn.models import decoder
 from tokamax_gdn.models.config import ModelConfig
+from tokamax_gdn.ops.causal_conv1d_gated_delta_rule.api import causal_conv1d_gated_delta_rule
 
 SERVING_OP = "causal_conv1d_gated_delta_rule"
 NULL_SLOT = 0
@@ -119,18 +120,14 @@ def _layout(lengths, num_tokens, query_start_loc, state_indices, distribution) -
 def _gdn_block(p, h, pools, lay: _Layout, cfg: ModelConfig, implementation):
   """The GatedDeltaNet mixer on ragged tokens h [N, hidden] through the
   serving op: the layer's own projections around it."""
-  # pylint: disable-next=g-import-not-at-top
-  from tokamax._src.ops.causal_conv1d_gated_delta_rule import api as tokamax_serving
   g = cfg.gdn
   qkv, z, b, a = in_projection(p, h, g)
-  op = tokamax_serving.IMPLEMENTATIONS["xla"]
-  del implementation
-  (conv_state, recurrent_state), o = op(
+  (conv_state, recurrent_state), o = causal_conv1d_gated_delta_rule(
       qkv, b, a, *pools, p["conv_weight"].astype(h.dtype)[:, None, :], None,
       p["a_log"].astype(jnp.float32), p["dt_bias"].astype(jnp.float32),
       lay.query_start_loc, lay.state_indices, lay.distribution, lay.seq_lens,
       n_kq=g.num_k_heads, n_v=g.num_v_heads, d_k=g.head_k_dim, d_v=g.head_v_dim,
-      kernel_size=g.conv_kernel_size)
+      kernel_size=g.conv_kernel_size, implementation=implementation)
   o = o.reshape(h.shape[0], g.num_v_heads, g.head_v_dim)
   return out_projection(p, o, z, g), (conv_state, recurrent_state)
 
