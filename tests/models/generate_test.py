@@ -11,7 +11,7 @@ import pytest
 
 from tokamax_gdn import layers
 from tokamax_gdn import models
-from tokamax_gdn.models.generate import Cache, generate, init_cache, step  # pylint: disable=g-multiple-import
+from tokamax_gdn.models.generate import GenerationCache, generate, init_cache, step  # pylint: disable=g-multiple-import
 from tokamax_gdn.testing.specs import rel_rms, tolerance
 
 GDN = layers.GatedDeltaNetConfig(hidden_size=32, num_k_heads=2, num_v_heads=4, head_k_dim=16,
@@ -95,7 +95,7 @@ def test_step_mixed_continuation_and_padding():
   tokens2 = np.concatenate([seqs[0][5:6], seqs[1][4:8], seqs[2]])
   logits2, cache = step(params, cache, tokens2, [0, 1, 5, 8, 8], [1, 3, 2, 0], [1, 2, 3],
                         CFG, implementation="xla")
-  assert isinstance(cache, Cache)
+  assert isinstance(cache, GenerationCache)
   np.testing.assert_array_equal(np.asarray(cache.lengths)[1:4], [6, 3, 8])
   want = _forward(params, seqs, "xla")
   got = [jnp.concatenate([logits1[0:5], logits2[0:1]]),

@@ -26,7 +26,8 @@ def test_generated_answers_are_forward_predictions_in_their_own_context():
   params = jax.tree_util.tree_map_with_path(
       lambda path, a: 20 * a if "proj" in str(path[-1]) else a,
       init_params(jax.random.key(0), TOY))
-  tokens, _, _ = TASK.batch(jax.random.fold_in(jax.random.key(1), 0), 8)  # generated_recall's batch 0
+  # generated_recall's batch 0 below:
+  tokens, _, _ = TASK.batch(jax.random.fold_in(jax.random.key(1), 0), 8)
   answers = np.asarray(recall.generated_answers(params, tokens, TOY, TASK, implementation="xla"))
   assert answers.shape == (8, TASK.num_queries)
   at = 2 * TASK.num_pairs + 1 + 2 * np.arange(TASK.num_queries)     # answer positions

@@ -8,7 +8,7 @@ Each call is one `step` on a ragged batch in the serving op's layout
 (`tokamax_gdn.causal_conv1d_gated_delta_rule`): request r owns tokens
 [query_start_loc[r], query_start_loc[r+1]) and pool slot state_indices[r];
 distribution = [decode_end, prefill_end, mixed_end], requests past mixed_end
-are padding. A `Cache` holds what requests carry from call to call:
+are padding. A `GenerationCache` holds what requests carry from call to call:
 
   gdn      per GDN block, a conv pool [slots, W-1, conv_dim] and a recurrent
            pool [slots, Hv, K, V], updated by the serving op (it continues a
@@ -47,7 +47,7 @@ SERVING_OP = "causal_conv1d_gated_delta_rule"
 NULL_SLOT = 0
 
 
-class Cache(NamedTuple):
+class GenerationCache(NamedTuple):
   """The state of every request slot (a pytree; see the module docstring).
 
   gdn: one (conv_state, recurrent_state) pool pair per GDN block, in block
@@ -66,7 +66,7 @@ class Cache(NamedTuple):
 
 
 def init_cache(cfg: ModelConfig, slots: int, max_len: int, dtype=jnp.float32,
-               state_dtype=jnp.float32) -> Cache:
+               state_dtype=jnp.float32) -> GenerationCache:
   """Empty pools for `slots` slots (slot 0 included) and `max_len` positions.
 
   `dtype`: the activations' (conv pools and KV cache); `state_dtype`: the
@@ -84,7 +84,7 @@ def init_cache(cfg: ModelConfig, slots: int, max_len: int, dtype=jnp.float32,
               for _ in range(num_gdn))
   kv_shape = (slots, max_len, cfg.num_key_value_heads, cfg.head_dim)
   kv = tuple((jnp.zeros(kv_shape, dtype), jnp.zeros(kv_shape, dtype)) for _ in range(num_attn))
-  return Cache(gdn=gdn, kv=kv, lengths=jnp.zeros((slots,), jnp.int32))
+  return GenerationCache(gdn=gdn, kv=kv, lengths=jnp.zeros((slots,), jnp.int32))
 
 
 class _Layout(NamedTuple):
@@ -153,8 +153,8 @@ def _attention_block(p, h, kv, lay: _Layout, cfg: ModelConfig):
   return blocks.matmul(o.astype(h.dtype).reshape(n, heads * d), p["o_proj"]), (keys, values)
 
 
-def _step(params, cache: Cache, tokens, query_start_loc, state_indices, distribution, *,
-          cfg: ModelConfig, serving_impl, gmm_impl, dtype):
+def _step(params, cache: GenerationCache, tokens, query_start_loc, state_indices,
+          distribution, *, cfg: ModelConfig, serving_impl, gmm_impl, dtype):
   lay = _layout(cache.lengths, tokens.shape[0], query_start_loc, state_indices, distribution)
   dtype = jnp.dtype(dtype or params["embed"].dtype)
   x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)
@@ -178,7 +178,7 @@ def _step(params, cache: Cache, tokens, query_start_loc, state_indices, distribu
   head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
   logits = jnp.matmul(x, head.astype(dtype), preferred_element_type=jnp.float32)
   lengths = cache.lengths.at[state_indices].add(lay.query_lens)
-  return logits, Cache(tuple(gdn_pools), tuple(kv), lengths)
+  return logits, GenerationCache(tuple(gdn_pools), tuple(kv), lengths)
 
 
 _jit_step = jax.jit(_step, static_argnames=("cfg", "serving_impl", "gmm_impl", "dtype"),
@@ -192,9 +192,9 @@ def _static(implementation):
   return tuple(implementation)
 
 
-def step(params, cache: Cache, tokens: jax.Array, query_start_loc: jax.Array,
+def step(params, cache: GenerationCache, tokens: jax.Array, query_start_loc: jax.Array,
          state_indices: jax.Array, distribution: jax.Array, cfg: ModelConfig, *,
-         implementation=None, dtype=None) -> tuple[jax.Array, Cache]:
+         implementation=None, dtype=None) -> tuple[jax.Array, GenerationCache]:
   """One ragged call: new tokens [N] of R requests -> (logits [N, V] float32, cache).
 
   The layout is the serving op's (module docstring): request r's tokens
