@@ -120,6 +120,12 @@ def test_generate_bad_inputs(prompts, kw, match):
     generate(None, prompts, CFG, **kw)
 
 
+def test_step_bad_layout():
+  cache = init_cache(CFG, slots=3, max_len=4)
+  with pytest.raises(ValueError, match="query_start_loc"):
+    step(None, cache, [1, 2], [0, 2], [1, 2], [0, 2, 2], CFG)
+
+
 def test_init_cache_bad_inputs():
   with pytest.raises(ValueError, match="null slot"):
     init_cache(CFG, slots=1, max_len=4)

@@ -207,9 +207,17 @@ def step(params, cache: GenerationCache, tokens: jax.Array, query_start_loc: jax
       {op name: that} ("causal_conv1d_gated_delta_rule", "gmm").
     dtype: activation dtype (default: the embedding's).
   """
+  tokens, query_start_loc, state_indices, distribution = (
+      jnp.asarray(a, jnp.int32) for a in (tokens, query_start_loc, state_indices, distribution))
+  r = state_indices.shape[0] if state_indices.ndim == 1 else -1
+  if (tokens.ndim != 1 or r < 1 or query_start_loc.shape != (r + 1,)
+      or distribution.shape != (3,)):
+    raise ValueError(
+        f"Expected tokens [N], query_start_loc [R + 1], state_indices [R] and distribution [3];"
+        f" got shapes {tuple(tokens.shape)}, {tuple(query_start_loc.shape)},"
+        f" {tuple(state_indices.shape)}, {tuple(distribution.shape)}.")
   return _jit_step(
-      params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(query_start_loc, jnp.int32),
-      jnp.asarray(state_indices, jnp.int32), jnp.asarray(distribution, jnp.int32), cfg=cfg,
+      params, cache, tokens, query_start_loc, state_indices, distribution, cfg=cfg,
       serving_impl=_static(decoder.op_implementation(implementation, SERVING_OP)),
       gmm_impl=_static(decoder.op_implementation(implementation, "gmm")),
       dtype=None if dtype is None else jnp.dtype(dtype))
