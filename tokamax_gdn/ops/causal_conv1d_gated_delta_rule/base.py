@@ -50,7 +50,7 @@ from tokamax._src.ops import op
 
 from tokamax_gdn.autotuning import ShippedAutotuningCacheMixin
 from tokamax_gdn.ops import checks
-from tokamax_gdn.ops.gated_delta_rule import base as gdn_base
+from tokamax_gdn.ops.gated_delta_rule import prologue as gdn_base
 
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
 # ((new_conv_state, new_recurrent_state), out)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import base
-from tokamax_gdn.ops.gated_delta_rule import base as gdn_base
+from tokamax_gdn.ops.gated_delta_rule import prologue as gdn_base
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

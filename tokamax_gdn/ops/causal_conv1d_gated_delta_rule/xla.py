@@ -37,7 +37,7 @@ from tokamax._src.ops import op
 from typing_extensions import override
 
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import base
-from tokamax_gdn.ops.gated_delta_rule import base as gdn_base
+from tokamax_gdn.ops.gated_delta_rule import prologue as gdn_base
 from tokamax_gdn.ops.gated_delta_rule import xla_chunked_kernel as kernel
 
 _F32 = jnp.float32
