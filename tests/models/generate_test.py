@@ -88,8 +88,11 @@ def test_step_mixed_continuation_and_padding():
   # and 3 (the pools there are not zero: a fresh request must not read them);
   # request 2 is padding (null slot); 2 padding tokens at the end.
   tokens1 = np.concatenate([seqs[0][:5], seqs[1][:4], [0, 0]])
+  before = cache
   logits1, cache = step(params, cache, tokens1, [0, 5, 9, 9], [1, 3, 0], [0, 2, 2], CFG,
                         implementation="xla")
+  # Donated: the pools and KV arrays passed in are given up to the outputs.
+  assert all(a.is_deleted() for a in jax.tree.leaves(before))
   # Call 2: request 0 decodes token 5, request 1 continues with tokens 4..7,
   # request 2 starts in slot 2; then a padding request.
   tokens2 = np.concatenate([seqs[0][5:6], seqs[1][4:8], seqs[2]])
