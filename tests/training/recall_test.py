@@ -28,12 +28,12 @@ def test_generated_answers_are_forward_predictions_in_their_own_context():
       init_params(jax.random.key(0), TOY))
   # generated_recall's batch 0 below:
   tokens, _, _ = TASK.batch(jax.random.fold_in(jax.random.key(1), 0), 8)
-  answers = np.asarray(recall.generated_answers(params, tokens, TOY, TASK, implementation="xla"))
+  answers = np.asarray(recall.generated_answers(params, tokens, TOY, TASK, implementation="reference"))
   assert answers.shape == (8, TASK.num_queries)
   at = 2 * TASK.num_pairs + 1 + 2 * np.arange(TASK.num_queries)     # answer positions
   own = np.array(tokens).copy()
   own[:, at] = answers
-  logits, _ = forward(params, jnp.asarray(own), TOY, implementation="xla", remat=False)
+  logits, _ = forward(params, jnp.asarray(own), TOY, implementation="reference", remat=False)
   # The forward's logit of each generated answer is its maximum (up to float
   # rounding: a near-tie may pick either).
   chosen = np.take_along_axis(np.asarray(logits)[:, at - 1], answers[..., None], -1)[..., 0]
@@ -42,6 +42,6 @@ def test_generated_answers_are_forward_predictions_in_their_own_context():
   assert len(np.unique(answers)) > 1
   # generated_recall scores those answers against the task's.
   acc = recall.generated_recall(params, TOY, TASK, jax.random.key(1), 8, 1,
-                                implementation="xla")
+                                implementation="reference")
   truth = np.asarray(tokens)[:, at]
   assert acc == pytest.approx(np.mean(answers == truth))
