@@ -156,19 +156,29 @@ def _decode_tiles(qkv, beta_all, g_all, conv_pool, rec_pool, out, reqs: base.Req
       s = s_new
       states.append(s)
     # Checkpoint j (the state after token j) goes to state_indices[r] + j,
-    # one slot at a time (in place; XLA:CPU's scatter is several times slower).
-    rec_ckpt = jnp.stack(states, axis=1).reshape(lanes * window, *rec_pool.shape[1:])
+    # one slot at a time, only for the (lane, j) that have a token (loops
+    # over the lanes and their lengths), so nothing is read back and no other
+    # slot is rewritten (XLA:CPU's scatter is several times slower).
+    n_ckpt = jnp.where(decode, jnp.minimum(reqs.length[r], window), 0)
+
+    def store_lane(i, pools):
+      def store(j, pools):
+        conv_pool, rec_pool = pools
+        slot = reqs.write_slot[r[i]] + j
+        new_conv = jax.lax.dynamic_index_in_dim(
+            jax.lax.dynamic_index_in_dim(conv_ckpt, i, keepdims=False), j, keepdims=False)
+        new_rec = jax.lax.dynamic_index_in_dim(
+            jax.lax.dynamic_index_in_dim(rec_ckpt, i, keepdims=False), j, keepdims=False)
+        return (jax.lax.dynamic_update_index_in_dim(conv_pool, new_conv.astype(conv_pool.dtype),
+                                                    slot, axis=0),
+                jax.lax.dynamic_update_index_in_dim(rec_pool, new_rec.astype(rec_pool.dtype),
+                                                    slot, axis=0))
+      return jax.lax.fori_loop(0, n_ckpt[i], store, pools)
+
+    rec_ckpt = (states[0][:, None] if window == 1 else jnp.stack(states, axis=1)).reshape(
+        lanes, window, *rec_pool.shape[1:])
     conv_ckpt = jnp.stack([xp[:, j + 1:j + dims.kernel_size] for j in range(window)], axis=1)
-    conv_ckpt = conv_ckpt.reshape(lanes * window, *conv_pool.shape[1:])
-    slot = (reqs.write_slot[r, None] + pos[None, :]).reshape(-1)
-    write = live.reshape(-1)
-
-    def store(i, pools):
-      conv_pool, rec_pool = pools
-      return (_put(conv_pool, slot[i], conv_ckpt[i], write[i]),
-              _put(rec_pool, slot[i], rec_ckpt[i], write[i]))
-
-    conv_pool, rec_pool = jax.lax.fori_loop(0, lanes * window, store, (conv_pool, rec_pool))
+    conv_pool, rec_pool = jax.lax.fori_loop(0, lanes, store_lane, (conv_pool, rec_pool))
     rows = jnp.where(live, tok, out.shape[0]).reshape(-1)
     o = jnp.stack(outs, axis=1).reshape(lanes * window, dims.n_v * dims.d_v)
     out = out.at[rows].set(o, mode="drop")
