@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tokamax_gdn.models.config import ModelConfig
-from tokamax_gdn.models.generate import generate
+from tokamax_gdn.models.generation import generate
 from tokamax_gdn.training.data import RecallTask
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from tokamax_gdn import layers
 from tokamax_gdn import models
-from tokamax_gdn.models.generate import GenerationCache, generate, init_cache, step  # pylint: disable=g-multiple-import
+from tokamax_gdn.models.generation import GenerationCache, generate, init_cache, step  # pylint: disable=g-multiple-import
 from tokamax_gdn.testing.specs import rel_rms, tolerance
 
 GDN = layers.GatedDeltaNetConfig(hidden_size=32, num_k_heads=2, num_v_heads=4, head_k_dim=16,
