@@ -154,11 +154,12 @@ def test_stored_peaks_are_what_the_estimator_measures():
 @pytest.mark.aot
 def test_aot_command_reports_kernels_glue_total_and_roofline(capsys):
   rc = cli.main(["aot", "--target", "v6e", "--hk", "1", "--hv", "2", "--k", "128", "--v", "128",
-                 "--seq-len", "1024", "--cycle-lengths", "256", "--scaled-memory", "--json"])
+                 "--seq-len", "1024", "--cycle-lengths", "256", "--scaled-memory",
+                 "--remat-policies", "save_gdn", "--json"])
   (report,) = json.loads(capsys.readouterr().out)
   assert rc == 0, report
   passes = {p["pass_"]: p for p in report["passes"]}
-  assert set(passes) == {"fwd", "fwd+bwd"}
+  assert set(passes) == {"fwd", "fwd+bwd", "fwd+bwd/save_gdn"}
   # libtpu's estimator aborts on some backward kernels (an LLO_CHECK): such a
   # pass says why and still gets its memory, from a compile at the full length.
   estimated = {k: p for k, p in passes.items() if p["total_cycles"] is not None}
@@ -176,6 +177,8 @@ def test_aot_command_reports_kernels_glue_total_and_roofline(capsys):
     assert all(n.startswith("gdn_") for n in kernels if n != report_lib.GLUE), kernels
     assert p["total_cycles"] == sum(kernels.values()) > 0
     assert p["total_over_floor"] == pytest.approx(p["total_cycles"] / p["floor_cycles"])
+  if "fwd+bwd/save_gdn" in estimated:   # saved residuals: no states pass
+    assert "gdn_fwd_states" not in estimated["fwd+bwd/save_gdn"]["kernels"]
 
 
 _HOLD_LIBTPU = """
