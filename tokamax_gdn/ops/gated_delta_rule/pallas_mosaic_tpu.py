@@ -257,30 +257,37 @@ def _per_shard(body, out_labels, hk: int, hv: int, arrays: dict):
                                      key_heads=hk, group=hv // hk)
 
 
-@dataclasses.dataclass(frozen=True)
-class PallasMosaicTpuGatedDeltaRule(base.GatedDeltaRule[Config, None]):
-  """Chunked gated delta rule in Pallas Mosaic TPU (forward + analytical VJP)."""
+class _KernelConfigs:
+  """What the forward Op and its VJP share: the Config, its choice for the
+  kernel each runs (`_backward`), the log-decay floor, the devices."""
 
   config_cls: ClassVar[type[Config]] = Config
-  max_head_dim: ClassVar[int | None] = 256
   log_decay_floor: ClassVar[float | None] = prologue.CHUNKED_LOG_DECAY_FLOOR
+  _backward: ClassVar[bool] = False
+
+  @override
+  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
+    return _heuristics(ba, backward=self._backward)
+
+  @override
+  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
+    return _autotuning_configs(ba, backward=self._backward)
+
+  @override
+  def supported_on(self, device: jax.Device) -> bool:
+    return gdn_config.pallas_tpu_supported(device)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasMosaicTpuGatedDeltaRule(_KernelConfigs, base.GatedDeltaRule[Config, None]):
+  """Chunked gated delta rule in Pallas Mosaic TPU (forward + analytical VJP)."""
+
+  max_head_dim: ClassVar[int | None] = 256
   supports_segment_states: ClassVar[bool] = True
 
   def __post_init__(self):
     if self.vjp is None:
       object.__setattr__(self, "vjp", PallasMosaicTpuGatedDeltaRuleVjp())
-
-  @override
-  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
-    return _heuristics(ba, backward=False)
-
-  @override
-  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
-    return _autotuning_configs(ba, backward=False)
-
-  @override
-  def supported_on(self, device: jax.Device) -> bool:
-    return gdn_config.pallas_tpu_supported(device)
 
   def _core_fwd(self, q, k, v, log_decay, beta, *, scale, initial_state,
                 segment_ids, config: Config):
@@ -306,23 +313,10 @@ class PallasMosaicTpuGatedDeltaRule(base.GatedDeltaRule[Config, None]):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PallasMosaicTpuGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, None]):
+class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Config, None]):
   """Reverse-chunk analytical backward of the Mosaic TPU GDN kernels."""
 
-  config_cls: ClassVar[type[Config]] = Config
-  log_decay_floor: ClassVar[float | None] = prologue.CHUNKED_LOG_DECAY_FLOOR
-
-  @override
-  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
-    return _heuristics(ba, backward=True)
-
-  @override
-  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
-    return _autotuning_configs(ba, backward=True)
-
-  @override
-  def supported_on(self, device: jax.Device) -> bool:
-    return gdn_config.pallas_tpu_supported(device)
+  _backward: ClassVar[bool] = True
 
   def _core_bwd(self, residuals: base.Residuals | None, q, k, v, log_decay, beta, d_out, d_final, *,
                 scale, initial_state, segment_ids, config: Config):

@@ -74,7 +74,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
+from jaxtyping import Array, Float, Int  # pylint: disable=g-multiple-import,g-importing-member
 
+from tokamax_gdn.ops import numerics
 from tokamax_gdn.ops.gated_delta_rule import segments
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -127,12 +129,6 @@ def mxu(a, b, *, passes, tb=False):
 # ----------------------------------------------------------------------------
 
 
-def _two_sum(a, b):
-  s = a + b
-  bb = s - a
-  return s, (a - (s - bb)) + (b - bb)
-
-
 def chunk_cumsum(x, starts, *, reverse=False):
   """Segment-local inclusive prefix sums along lanes, compensated.
 
@@ -162,7 +158,7 @@ def chunk_cumsum(x, starts, *, reverse=False):
     if flag is not None:
       ok = ok & (flag == 0.0)
       other_flag = take(flag)
-    new_hi, err = _two_sum(take(hi), hi)
+    new_hi, err = numerics.two_sum(take(hi), hi)
     lo = jnp.where(ok, lo + take(lo) + err, lo)
     hi = jnp.where(ok, new_hi, hi)
     if flag is not None:

@@ -51,7 +51,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float, Int  # pylint: disable=g-multiple-import,g-importing-member
 
+from tokamax_gdn.ops import numerics
 from tokamax_gdn.ops import tiling
 from tokamax_gdn.ops.gated_delta_rule import segments
 
@@ -160,14 +162,6 @@ class ChunkGate:
   resets: Resets | None   # None without segment starts
 
 
-def _two_sum(a, b):
-  """(s, e) with s = fl(a + b) and a + b = s + e exactly (Knuth's TwoSum)."""
-  s = a + b
-  b_virtual = s - a
-  e = (a - (s - b_virtual)) + (b - b_virtual)
-  return s, e
-
-
 def compensated_cumsum(g: jax.Array, restart: jax.Array | None):
   """In-chunk cumsum of g [..., C] as an (hi, lo) pair, restarted where
   `restart` (bool, broadcastable) is set: math.md, "The compensated cumsum".
@@ -181,7 +175,7 @@ def compensated_cumsum(g: jax.Array, restart: jax.Array | None):
   def combine(x, y):
     h1, l1, f1 = x
     h2, l2, f2 = y
-    h, e = _two_sum(h1, h2)
+    h, e = numerics.two_sum(h1, h2)
     return (jnp.where(f2, h2, h), jnp.where(f2, l2, l1 + l2 + e), f1 | f2)
 
   hi, lo, _ = jax.lax.associative_scan(combine, (g, jnp.zeros_like(g), restart),
