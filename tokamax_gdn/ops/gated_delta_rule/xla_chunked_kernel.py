@@ -695,8 +695,12 @@ def _first_block(blocks):
   return tuple(jax.tree.map(lambda a: a[0], x) for x in blocks)
 
 
-def chunked_forward(q, k, v, log_decay, beta, *, scale, initial_state,
-                    segment_ids, chunk_size, block_size=2048):
+def chunked_forward(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
+                    v: Float[Array, "B T Hv V"], log_decay: Float[Array, "B T Hv"],
+                    beta: Float[Array, "B T Hv"], *, scale: float,
+                    initial_state: segments.State | None,
+                    segment_ids: Int[Array, "B T"] | None, chunk_size: int,
+                    block_size: int = 2048):
   """Chunked forward: (out [B, T, Hv, V] f32, final_state f32, the f32 state
   entering each block [B, Hv, NB, K, V] or None for one block).
 
@@ -726,9 +730,13 @@ def chunked_forward(q, k, v, log_decay, beta, *, scale, initial_state,
   return st.layout.from_aligned(out), finals, block_entries
 
 
-def chunked_backward(q, k, v, log_decay, beta, d_out, d_final, *, scale,
-                     initial_state, segment_ids, chunk_size, block_size=2048,
-                     block_entries=None):
+def chunked_backward(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
+                     v: Float[Array, "B T Hv V"], log_decay: Float[Array, "B T Hv"],
+                     beta: Float[Array, "B T Hv"], d_out: Float[Array, "B T Hv V"],
+                     d_final: segments.State | None, *, scale: float,
+                     initial_state: segments.State | None,
+                     segment_ids: Int[Array, "B T"] | None, chunk_size: int,
+                     block_size: int = 2048, block_entries=None):
   """Analytical VJP of `chunked_forward`: (dq, dk, dv, d_log_decay, dbeta,
   d_initial_state).
 
