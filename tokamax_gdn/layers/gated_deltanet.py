@@ -228,6 +228,28 @@ def gated_rmsnorm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> 
   return h.astype(dtype)
 
 
+def in_projection(params: Params, x: jax.Array, cfg: GatedDeltaNetConfig):
+  """x [..., hidden] -> (qkv, z, b, a), x's dtype: the conv input qkv
+  [..., 2*Hk*K + Hv*V] (head-major q | k | v, the serving op's `qkv` layout),
+  the output gate z [..., Hv*V] and the beta / decay gate inputs b, a [..., Hv]."""
+  proj = jnp.einsum("...h,hp->...p", x, params["in_proj"].astype(x.dtype),
+                    preferred_element_type=jnp.float32).astype(x.dtype)
+  return split_in_proj(proj, cfg)
+
+
+def out_projection(params: Params, o: jax.Array, z: jax.Array,
+                   cfg: GatedDeltaNetConfig) -> jax.Array:
+  """GDN output o [..., Hv, V] and gate z [..., Hv*V] -> y [..., hidden] in
+  z's dtype: the gated RMSNorm per value head, then `out_proj`."""
+  dtype = z.dtype
+  lead = z.shape[:-1]
+  o = gated_rmsnorm(o.astype(dtype), z.reshape(*lead, cfg.num_v_heads, cfg.head_v_dim),
+                    params["norm_weight"].astype(dtype), cfg.rms_norm_eps)
+  return jnp.einsum("...v,vh->...h", o.reshape(*lead, cfg.value_dim),
+                    params["out_proj"].astype(dtype),
+                    preferred_element_type=jnp.float32).astype(dtype)
+
+
 def gated_deltanet(
     params: Params,
     x: jax.Array,
@@ -269,9 +291,7 @@ def gated_deltanet(
   dtype = x.dtype
   hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
 
-  proj = jnp.einsum("bth,hp->btp", x, params["in_proj"].astype(dtype),
-                    preferred_element_type=jnp.float32).astype(dtype)
-  qkv, z, beta_logit, a = split_in_proj(proj, cfg)
+  qkv, z, beta_logit, a = in_projection(params, x, cfg)
 
   conv_state = None if cache is None else cache.conv_state.astype(dtype)
   qkv, new_conv_state = causal_conv1d(
@@ -299,10 +319,7 @@ def gated_deltanet(
       implementation=_implementations("gated_delta_rule", implementation, cfg),
       context_parallel_axis=context_parallel_axis,
   )
-  o = gated_rmsnorm(o.astype(dtype), z.reshape(b, t, hv, dv),
-                    params["norm_weight"].astype(dtype), cfg.rms_norm_eps)
-  y = jnp.einsum("btv,vh->bth", o.reshape(b, t, cfg.value_dim), params["out_proj"].astype(dtype),
-                 preferred_element_type=jnp.float32).astype(dtype)
+  y = out_projection(params, o, z, cfg)
   if return_cache:
     return y, GatedDeltaNetCache(new_conv_state, new_state)
   return y

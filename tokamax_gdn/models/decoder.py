@@ -103,7 +103,12 @@ def block(params: Params, x: jax.Array, cfg: ModelConfig, kind: str, *,
     h = blocks.attention(params["attn"], h, heads=cfg.num_attention_heads,
                          kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                          eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta)
-  x = x + h
+  return mlp_residual(params, x + h, cfg, implementation=implementation, mesh=mesh)
+
+
+def mlp_residual(params: Params, x: jax.Array, cfg: ModelConfig, *, implementation=None,
+                 mesh: Mesh | None = None):
+  """A block's second half, after the mixer: x -> (x + moe(rms_norm(x)), MoE stats)."""
   h = blocks.rms_norm(x, params["post_norm"], cfg.rms_norm_eps)
   h, stats = sharding.moe_mixer(
       params["moe"], h, top_k=cfg.num_experts_per_tok, capacity_factor=cfg.capacity_factor,
