@@ -189,8 +189,7 @@ def split_in_proj(w, cfg: GatedDeltaNetConfig):
 
 def _implementations(op_name: str, implementation, cfg: GatedDeltaNetConfig):
   """The `implementation=` for one op, from the layer's argument and config."""
-  if isinstance(implementation, dict):
-    implementation = implementation.get(op_name)
+  implementation = registry.for_op(implementation, op_name)
   if implementation is not None:
     names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
   else:
@@ -209,14 +208,14 @@ def _with_chunk_size(impl, chunk_size: int):
   op = registry.get("gated_delta_rule", "xla")
   try:
     cfg = type(op).config_cls(chunk_size=chunk_size)
-  except Exception:  # pylint: disable=broad-except
+  except (TypeError, ValueError):   # pydantic's ValidationError is a ValueError
     return impl      # no such knob (or not this value): the op's own choice.
   kw = dict(config=cfg)
   vjp = getattr(op, "vjp", None)
   if vjp is not None:
     try:
       kw["vjp"] = vjp.replace(config=type(vjp).config_cls(chunk_size=chunk_size))
-    except Exception:  # pylint: disable=broad-except
+    except (TypeError, ValueError):
       pass
   return op.replace(**kw)
 

@@ -34,20 +34,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from tokamax_gdn import layers
+from tokamax_gdn import registry
 from tokamax_gdn.models import blocks
 from tokamax_gdn.models import sharding
 from tokamax_gdn.models.config import ModelConfig
 from tokamax_gdn.ops.gated_delta_rule import remat as gdn_remat
 
 Params = dict
-
-
-def op_implementation(implementation, op_name: str):
-  """The model's `implementation=` (a name, a sequence, or {op name: that})
-  for one op."""
-  if isinstance(implementation, dict):
-    return implementation.get(op_name)
-  return implementation
 
 
 def init_dt_bias(key: jax.Array, num_heads: int, dt_min: float = 1e-3,
@@ -127,7 +120,7 @@ def mlp_residual(params: Params, x: jax.Array, cfg: ModelConfig, *, implementati
   h, stats = sharding.moe_mixer(
       params["moe"], h, top_k=cfg.num_experts_per_tok, capacity_factor=cfg.capacity_factor,
       norm_topk_prob=cfg.norm_topk_prob,
-      implementation=op_implementation(implementation, "gmm"), mesh=mesh)
+      implementation=registry.for_op(implementation, "gmm"), mesh=mesh)
   return x + h, stats
 
 

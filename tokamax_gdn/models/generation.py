@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tokamax_gdn import registry
 from tokamax_gdn.layers.gated_deltanet import in_projection, out_projection  # pylint: disable=g-multiple-import
 from tokamax_gdn.models import blocks
 from tokamax_gdn.models import decoder
@@ -218,8 +219,8 @@ def step(params, cache: GenerationCache, tokens: jax.Array, query_start_loc: jax
         f" {tuple(state_indices.shape)}, {tuple(distribution.shape)}.")
   return _jit_step(
       params, cache, tokens, query_start_loc, state_indices, distribution, cfg=cfg,
-      serving_impl=_static(decoder.op_implementation(implementation, SERVING_OP)),
-      gmm_impl=_static(decoder.op_implementation(implementation, "gmm")),
+      serving_impl=_static(registry.for_op(implementation, SERVING_OP)),
+      gmm_impl=_static(registry.for_op(implementation, "gmm")),
       dtype=None if dtype is None else jnp.dtype(dtype))
 
 
