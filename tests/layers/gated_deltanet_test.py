@@ -182,6 +182,42 @@ def test_nan_in_one_segment_stays_there(impl_name):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("impl_name", ["reference", "xla"])
+def test_nan_does_not_flow_backwards_in_time(impl_name):
+  """No segment_ids, garbage (NaN) from token 12 of row 0, as in a right
+  padding, and a loss that masks those tokens with `where`: the outputs
+  before it are as without the garbage, and the input gradients before the
+  conv's window (the W - 1 tokens whose gradients read the conv outputs at
+  and after the garbage, where silu's and the L2 norm's backward of a NaN
+  activation is NaN under a zero cotangent) are finite; row 1 is untouched."""
+  impl, reason = implementation_for(impl_name)
+  if reason:
+    pytest.fail(reason)
+  cfg = _small_cfg()
+  params = init_params(jax.random.key(0), cfg)
+  x = jax.random.normal(jax.random.key(1), (2, 20, cfg.hidden_size))
+  cot = jax.random.normal(jax.random.key(2), x.shape)
+  t0 = 12
+  mask = (jnp.arange(x.shape[1]) < t0)[None, :, None]
+  run = layer(cfg, impl)
+
+  def grad(x):
+    def loss(x):
+      y = run(params, x)
+      return jnp.sum(jnp.where(mask, y * cot, 0.0)), y
+    with context_for(impl_name):
+      return jax.grad(loss, has_aux=True)(x)
+
+  dx, y = grad(x)
+  dx_p, y_p = grad(x.at[0, t0:].set(jnp.nan))
+  np.testing.assert_array_equal(y_p[:, :t0], y[:, :t0])
+  np.testing.assert_array_equal(y_p[1], y[1])
+  assert np.isnan(np.asarray(y_p[0, t0:])).all()
+  np.testing.assert_allclose(dx_p[0, :t0 - cfg.conv_kernel_size + 1],
+                             dx[0, :t0 - cfg.conv_kernel_size + 1], rtol=1e-4, atol=1e-6)
+  np.testing.assert_array_equal(dx_p[1], dx[1])
+
+
 def test_bf16_runs_finite():
   cfg = _small_cfg()
   params = init_params(jax.random.key(0), cfg, dtype=jnp.bfloat16)
