@@ -98,8 +98,13 @@ def call(
 
   Raises:
     ValueError: for an unknown implementation name (before anything runs).
-    ExceptionGroup: when every implementation raised NotImplementedError.
+    NotImplementedError (or any error of its own): from a single named
+      implementation (a str or an Op), as it raised it.
+    ExceptionGroup: when every implementation of a sequence (or of the
+      default order, `implementation=None`) raised NotImplementedError.
   """
+  if isinstance(implementation, (str, op_lib.Op)):
+    return resolve(op_name, implementation)[0](*args, **kwargs)
   errors = []
   for impl in resolve(op_name, implementation):
     try:

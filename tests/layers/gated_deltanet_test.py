@@ -218,6 +218,28 @@ def test_nan_does_not_flow_backwards_in_time(impl_name):
   np.testing.assert_array_equal(dx_p[1], dx[1])
 
 
+@pytest.mark.parametrize("chunk", [0, 48, 256])
+def test_chunk_size_outside_the_xla_configs_is_refused(chunk):
+  with pytest.raises(ValueError, match=r"16, 32, 64, 128"):
+    _small_cfg(chunk_size=chunk)
+
+
+def test_one_named_implementation_raises_its_own_error():
+  """Off TPU without interpret mode the Pallas kernels raise
+  NotImplementedError, caught by `except NotImplementedError` (not an
+  ExceptionGroup of one)."""
+  from tokamax_gdn import config  # pylint: disable=g-import-not-at-top
+  if config.on_tpu():
+    pytest.skip("on a TPU the kernels run")
+  cfg = _small_cfg()
+  params = init_params(jax.random.key(0), cfg)
+  x = jnp.ones((1, 4, cfg.hidden_size))
+  with config.interpret_mode(False):
+    with pytest.raises(NotImplementedError) as info:
+      gated_deltanet(params, x, cfg, implementation="pallas_mosaic_tpu")
+  assert not isinstance(info.value, ExceptionGroup)
+
+
 def test_bf16_runs_finite():
   cfg = _small_cfg()
   params = init_params(jax.random.key(0), cfg, dtype=jnp.bfloat16)

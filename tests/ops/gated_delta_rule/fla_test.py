@@ -65,9 +65,8 @@ def test_cu_seqlens_equals_separate_runs(impl):
   op = registry.get("gated_delta_rule", impl)
   d = _inputs()
   if not type(op).supports_segment_states:
-    with pytest.raises(ExceptionGroup) as e:
+    with pytest.raises(NotImplementedError):
       _fla(d, impl, cu_seqlens=jnp.asarray(CU))
-    assert e.group_contains(NotImplementedError)
     return
 
   def packed(d):
