@@ -19,15 +19,25 @@ def load_model(spec: str):
   """A `GatedDeltaNetConfig` from a preset name (`qwen3.5-tiny`) or a preset .yml.
 
   A path that is not a file but looks like one (`configs/models/<name>.yml`
-  outside a checkout) names the preset shipped in the package.
+  outside a checkout) names the preset shipped in the package, if there is
+  one of that name; otherwise the error says the file is missing.
   """
   from tokamax_gdn.layers import presets  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.layers.gated_deltanet import GatedDeltaNetConfig  # pylint: disable=g-import-not-at-top
   path = pathlib.Path(spec)
-  if path.is_file():
+  looks_like_a_path = path.suffix in (".yml", ".yaml") or len(path.parts) > 1
+  if path.is_file() or (looks_like_a_path and path.stem not in presets.list_presets()):
     return GatedDeltaNetConfig.from_yaml(path)
-  name = path.stem if path.suffix in (".yml", ".yaml") else spec
-  return presets.load_preset(name)
+  return presets.load_preset(path.stem if looks_like_a_path else spec)
+
+
+def require_positive(args: argparse.Namespace, *names: str) -> None:
+  """ValueError (one line, exit code 2 through `main`) for any of the
+  options `names` (attribute names) given below 1."""
+  for name in names:
+    value = getattr(args, name)
+    if value is not None and value < 1:
+      raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
 
 
 def add_gdn_shape_args(parser: argparse.ArgumentParser, *, model_default: str | None,

@@ -25,4 +25,5 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
   from tokamax_gdn.training import command  # pylint: disable=g-import-not-at-top
+  common.require_positive(args, "batch", "steps", "seq_len")
   return command.run(args, common.print_table)

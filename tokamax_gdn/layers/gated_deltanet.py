@@ -29,7 +29,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import yaml
 
 from tokamax_gdn import registry
 from tokamax_gdn.ops.causal_conv1d.api import causal_conv1d
@@ -129,13 +128,18 @@ class GatedDeltaNetConfig:
     unknown = set(d) - names - {"name", "model"}
     if unknown:
       raise ValueError(f"Unknown GatedDeltaNetConfig keys {sorted(unknown)}; valid: {sorted(names)}.")
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.default is dataclasses.MISSING and f.name not in d]
+    if missing:
+      raise ValueError(f"GatedDeltaNetConfig fields {missing} are missing.")
     return cls(**{k: v for k, v in d.items() if k in names})
 
   @classmethod
   def from_yaml(cls, path) -> "GatedDeltaNetConfig":
-    """From a preset file (keys = field names, plus an optional `name`)."""
-    with open(path) as f:
-      return cls.from_dict(yaml.safe_load(f))
+    """From a preset file (keys = field names, plus an optional `name`);
+    a ValueError naming the file for a missing, malformed or incomplete one."""
+    from tokamax_gdn.layers import presets  # pylint: disable=g-import-not-at-top
+    return presets.read_preset(path, cls.from_dict)
 
 
 class GatedDeltaNetCache(NamedTuple):

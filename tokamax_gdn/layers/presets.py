@@ -7,6 +7,9 @@ Looked up in `$TOKAMAX_GDN_MODELS_DIR`, then the repository's `configs/models/`
 import dataclasses
 import os
 import pathlib
+from typing import Any, Callable
+
+import yaml
 
 from tokamax_gdn.layers.gated_deltanet import GatedDeltaNetConfig
 
@@ -32,6 +35,27 @@ def preset_path(name: str) -> pathlib.Path:
     if p.is_file():
       return p
   raise ValueError(f"Unknown model preset {name!r}; available: {', '.join(list_presets())}.")
+
+
+def read_preset(path, build: Callable[[dict[str, Any]], Any]):
+  """build(the mapping in preset file `path`); every problem (a missing file,
+  invalid YAML, not a mapping, missing or unknown fields) is a one-line
+  ValueError naming the file."""
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise ValueError(f"model preset file {str(path)!r} does not exist.")
+  try:
+    d = yaml.safe_load(path.read_text())
+  except yaml.YAMLError as e:
+    problem = " ".join(str(e).split())
+    raise ValueError(f"{path}: not valid YAML: {problem}") from None
+  if not isinstance(d, dict):
+    raise ValueError(f"{path}: expected a mapping of config fields (`hidden_size: 128`, ...),"
+                     f" got {type(d).__name__}.")
+  try:
+    return build(d)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{path}: {e}") from None
 
 
 def load_preset(name: str, **overrides) -> GatedDeltaNetConfig:

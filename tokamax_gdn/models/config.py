@@ -18,7 +18,6 @@ import dataclasses
 import os
 from typing import Any
 
-import yaml
 
 from tokamax_gdn.layers import presets
 from tokamax_gdn.layers.gated_deltanet import GatedDeltaNetConfig
@@ -144,6 +143,11 @@ class ModelConfig:
     unknown = set(section) - names
     if unknown:
       raise ValueError(f"Unknown `{MODEL_SECTION}:` keys {sorted(unknown)}; valid: {sorted(names)}.")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name in names
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+               and f.name not in section]
+    if missing:
+      raise ValueError(f"`{MODEL_SECTION}:` fields {missing} are missing.")
     return cls(gdn=GatedDeltaNetConfig.from_dict(d), name=name, **section)
 
   @classmethod
@@ -152,6 +156,5 @@ class ModelConfig:
     as in `replace`."""
     is_path = spec.endswith((".yml", ".yaml")) or os.sep in spec
     path = spec if is_path else presets.preset_path(spec)
-    with open(path) as f:
-      cfg = cls.from_dict(yaml.safe_load(f))
+    cfg = presets.read_preset(path, cls.from_dict)
     return cfg.replace(**overrides) if overrides else cfg
