@@ -254,6 +254,32 @@ for _p in (2, 4, 8):
   add(f"gdn_xla_cp{_p}_nan_stays_in_its_segment", functools.partial(gdn_nan_cp, "xla", _p))
 
 
+def readme_long_context_snippet():
+  """The README's "Long context" block, as written, on a tiny problem (its
+  2 x 4 mesh is these 8 host devices), against the unsharded reference."""
+  spec = importlib.util.spec_from_file_location(
+      "readme_blocks", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                    "readme_blocks.py"))
+  readme_blocks = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(readme_blocks)
+  b = 2
+  d, _ = gdn_problem(b, 1, 2, t=T)
+  seg = segment_ids(b)
+  scope = dict(q=d["query"], k=d["key"], v=d["value"], g=-jax.nn.softplus(d["g"]),
+               beta=d["beta"], seg=seg, s0=d["initial_state"])
+  want = gated_delta_rule(scope["q"], scope["k"], scope["v"], scope["g"], scope["beta"],
+                          initial_state=scope["s0"], segment_ids=seg, use_qk_l2norm=True,
+                          output_final_state=True, implementation="reference")
+  exec(readme_blocks.block('context_parallel_axis="cp"'), scope)  # pylint: disable=exec-used
+  errs = [rel_rms(scope["out"], want[0]), rel_rms(scope["final_state"], want[1])]
+  if not max(errs) <= tolerance(jnp.float32, grad=False):
+    raise AssertionError(f"README snippet != unsharded reference: rel-RMS {errs}")
+  return f"rel-RMS out {errs[0]:.1e}, final state {errs[1]:.1e}"
+
+
+add("readme_long_context_snippet", readme_long_context_snippet)
+
+
 # ------------------------------------------------------------ causal_conv1d
 def conv_cp(impl, mesh_shape, names, *, b=2, width=4, segments=True, init=True):
   """causal_conv1d with T over "cp" (batch over "data" / channels over "model")."""

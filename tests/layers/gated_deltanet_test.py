@@ -23,6 +23,8 @@ from tokamax_gdn.layers import (  # pylint: disable=g-multiple-import
     load_preset, param_shapes, params_from_hf, params_to_hf)
 from tokamax_gdn.testing.specs import rel_rms
 
+from tests import readme_blocks
+
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 VARIANTS = ("qwen3_next", "qwen3_5")
 OPS = ("causal_conv1d", "gated_delta_rule")
@@ -323,15 +325,6 @@ def test_params_from_hf_prefix_and_bad_keys():
     params_from_hf(both, cfg, prefix="model.layers.7.linear_attn.")
 
 
-def _readme_block(marker):
-  """The README's ```python block that contains `marker`."""
-  readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
-  blocks = readme.split("```python\n")[1:]
-  found = [b.split("```")[0] for b in blocks if marker in b]
-  assert len(found) == 1, f"{len(found)} README python blocks contain {marker!r}"
-  return found[0]
-
-
 def test_readme_checkpoint_snippet(tmp_path, monkeypatch):
   """Runs the README's loading snippet, as written, on a sharded two-layer
   safetensors checkpoint written here (tiny config, HF's file layout)."""
@@ -353,7 +346,7 @@ def test_readme_checkpoint_snippet(tmp_path, monkeypatch):
   x = jnp.asarray(d["x"], jnp.bfloat16)
   scope = dict(x=x, x1=x[:, :1])
   monkeypatch.chdir(tmp_path)
-  exec(_readme_block("load_hf_layer("), scope)  # pylint: disable=exec-used
+  exec(readme_blocks.block("load_hf_layer("), scope)  # pylint: disable=exec-used
   for k, v in scope["params"].items():
     want = params[k] if k in ("a_log", "dt_bias") else params[k].astype(jnp.bfloat16)
     np.testing.assert_array_equal(v, want, err_msg=k)
