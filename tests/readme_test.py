@@ -6,7 +6,7 @@ fixture that supplies the variables it leaves to the reader (at tiny sizes)
 and checks what it produces. Two blocks run elsewhere, where their setup
 already lives: the checkpoint-loading block in the layer test (it needs a
 safetensors checkpoint written there), the "Long context" block in the
-context-parallel checks' 8-device subprocess.
+context-parallel checks' 8-device subprocess (tests/multidevice/).
 """
 
 import inspect
@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests import context_parallel_checks
 from tests import readme_blocks
+from tests.multidevice import context_parallel_checks
 from tests.layers import gated_deltanet_test
 
 
@@ -56,7 +56,7 @@ RUNNERS = {
 # execs the block it finds by that marker.
 ELSEWHERE = {
     "load_hf_layer(": gated_deltanet_test.test_readme_checkpoint_snippet,
-    # the 8-host-device subprocess of tests/context_parallel_test.py
+    # the 8-host-device subprocess of tests/context_parallel_test.py (tests/multidevice/)
     'context_parallel_axis="cp"': context_parallel_checks.readme_long_context_snippet,
 }
 

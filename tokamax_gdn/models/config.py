@@ -15,7 +15,6 @@ decoder around it under a `model:` section:
 """
 
 import dataclasses
-import os
 from typing import Any
 
 
@@ -154,7 +153,5 @@ class ModelConfig:
   def load(cls, spec: str, **overrides) -> "ModelConfig":
     """A preset name (`qwen3.5-micro`) or a path to a preset .yml; `overrides`
     as in `replace`."""
-    is_path = spec.endswith((".yml", ".yaml")) or os.sep in spec
-    path = spec if is_path else presets.preset_path(spec)
-    cfg = presets.read_preset(path, cls.from_dict)
+    cfg = presets.read_preset(presets.preset_file(spec), cls.from_dict)
     return cfg.replace(**overrides) if overrides else cfg

@@ -1,5 +1,5 @@
-"""`tokamax-gdn train`'s command logic (tokamax_gdn.training.command): the
-table and the final line naming the recall accuracy."""
+"""`tokamax-gdn train` (tokamax_gdn.cli.train): the table and the final
+line naming the recall accuracy."""
 
 import argparse
 import contextlib
@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tokamax_gdn.training import command
+from tokamax_gdn.cli import train
 from tokamax_gdn.training import loop
 
 # qwen3.5-micro's structure (GDN and attention blocks, routed MoE) at the
@@ -38,7 +38,7 @@ model:
 
 def _parse(argv):
   p = argparse.ArgumentParser()
-  command.add_arguments(p)
+  train.add_arguments(p)
   return p.parse_args(argv)
 
 
@@ -55,15 +55,15 @@ def toy_run(tmp_path_factory):
   tables, results, out = [], [], io.StringIO()
   real_train = loop.train
 
-  def train(*a, **kw):
+  def run_and_keep(*a, **kw):
     results.append(real_train(*a, **kw))
     return results[-1]
 
-  loop.train = train
+  loop.train = run_and_keep
   try:
     with contextlib.redirect_stdout(out):
-      rc = command.run(_parse(["--model", str(model), "--steps", "3", "--batch", "32",
-                               "--seq-len", "8"]), tables.append)
+      rc = train.run(_parse(["--model", str(model), "--steps", "3", "--batch", "32",
+                             "--seq-len", "8"]), tables.append)
   finally:
     loop.train = real_train
   assert rc == 0
@@ -87,7 +87,7 @@ def test_json_stdout_is_json_only(toy_run, monkeypatch, capsys):
   one of its rows). The training itself is the fixture's."""
   _, _, result, model = toy_run
   monkeypatch.setattr(loop, "train", lambda *a, **kw: result)
-  assert command.run(_parse(["--model", model, "--steps", "3", "--batch", "32", "--seq-len", "8",
-                             "--json"]), None) == 0
+  assert train.run(_parse(["--model", model, "--steps", "3", "--batch", "32", "--seq-len", "8",
+                           "--json"]), None) == 0
   doc = json.loads(capsys.readouterr().out)
   assert doc["rows"]["recall accuracy (fresh sequences)"] == f"{result.recall_accuracy:.1%}"
