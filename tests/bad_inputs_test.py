@@ -18,6 +18,7 @@ import pytest
 from tokamax_gdn import registry
 from tokamax_gdn.ops.causal_conv1d import base as conv_base
 from tokamax_gdn.ops.causal_conv1d.api import causal_conv1d
+from tokamax_gdn.ops.causal_conv1d_gated_delta_rule.api import causal_conv1d_gated_delta_rule
 from tokamax_gdn.ops.gated_delta_rule import base as gdn_base
 from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule
 from tokamax_gdn.ops.gmm.api import gmm
@@ -26,7 +27,7 @@ from tokamax_gdn.testing import conformance as conf
 
 f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
 API = {"gated_delta_rule": gated_delta_rule, "causal_conv1d": causal_conv1d,
-       "gmm": gmm, "tgmm": tgmm}
+       "gmm": gmm, "tgmm": tgmm, "causal_conv1d_gated_delta_rule": causal_conv1d_gated_delta_rule}
 
 
 def z(shape, dtype=f32):
@@ -62,12 +63,30 @@ def tgmm_good():
   return dict(lhs=z((M, K)), rhs=z((M, N)), group_sizes=jnp.array([3, 4], i32)), {}
 
 
+SERVE_DIM = 2 * HK * DK + HV * DV
+SERVE = dict(n_kq=HK, n_v=HV, d_k=DK, d_v=DV, kernel_size=W)
+
+
+def serve_good():
+  """One prefill request of T tokens in slot 1 of a 2-slot pool."""
+  return dict(qkv=z((T, SERVE_DIM)), b=z((T, HV)), a=z((T, HV)),
+              conv_state=z((2, W - 1, SERVE_DIM)), recurrent_state=z((2, HV, DK, DV)),
+              conv_weight=z((SERVE_DIM, 1, W)), conv_bias=z((SERVE_DIM,)), a_log=z((HV,)),
+              dt_bias=z((HV,)), query_start_loc=jnp.array([0, T], i32),
+              state_indices=jnp.array([1], i32), distribution=jnp.array([0, 1, 1], i32),
+              seq_lens=jnp.array([T], i32)), dict(SERVE)
+
+
 GOOD = {"gated_delta_rule": gdn_good, "causal_conv1d": conv_good, "gmm": gmm_good,
-        "tgmm": tgmm_good}
+        "tgmm": tgmm_good, "causal_conv1d_gated_delta_rule": serve_good}
 POSITIONAL = {"gated_delta_rule": ("query", "key", "value", "g", "beta"),
               "causal_conv1d": ("x", "weight", "bias"),
               "gmm": ("lhs", "rhs", "group_sizes"),
-              "tgmm": ("lhs", "rhs", "group_sizes")}
+              "tgmm": ("lhs", "rhs", "group_sizes"),
+              "causal_conv1d_gated_delta_rule": (
+                  "qkv", "b", "a", "conv_state", "recurrent_state", "conv_weight", "conv_bias",
+                  "a_log", "dt_bias", "query_start_loc", "state_indices", "distribution",
+                  "seq_lens")}
 
 # (op, case id, argument named in the error, exception, replacement kwargs)
 BAD = [
@@ -141,6 +160,28 @@ BAD = [
      dict(group_sizes=jnp.array(7, i32))),
     ("tgmm", "group_sizes_float", "group_sizes", TypeError,
      dict(group_sizes=jnp.array([3.0, 4.0]))),
+    # causal_conv1d_gated_delta_rule (its own test_base covers more)
+    ("causal_conv1d_gated_delta_rule", "qkv_dim", "qkv", ValueError,
+     dict(qkv=z((T, SERVE_DIM + 1)))),
+    ("causal_conv1d_gated_delta_rule", "qkv_int", "qkv", TypeError,
+     dict(qkv=z((T, SERVE_DIM), i32))),
+    ("causal_conv1d_gated_delta_rule", "b_tokens", "b", ValueError, dict(b=z((T + 1, HV)))),
+    ("causal_conv1d_gated_delta_rule", "pool_fp16", "recurrent_state", TypeError,
+     dict(recurrent_state=z((2, HV, DK, DV), jnp.float16))),
+    ("causal_conv1d_gated_delta_rule", "conv_state_slots", "conv_state", ValueError,
+     dict(conv_state=z((3, W - 1, SERVE_DIM)))),
+    ("causal_conv1d_gated_delta_rule", "conv_weight_2d", "conv_weight", ValueError,
+     dict(conv_weight=z((SERVE_DIM, W)))),
+    ("causal_conv1d_gated_delta_rule", "heads_not_multiple", "n_v", ValueError,
+     dict(n_kq=3)),
+    ("causal_conv1d_gated_delta_rule", "query_start_loc_len", "query_start_loc", ValueError,
+     dict(query_start_loc=jnp.array([0, T, T], i32))),
+    ("causal_conv1d_gated_delta_rule", "state_indices_float", "state_indices", TypeError,
+     dict(state_indices=jnp.array([1.0]))),
+    ("causal_conv1d_gated_delta_rule", "slot_out_of_pool", "state_indices", ValueError,
+     dict(state_indices=jnp.array([2], i32))),
+    ("causal_conv1d_gated_delta_rule", "spec_without_offsets", "read_offsets", ValueError,
+     dict(num_spec_tokens=1)),
 ]
 
 
@@ -216,7 +257,9 @@ def test_bad_input_raises_under_jit_trace(op_name, impl_name):
   args, kw = _merge(op_name, {"gated_delta_rule": dict(g=z((B, T, HK))),
                               "causal_conv1d": dict(bias=z((D + 1,))),
                               "gmm": dict(rhs=z((G, K + 1, N))),
-                              "tgmm": dict(rhs=z((M + 1, N)))}[op_name])
+                              "tgmm": dict(rhs=z((M + 1, N))),
+                              "causal_conv1d_gated_delta_rule": dict(b=z((T + 1, HV))),
+                              }[op_name])
   arrays = {n: x for n, x in {**args, **kw}.items() if isinstance(x, jax.Array)}
   static = {n: x for n, x in {**args, **kw}.items() if n not in arrays}
 
@@ -282,6 +325,8 @@ def _poison(op_name, which, value):
     args[name] = args[name].at[0, 3].set(value)
   elif op_name == "causal_conv1d":
     args["x"] = args["x"].at[0, 3, 1].set(value)
+  elif op_name == "causal_conv1d_gated_delta_rule":
+    args["qkv"] = args["qkv"].at[3, 1].set(value)
   else:
     args["lhs"] = args["lhs"].at[1, 0].set(value)
   return args, kw
@@ -292,6 +337,8 @@ def _poison(op_name, which, value):
 def test_nan_inf_propagate(op_name, impl_name, which):
   args, kw = _poison(op_name, which, jnp.nan if which == "nan" else jnp.inf)
   out = _call(op_name, impl_name, args, kw)
+  if op_name == "causal_conv1d_gated_delta_rule":   # ((pools), out)
+    out = out[1]
   out = out[0] if isinstance(out, tuple) else out
   out = np.asarray(jax.block_until_ready(out), np.float32)
   assert not np.isfinite(out).all(), f"{op_name}/{impl_name}: {which} input vanished"

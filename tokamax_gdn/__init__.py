@@ -11,6 +11,7 @@ config.skip_tpu_backend_without_chips()
 
 from tokamax_gdn import registry
 from tokamax_gdn.ops.causal_conv1d.api import causal_conv1d
+from tokamax_gdn.ops.causal_conv1d_gated_delta_rule.api import causal_conv1d_gated_delta_rule
 from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule
 from tokamax_gdn.ops.gated_delta_rule.fla import chunk_gated_delta_rule
 from tokamax_gdn.ops.gmm.api import gmm
@@ -20,4 +21,5 @@ from tokamax_gdn import layers
 __all__ = [
     "config", "registry", "layers",
     "gated_delta_rule", "chunk_gated_delta_rule", "causal_conv1d", "gmm", "tgmm",
+    "causal_conv1d_gated_delta_rule",
 ]

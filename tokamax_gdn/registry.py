@@ -19,7 +19,8 @@ from tokamax._src.ops import op as op_lib
 from tokamax_gdn import autotuning
 from tokamax_gdn import config
 
-OPS: tuple[str, ...] = ("gated_delta_rule", "causal_conv1d", "gmm", "tgmm")
+OPS: tuple[str, ...] = ("gated_delta_rule", "causal_conv1d", "gmm", "tgmm",
+                        "causal_conv1d_gated_delta_rule")
 IMPLEMENTATION_NAMES: tuple[str, ...] = ("pallas_mosaic_tpu", "xla", "reference")
 
 _cache: dict[str, dict[str, op_lib.Op]] = {}
