@@ -47,10 +47,25 @@ def _training(code, tmp_path, monkeypatch):
   assert np.isfinite(np.asarray(scope["logits"], np.float32)).all()
 
 
+def _serving(code, tmp_path, monkeypatch):
+  """The serving op's call at the block's head shapes, one decode and one
+  3-token prefill request (the op's own random layout)."""
+  del tmp_path, monkeypatch
+  import tokamax_gdn  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs  # pylint: disable=g-import-not-at-top
+  lay = arg_specs.layout(lengths=[1, 3], n_kq=2, n_v=8, d_k=128, d_v=128, kernel_size=4)
+  args, _ = arg_specs.random_call(jax.random.key(0), lay)
+  scope = dict(zip(arg_specs.POSITIONAL, args), tokamax_gdn=tokamax_gdn)
+  exec(code, scope)  # pylint: disable=exec-used
+  assert scope["out"].shape == (args[0].shape[0], 8 * 128)
+  assert scope["recurrent_state"].shape == args[4].shape
+
+
 # marker -> runner(code, tmp_path, monkeypatch)
 RUNNERS = {
     "tg.gated_delta_rule(": _api,
     "models.ModelConfig.load": _training,
+    "causal_conv1d_gated_delta_rule(": _serving,
 }
 # Blocks run by other tests (not run twice): marker -> the test that
 # execs the block it finds by that marker.
