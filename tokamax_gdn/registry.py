@@ -110,14 +110,20 @@ def call(
 
   Raises:
     ValueError: for an unknown implementation name (before anything runs).
-    ExceptionGroup: when every implementation raised NotImplementedError.
+    NotImplementedError (or any error of its own): from a single named
+      implementation (a str or an Op), as it raised it.
+    ExceptionGroup: when every implementation of a sequence (or of the
+      default order, `implementation=None`) raised NotImplementedError.
   """
   return call_each(op_name, implementation, lambda impl: impl(*args, **kwargs))
 
 
 def call_each(op_name: str, implementation: Implementation, fn: Callable[[Any], Any]) -> Any:
   """`fn(impl)` for the implementations in order, up to the first that does
-  not raise NotImplementedError (`call` with a caller's own way to call)."""
+  not raise NotImplementedError (`call` with a caller's own way to call); a
+  single named implementation (a str or an Op) raises its own error."""
+  if isinstance(implementation, (str, op_lib.Op)):
+    return fn(resolve(op_name, implementation)[0])
   errors = []
   for impl in resolve(op_name, implementation):
     try:

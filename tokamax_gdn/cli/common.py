@@ -21,6 +21,15 @@ def load_model(spec: str):
   return presets.load_preset(spec)
 
 
+def require_positive(args: argparse.Namespace, *names: str) -> None:
+  """ValueError (one line, exit code 2 through `main`) for any of the
+  options `names` (attribute names) given below 1."""
+  for name in names:
+    value = getattr(args, name)
+    if value is not None and value < 1:
+      raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
+
+
 def add_gdn_shape_args(parser: argparse.ArgumentParser, *, model_default: str | None,
                        seq_len_default: int | None) -> None:
   """--model, --seq-len, --batch, --hk/--hv/--k/--v (override the model), --dtype."""

@@ -97,18 +97,21 @@ def run(args: argparse.Namespace, print_table=common.print_table) -> int:
   from tokamax_gdn.training.data import RecallTask
   from tokamax_gdn.training.step import StepConfig
   # pylint: enable=g-import-not-at-top
+  common.require_positive(args, "batch", "steps", "seq_len")
   # Autotuning-cache misses (expected at these shapes: the heuristics apply)
   # are logged as warnings on every trace.
   absl_logging.set_verbosity(absl_logging.ERROR)
   logging.getLogger("jax").setLevel(logging.ERROR)
 
   interpret = args.interpret
-  steps = args.steps or (INTERPRET_STEPS if interpret else DEFAULT_STEPS)
-  batch = args.batch or (INTERPRET_BATCH if interpret else DEFAULT_BATCH)
-  task = RecallTask.for_seq_len(args.seq_len or (INTERPRET_SEQ_LEN if interpret else
-                                                 DEFAULT_SEQ_LEN))
+  # None is "not given"; 0 is refused above, never a default.
+  pick = lambda given, when_interpret, default: (
+      given if given is not None else when_interpret if interpret else default)
+  steps = pick(args.steps, INTERPRET_STEPS, DEFAULT_STEPS)
+  batch = pick(args.batch, INTERPRET_BATCH, DEFAULT_BATCH)
+  task = RecallTask.for_seq_len(pick(args.seq_len, INTERPRET_SEQ_LEN, DEFAULT_SEQ_LEN))
   cfg = ModelConfig.load(args.model, vocab_size=task.vocab_size)
-  stop = None if (args.steps or interpret) else STOP_AT_ACCURACY
+  stop = None if (args.steps is not None or interpret) else STOP_AT_ACCURACY
   impl = "pallas_mosaic_tpu" if interpret and args.impl == "xla" else args.impl
 
   def run_with(implementation, progress):
@@ -136,7 +139,7 @@ def run(args: argparse.Namespace, print_table=common.print_table) -> int:
     rows.append(dict(metric="losses xla", value=" ".join(f"{x:.4f}" for x in want)))
     rows.append(dict(metric=f"equal within bf16 tolerance ({BF16_RTOL})", value=str(ok)))
     rc = 0 if ok else 1
-  if args.json:
+  if args.json:     # stdout holds the JSON only (the accuracy is in its rows)
     print(json.dumps(dict(rows={r["metric"].strip(): r["value"] for r in rows},
                           recall_accuracy=result.recall_accuracy,
                           generated_recall=result.generated_recall,
@@ -144,5 +147,5 @@ def run(args: argparse.Namespace, print_table=common.print_table) -> int:
                      default=str))
   else:
     print_table(rows)
-  print(f"final recall accuracy: {result.recall_accuracy:.1%}", file=sys.stdout)
+    print(f"final recall accuracy: {result.recall_accuracy:.1%}", file=sys.stdout)
   return rc

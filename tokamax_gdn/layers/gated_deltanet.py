@@ -23,21 +23,26 @@ the activation dtype, multiply by the weight, then by silu(z) in float32.
 """
 
 import dataclasses
+import typing
 from typing import Any, NamedTuple
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
-import yaml
 
 from tokamax_gdn import registry
 from tokamax_gdn.ops.causal_conv1d.api import causal_conv1d
 from tokamax_gdn.ops.gated_delta_rule import remat as gdn_remat
+from tokamax_gdn.ops.gated_delta_rule import xla as gdn_xla
 from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule
 
 VARIANTS = ("qwen3_next", "qwen3_5")
 Params = dict[str, jax.Array]
+
+
+# What `chunk_size` may pin: the xla GDN Config's own choices.
+CHUNK_SIZES = typing.get_args(typing.get_type_hints(gdn_xla.Config)["chunk_size"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +70,9 @@ class GatedDeltaNetConfig:
           f" `num_k_heads`={self.num_k_heads}.")
     if self.conv_kernel_size < 1:
       raise ValueError(f"`conv_kernel_size`={self.conv_kernel_size} must be >= 1.")
+    if self.chunk_size is not None and self.chunk_size not in CHUNK_SIZES:
+      raise ValueError(f"`chunk_size`={self.chunk_size!r}: the xla GDN's chunk sizes are"
+                       f" {CHUNK_SIZES} (or None for its tuned / heuristic choice).")
 
   @property
   def key_dim(self) -> int:
@@ -122,13 +130,18 @@ class GatedDeltaNetConfig:
     unknown = set(d) - names - {"name", "model"}
     if unknown:
       raise ValueError(f"Unknown GatedDeltaNetConfig keys {sorted(unknown)}; valid: {sorted(names)}.")
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.default is dataclasses.MISSING and f.name not in d]
+    if missing:
+      raise ValueError(f"GatedDeltaNetConfig fields {missing} are missing.")
     return cls(**{k: v for k, v in d.items() if k in names})
 
   @classmethod
   def from_yaml(cls, path) -> "GatedDeltaNetConfig":
-    """From a preset file (keys = field names, plus an optional `name`)."""
-    with open(path) as f:
-      return cls.from_dict(yaml.safe_load(f))
+    """From a preset file (keys = field names, plus an optional `name`);
+    a ValueError naming the file for a missing, malformed or incomplete one."""
+    from tokamax_gdn.layers import presets  # pylint: disable=g-import-not-at-top
+    return presets.read_preset(path, cls.from_dict)
 
 
 class GatedDeltaNetCache(NamedTuple):
@@ -198,7 +211,9 @@ def _implementations(op_name: str, implementation, cfg: GatedDeltaNetConfig):
     names = tuple(n for n in wanted if n in available) or registry.default_order(op_name)
   if op_name == "gated_delta_rule" and cfg.chunk_size is not None:
     names = tuple(_with_chunk_size(n, cfg.chunk_size) for n in names)
-  return names
+  # One named implementation stays one (its own error if it cannot run, not
+  # an ExceptionGroup of one).
+  return names[0] if isinstance(implementation, str) else names
 
 
 def _with_chunk_size(impl, chunk_size: int):

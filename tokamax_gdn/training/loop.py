@@ -9,8 +9,8 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import tqdm
 
+from tokamax_gdn import progress as progress_lib
 from tokamax_gdn.models import decoder
 from tokamax_gdn.models.config import ModelConfig
 from tokamax_gdn.training import profile
@@ -128,7 +128,8 @@ def train(cfg: ModelConfig, task: RecallTask, tcfg: TrainConfig = TrainConfig(),
 
   tokens = tcfg.batch_size * task.seq_len
   history, times, split = [], [], None
-  bar = tqdm.tqdm(total=tcfg.steps, disable=not progress, unit="step", dynamic_ncols=True)
+  bar = progress_lib.bar(total=tcfg.steps, desc="train", disable=not progress, unit="step",
+                         dynamic_ncols=True)
   try:
     for i in range(tcfg.steps):
       t0 = time.perf_counter()
