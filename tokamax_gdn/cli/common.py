@@ -17,8 +17,8 @@ DEFAULT_MODEL = "qwen3.5-tiny"
 def load_model(spec: str):
   """A `GatedDeltaNetConfig` from a preset name (`qwen3.5-tiny`) or a preset .yml
   (`layers.presets.preset_file`)."""
-  from tokamax_gdn.layers import presets  # pylint: disable=g-import-not-at-top
-  return presets.load_preset(spec)
+  from tokamax_gdn import layers  # pylint: disable=g-import-not-at-top
+  return layers.load_preset(spec)
 
 
 def require_positive(args: argparse.Namespace, *names: str) -> None:

@@ -23,6 +23,7 @@ the activation dtype, multiply by the weight, then by silu(z) in float32.
 """
 
 import dataclasses
+import os
 import typing
 from typing import Any, NamedTuple
 
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tokamax_gdn import registry
+from tokamax_gdn.layers import presets
 from tokamax_gdn.ops.causal_conv1d.api import causal_conv1d
 from tokamax_gdn.ops.gated_delta_rule import remat as gdn_remat
 from tokamax_gdn.ops.gated_delta_rule import xla as gdn_xla
@@ -140,8 +142,16 @@ class GatedDeltaNetConfig:
   def from_yaml(cls, path) -> "GatedDeltaNetConfig":
     """From a preset file (keys = field names, plus an optional `name`);
     a ValueError naming the file for a missing, malformed or incomplete one."""
-    from tokamax_gdn.layers import presets  # pylint: disable=g-import-not-at-top
     return presets.read_preset(path, cls.from_dict)
+
+
+def load_preset(spec: str | os.PathLike[str], **overrides) -> GatedDeltaNetConfig:
+  """`load_preset("qwen3.5-tiny")` (a name or a .yml path, see `preset_file`);
+  keyword overrides replace fields."""
+  cfg = GatedDeltaNetConfig.from_yaml(presets.preset_file(spec))
+  if overrides:
+    cfg = dataclasses.replace(cfg, **overrides)
+  return cfg
 
 
 class GatedDeltaNetCache(NamedTuple):

@@ -1,17 +1,16 @@
-"""Model presets: `configs/models/<name>.yml` as `GatedDeltaNetConfig`s.
+"""Model presets: finding and reading `configs/models/<name>.yml` (the layer
+builds its `GatedDeltaNetConfig` from them: `gated_deltanet.load_preset`).
 
 Looked up in `$TOKAMAX_GDN_MODELS_DIR`, then the repository's `configs/models/`
 (editable installs), then `tokamax_gdn/data/models/` (wheels).
 """
 
-import dataclasses
 import os
 import pathlib
 from typing import Any, Callable
 
 import yaml
 
-from tokamax_gdn.layers.gated_deltanet import GatedDeltaNetConfig
 
 _PKG = pathlib.Path(__file__).resolve().parent.parent
 
@@ -70,12 +69,3 @@ def read_preset(path, build: Callable[[dict[str, Any]], Any]):
     return build(d)
   except (TypeError, ValueError) as e:
     raise ValueError(f"{path}: {e}") from None
-
-
-def load_preset(spec: str | os.PathLike[str], **overrides) -> GatedDeltaNetConfig:
-  """`load_preset("qwen3.5-tiny")` (a name or a .yml path, see `preset_file`);
-  keyword overrides replace fields."""
-  cfg = GatedDeltaNetConfig.from_yaml(preset_file(spec))
-  if overrides:
-    cfg = dataclasses.replace(cfg, **overrides)
-  return cfg
