@@ -1,0 +1,376 @@
+"""Pallas Mosaic TPU decode kernel of the serving GDN: conv window + GDN step, fused.
+
+One grid step takes a tile of `tile` requests. Each request's states live in
+the pools (HBM, `memory_space=ANY`, aliased in place): the step starts one DMA
+per request and state (recurrent [Hv, K, V], conv [W-1, D]) from the read slot
+(scalar-prefetched), computes the requests one after another as their DMAs
+land, and starts each request's write-back DMAs as soon as its states are
+final; it waits for the write-backs at its end. So inside a step the reads of
+later requests and the writes of earlier ones overlap the compute; requests
+that do not run here (invalid, padding, or chunked-path requests) start no
+DMA at all, which keeps every slot they name bit-identical.
+
+Why every DMA is started and waited in the same grid step: libtpu's static
+cycle estimator aborts ("No DMA issue node found for sync flag") on a wait
+whose DMA was issued in an earlier grid step or loop iteration, and each
+kernel must stay estimable. One semaphore per DMA (a shared one measured 2x
+slower on the estimate: the waits serialise).
+
+Per token (positions t < `window` from the gathered activation block; longer
+short requests continue token by token with row DMAs, see `mid_tokens`):
+
+  pre = bias + sum_w taps[w] * [conv window; x_t][w];  x = silu(pre)
+  q, k L2-normalised (q also scaled by d_k^-1/2), beta = sigmoid(b),
+  g = -exp(a_log) softplus(a + dt_bias)
+  [q; k] S on the MXU (one (8, K) x (K, V) product per value head; the
+  float32 operands as bf16 hi + lo rows, so the products keep ~2^-16),
+  v_new = beta (v - e^g kS),  o = e^g qS + (q.k) v_new,
+  S' = e^g S + k v_new^T (an MXU product contracting a padded row axis, the
+  same hi/lo split), stored in the pool's dtype.
+
+Heads of one GVA group share their q/k rows. Everything is float32 between
+products; the state is read in the pool's dtype and converted once.
+"""
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+import jax.numpy as jnp
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+_L2_EPS = 1e-6
+_ROWS = 8   # MXU row operand height (one f32 sublane tile)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStatic:
+  """Compile-time facts of the decode kernel."""
+
+  n_kq: int
+  n_v: int
+  d_k: int
+  d_v: int
+  kernel_size: int
+  window: int        # token positions per request held in the activation block
+  tile: int          # requests per grid step
+  mid_tokens: bool   # requests may hold more than `window` tokens (row DMAs)
+
+  @property
+  def dim(self) -> int:
+    return 2 * self.n_kq * self.d_k + self.n_v * self.d_v
+
+  @property
+  def group(self) -> int:
+    return self.n_v // self.n_kq
+
+  @property
+  def scale(self) -> float:
+    return self.d_k ** -0.5
+
+
+# Rows of the int32 metadata (scalar prefetch, [_META, R_padded]).
+START, LENGTH, HAS_INIT, READ_SLOT, WRITE_SLOT, CHECKPOINTS = range(6)
+_META = 6
+
+
+def _split(x):
+  """float32 -> (hi, lo) bfloat16 with hi + lo = x to ~2^-16 relative."""
+  hi = x.astype(BF16)
+  return hi, (x - hi.astype(F32)).astype(BF16)
+
+
+def _rows(parts, width):
+  """(k, width) pieces stacked and zero-padded to (_ROWS, width)."""
+  x = jnp.concatenate(parts, axis=0)
+  pad = _ROWS - x.shape[0]
+  return jnp.concatenate([x, jnp.zeros((pad, width), x.dtype)], axis=0) if pad else x
+
+
+def _dot(a, b):
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+
+
+def _dot_ta(a, b):
+  """aᵀ b contracting the (padded) row axis: a sum of outer products."""
+  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=F32)
+
+
+def _l2norm(x):
+  return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2_EPS)
+
+
+def _token(st: DecodeStatic, x_row, b_row, a_row, w_ref, bias_ref, gate_ref, win_scr,
+           act_scr, s_read, s_write):
+  """One token of one request: returns its output row (1, Hv V) float32.
+
+  x_row (1, D), b_row / a_row (1, Hv) float32. `win_scr` (W-1, D) f32 holds the
+  conv window and is advanced. `s_read(h)` gives value head h's state (K, V)
+  (f32, or the pool's bf16 as read), `s_write(h, s)` stores the new one.
+  """
+  kw = st.kernel_size
+  win = win_scr[...]
+  pre = bias_ref[...] + w_ref[kw - 1:kw, :] * x_row
+  for w in range(kw - 1):
+    pre = pre + w_ref[w:w + 1, :] * win[w:w + 1, :]
+  if kw > 2:
+    win_scr[...] = jnp.concatenate([win[1:], x_row], axis=0)
+  else:
+    win_scr[...] = x_row
+  # Through VMEM: libtpu's estimator rejects a loaded value that reaches an
+  # MXU operand through elementwise float32 math without a store in between.
+  act_scr[...] = pre * jax.nn.sigmoid(pre)
+  act = act_scr[...]
+
+  beta = jax.nn.sigmoid(b_row)
+  g = -jnp.exp(gate_ref[0:1, :]) * jax.nn.softplus(a_row + gate_ref[1:2, :])
+  decay = jnp.exp(g)                                                  # (1, Hv)
+  dk, dv, kd = st.d_k, st.d_v, st.n_kq * st.d_k
+  outs = []
+  for i in range(st.n_kq):
+    q = _l2norm(act[:, i * dk:(i + 1) * dk]) * st.scale
+    k = _l2norm(act[:, kd + i * dk:kd + (i + 1) * dk])
+    qk = jnp.sum(q * k, axis=-1, keepdims=True)                        # (1, 1)
+    q_hi, q_lo = _split(q)
+    k_hi, k_lo = _split(k)
+    lhs = _rows([q_hi, q_lo, k_hi, k_lo], dk)                          # [q; k] hi/lo
+    lhs_hi = _rows([q_hi, k_hi], dk)
+    for h in range(i * st.group, (i + 1) * st.group):
+      s = s_read(h)
+      if s.dtype == F32:
+        s_hi, s_lo = _split(s)
+        r = _dot(lhs, s_hi)
+        r_lo = _dot(lhs_hi, s_lo)
+        q_s = r[0:1] + r[1:2] + r_lo[0:1]
+        k_s = r[2:3] + r[3:4] + r_lo[1:2]
+      else:                      # a bf16 pool's state: exact as bf16
+        r = _dot(lhs, s)
+        q_s, k_s = r[0:1] + r[1:2], r[2:3] + r[3:4]
+        s = s.astype(F32)
+      e = decay[:, h:h + 1]
+      v = act[:, 2 * kd + h * dv:2 * kd + (h + 1) * dv]
+      v_new = beta[:, h:h + 1] * (v - e * k_s)                          # (1, V)
+      outs.append(e * q_s + qk * v_new)
+      vn_hi, vn_lo = _split(v_new)
+      outer = _dot_ta(_rows([k_hi, k_hi, k_lo], dk), _rows([vn_hi, vn_lo, vn_hi], dv))
+      s_write(h, e * s + outer)
+  return jnp.concatenate(outs, axis=1)
+
+
+def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st: DecodeStatic):
+  refs = list(refs)
+  if st.mid_tokens:
+    qkv_any, b_any, a_any = refs.pop(0), refs.pop(0), refs.pop(0)
+  conv_in, rec_in = refs.pop(0), refs.pop(0)
+  o_ref = refs.pop(0)
+  o_mid = refs.pop(0) if st.mid_tokens else None
+  conv_out, rec_out = refs.pop(0), refs.pop(0)
+  (conv_ibuf, rec_ibuf, conv_obuf, rec_obuf, win_scr, act_scr, s_scr, sem_in,
+   sem_out) = refs[:9]
+  row_bufs = refs[9:]
+  base = pl.program_id(0) * st.tile
+  del conv_out, rec_out     # aliased with conv_in / rec_in: the DMAs write those
+  n_w = st.window
+
+  def meta(field, j):
+    return meta_ref[field, base + j]
+
+  def reads(j):
+    slot = meta(READ_SLOT, j)
+    return (pltpu.make_async_copy(conv_in.at[slot], conv_ibuf.at[j], sem_in.at[0, j]),
+            pltpu.make_async_copy(rec_in.at[slot], rec_ibuf.at[j], sem_in.at[1, j]))
+
+  def writes(j, c):
+    slot = meta(WRITE_SLOT, j) + c
+    return (pltpu.make_async_copy(conv_obuf.at[j, c], conv_in.at[slot], sem_out.at[0, j, c]),
+            pltpu.make_async_copy(rec_obuf.at[j, c], rec_in.at[slot], sem_out.at[1, j, c]))
+
+  def runs(j):
+    return meta(LENGTH, j) > 0
+
+  def loads(j):
+    return jnp.logical_and(runs(j), meta(HAS_INIT, j) > 0)
+
+  def writes_ckpt(j, c):
+    return jnp.logical_and(runs(j), c < meta(CHECKPOINTS, j))
+
+  for j in range(st.tile):
+    @pl.when(loads(j))
+    def _():
+      for cp in reads(j):
+        cp.start()
+
+  o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+  pool_f32 = rec_ibuf.dtype == F32
+  for j in range(st.tile):
+    @pl.when(runs(j))
+    def _():
+      length, ckpts, init = meta(LENGTH, j), meta(CHECKPOINTS, j), meta(HAS_INIT, j) > 0
+
+      @pl.when(init)
+      def _():
+        for cp in reads(j):
+          cp.wait()
+        win_scr[...] = conv_ibuf[j].astype(F32)
+
+      @pl.when(jnp.logical_not(init))
+      def _():
+        win_scr[...] = jnp.zeros(win_scr.shape, F32)
+        rec_ibuf[j] = jnp.zeros(rec_ibuf.shape[1:], rec_ibuf.dtype)
+
+      def store(t):
+        """Checkpoint after token t: slot c = t - (length - ckpts), if c >= 0."""
+        c = t - (length - ckpts)
+
+        @pl.when(c >= 0)
+        def _():
+          conv_obuf[j, c] = win_scr[...].astype(conv_obuf.dtype)
+          rec_obuf[j, c] = s_scr[...].astype(rec_obuf.dtype)
+
+      # The first token reads the state as loaded (a bf16 pool's values are
+      # exact bf16 MXU operands); later ones read the f32 running state.
+      def first_read(h):
+        return rec_ibuf[j, h].astype(F32) if pool_f32 else rec_ibuf[j, h]
+
+      def later_read(h):
+        return s_scr[h]
+
+      def s_write(h, s):
+        s_scr[h] = s
+
+      for t in range(n_w):
+        @pl.when(t < length)
+        def _():
+          out = _token(st, x_ref[j, t:t + 1, :].astype(F32), b_ref[j, t:t + 1, :].astype(F32),
+                       a_ref[j, t:t + 1, :].astype(F32), w_ref, bias_ref, gate_ref, win_scr,
+                       act_scr, first_read if t == 0 else later_read, s_write)
+          o_ref[j, t:t + 1, :] = out.astype(o_ref.dtype)
+          store(t)
+
+      if st.mid_tokens:
+        x_row, b_row, a_row, o_row, sem_row = row_bufs
+        start = meta(START, j)
+
+        def body(t, carry):
+          pos = start + t
+          cps = [pltpu.make_async_copy(src.at[pl.ds(pos, 1)], dst, sem_row.at[i])
+                 for i, (src, dst) in enumerate(((qkv_any, x_row), (b_any, b_row),
+                                                 (a_any, a_row)))]
+          for cp in cps:
+            cp.start()
+          for cp in cps:
+            cp.wait()
+          out = _token(st, x_row[...].astype(F32), b_row[...].astype(F32),
+                       a_row[...].astype(F32), w_ref, bias_ref, gate_ref, win_scr, act_scr,
+                       later_read, s_write)
+          o_row[...] = out.astype(o_row.dtype)
+          cp = pltpu.make_async_copy(o_row, o_mid.at[pl.ds(pos, 1)], sem_row.at[3])
+          cp.start()
+          cp.wait()
+          store(t)
+          return carry
+
+        lax.fori_loop(n_w, jnp.maximum(length, n_w), body, 0)
+
+      for c in range(n_w):
+        @pl.when(writes_ckpt(j, c))
+        def _():
+          for cp in writes(j, c):
+            cp.start()
+
+  for j in range(st.tile):
+    for c in range(n_w):
+      @pl.when(writes_ckpt(j, c))
+      def _():
+        for cp in writes(j, c):
+          cp.wait()
+
+
+def decode(meta, xs, bs, as_, taps, bias, gate, conv_pool, rec_pool, qkv=None, b=None, a=None,
+           *, st: DecodeStatic, interpret=False, vmem_limit_bytes=None):
+  """Runs the decode kernel over R_padded = meta.shape[1] requests.
+
+  meta: int32 [_META, R_padded] (rows START..CHECKPOINTS; LENGTH 0 = the
+    request does not run here). xs [R_padded, window, D], bs / as_
+    [R_padded, window, Hv]: each request's first `window` tokens. taps
+    [W, D] f32, bias [1, D] f32, gate [2, Hv] f32 (a_log; dt_bias). With
+    `st.mid_tokens`, qkv / b / a are the whole [T, ...] arrays (rows past the
+    window are read from there).
+
+  Returns (out [R_padded, window, Hv V] in xs.dtype, out_mid [T, Hv V] or
+  None (rows of tokens past a request's window; others undefined),
+  conv_pool, rec_pool) with the pools updated in place.
+  """
+  r_pad = meta.shape[1]
+  assert r_pad % st.tile == 0
+  tile, n_w, dim, hv = st.tile, st.window, st.dim, st.n_v
+  block = lambda *shape: pl.BlockSpec((tile, *shape), lambda i, m: (i,) + (0,) * len(shape))
+  full = lambda *shape: pl.BlockSpec(shape, lambda i, m: (0,) * len(shape))
+  anyspace = pl.BlockSpec(memory_space=pl.ANY)
+  in_specs = [block(n_w, dim), block(n_w, hv), block(n_w, hv), full(*taps.shape),
+              full(*bias.shape), full(*gate.shape)]
+  args = [xs, bs, as_, taps, bias, gate]
+  if st.mid_tokens:
+    in_specs += [anyspace] * 3
+    args += [qkv, b, a]
+  in_specs += [anyspace, anyspace]
+  args += [conv_pool, rec_pool]
+  out_dtype = xs.dtype
+  out_specs = [block(n_w, hv * st.d_v)]
+  out_shape = [jax.ShapeDtypeStruct((r_pad, n_w, hv * st.d_v), out_dtype)]
+  if st.mid_tokens:
+    out_specs.append(anyspace)
+    out_shape.append(jax.ShapeDtypeStruct((qkv.shape[0], hv * st.d_v), out_dtype))
+  out_specs += [anyspace, anyspace]
+  out_shape += [jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
+                jax.ShapeDtypeStruct(rec_pool.shape, rec_pool.dtype)]
+  n_in = 1 + len(args)            # + the scalar-prefetch operand
+  aliases = {n_in - 2: len(out_shape) - 2, n_in - 1: len(out_shape) - 1}
+  kw1 = st.kernel_size - 1
+  scratch = [
+      pltpu.VMEM((tile, kw1, dim), conv_pool.dtype),
+      pltpu.VMEM((tile, hv, st.d_k, st.d_v), rec_pool.dtype),
+      pltpu.VMEM((tile, n_w, kw1, dim), conv_pool.dtype),
+      pltpu.VMEM((tile, n_w, hv, st.d_k, st.d_v), rec_pool.dtype),
+      pltpu.VMEM((kw1, dim), F32),
+      pltpu.VMEM((1, dim), F32),
+      pltpu.VMEM((hv, st.d_k, st.d_v), F32),
+      pltpu.SemaphoreType.DMA((2, tile)),
+      pltpu.SemaphoreType.DMA((2, tile, n_w)),
+  ]
+  if st.mid_tokens:
+    scratch += [pltpu.VMEM((1, dim), qkv.dtype), pltpu.VMEM((1, hv), b.dtype),
+                pltpu.VMEM((1, hv), a.dtype), pltpu.VMEM((1, hv * st.d_v), out_dtype),
+                pltpu.SemaphoreType.DMA((4,))]
+  res = pl.pallas_call(
+      functools.partial(_kernel, st=st),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(r_pad // tile,), in_specs=in_specs,
+          out_specs=out_specs, scratch_shapes=scratch),
+      out_shape=out_shape,
+      input_output_aliases=aliases,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                           vmem_limit_bytes=vmem_limit_bytes),
+      interpret=interpret,
+      name="gdn_serve_decode",
+  )(meta, *args)
+  if st.mid_tokens:
+    out, out_mid, conv_pool, rec_pool = res
+  else:
+    (out, conv_pool, rec_pool), out_mid = res, None
+  return out, out_mid, conv_pool, rec_pool
+
+
+def vmem_bytes(st: DecodeStatic, pool_itemsize: int, act_itemsize: int) -> int:
+  """Scoped VMEM of one grid step: the state buffers (in + `window` out per
+  request), the double-buffered activation blocks, f32 scratch; plus a
+  margin for Mosaic's temporaries (one f32 state and the conv rows)."""
+  state = st.n_v * st.d_k * st.d_v
+  conv = (st.kernel_size - 1) * st.dim
+  bufs = st.tile * (1 + st.window) * (state + conv) * pool_itemsize
+  acts = 2 * 2 * st.tile * st.window * (st.dim + 2 * st.n_v + st.n_v * st.d_v) * act_itemsize
+  scratch = 4 * (state + conv + st.dim)
+  return bufs + acts + scratch + 2 * 4 * state + (4 << 20)
