@@ -58,6 +58,11 @@ class DecodeStatic:
   window: int        # token positions per request held in the activation block
   tile: int          # requests per grid step
   mid_tokens: bool   # requests may hold more than `window` tokens (row DMAs)
+  # Cost model only: compile as if every request ran with one token and an
+  # initial state (no per-request branches). libtpu's static estimate skips
+  # the bodies of data-dependent branches, so this is how the cost of a full
+  # decode batch is measured (`all_run=False` in the op).
+  all_run: bool = False
 
   @property
   def dim(self) -> int:
@@ -103,61 +108,90 @@ def _l2norm(x):
   return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2_EPS)
 
 
-def _token(st: DecodeStatic, x_row, b_row, a_row, w_ref, bias_ref, gate_ref, win_scr,
-           act_scr, s_read, s_write):
-  """One token of one request: returns its output row (1, Hv V) float32.
+class _Prepared:
+  """The per-token values every head needs, for n tokens at once (rows)."""
 
-  x_row (1, D), b_row / a_row (1, Hv) float32. `win_scr` (W-1, D) f32 holds the
-  conv window and is advanced. `s_read(h)` gives value head h's state (K, V)
-  (f32, or the pool's bf16 as read), `s_write(h, s)` stores the new one.
-  """
-  kw = st.kernel_size
-  win = win_scr[...]
-  pre = bias_ref[...] + w_ref[kw - 1:kw, :] * x_row
-  for w in range(kw - 1):
-    pre = pre + w_ref[w:w + 1, :] * win[w:w + 1, :]
-  if kw > 2:
-    win_scr[...] = jnp.concatenate([win[1:], x_row], axis=0)
-  else:
-    win_scr[...] = x_row
-  # Through VMEM: libtpu's estimator rejects a loaded value that reaches an
-  # MXU operand through elementwise float32 math without a store in between.
-  act_scr[...] = pre * jax.nn.sigmoid(pre)
-  act = act_scr[...]
+  def __init__(self, st: DecodeStatic, x, windows, b, a, w_ref, bias_ref, gate_ref, act_scr):
+    """x (n, D), b / a (n, Hv) float32; windows: W-1 arrays (n, D), the conv
+    window's rows oldest first."""
+    kw = st.kernel_size
+    pre = bias_ref[...] + w_ref[kw - 1:kw, :] * x
+    for w in range(kw - 1):
+      pre = pre + w_ref[w:w + 1, :] * windows[w]
+    # Through VMEM: libtpu's estimator rejects a loaded value that reaches an
+    # MXU operand through elementwise float32 math without a store between.
+    act_scr[...] = pre * jax.nn.sigmoid(pre)
+    self.act = act_scr[...]
+    self.beta = jax.nn.sigmoid(b)
+    g = -jnp.exp(gate_ref[0:1, :]) * jax.nn.softplus(a + gate_ref[1:2, :])
+    self.decay = jnp.exp(g)                                              # (n, Hv)
+    dk, kd = st.d_k, st.n_kq * st.d_k
+    self.q, self.k, self.qk, self.q_cols, self.k_cols = [], [], [], [], []
+    for i in range(st.n_kq):
+      q = _l2norm(self.act[:, i * dk:(i + 1) * dk]) * st.scale
+      k = _l2norm(self.act[:, kd + i * dk:kd + (i + 1) * dk])
+      self.q.append(q)
+      self.k.append(k)
+      self.qk.append(jnp.sum(q * k, axis=-1, keepdims=True))            # (n, 1)
+      self.q_cols.append(_pad_rows(q).T)                                 # (K, >= n)
+      self.k_cols.append(_pad_rows(k).T)
 
-  beta = jax.nn.sigmoid(b_row)
-  g = -jnp.exp(gate_ref[0:1, :]) * jax.nn.softplus(a_row + gate_ref[1:2, :])
-  decay = jnp.exp(g)                                                  # (1, Hv)
+
+def _pad_rows(x):
+  """(n, L) -> (round_up(n, 8), L), zero rows below."""
+  pad = -x.shape[0] % _ROWS
+  return jnp.concatenate([x, jnp.zeros((pad, x.shape[1]), x.dtype)], axis=0) if pad else x
+
+
+def _heads(st: DecodeStatic, p: _Prepared, row: int, bcast_scr, s_read, s_write):
+  """The GDN step of every value head for token `row` of `p`: returns its
+  output row (1, Hv V) float32. `s_read(h)` gives head h's state (K, V)
+  (float32, or the bf16 pool's values as read), `s_write(h, s)` stores the
+  new one (float32)."""
   dk, dv, kd = st.d_k, st.d_v, st.n_kq * st.d_k
+  one = lambda x: x[row:row + 1]
+  beta, decay = one(p.beta), one(p.decay)
   outs = []
   for i in range(st.n_kq):
-    q = _l2norm(act[:, i * dk:(i + 1) * dk]) * st.scale
-    k = _l2norm(act[:, kd + i * dk:kd + (i + 1) * dk])
-    qk = jnp.sum(q * k, axis=-1, keepdims=True)                        # (1, 1)
+    q, k, qk = one(p.q[i]), one(p.k[i]), one(p.qk[i])
+    # Lane broadcasts run on the XLU, the scarce unit here: once per key
+    # head into VMEM, then every head of the GVA group loads them.
+    bcast_scr[0] = jnp.broadcast_to(p.q_cols[i][:, row:row + 1], (dk, dv))
+    bcast_scr[1] = jnp.broadcast_to(p.k_cols[i][:, row:row + 1], (dk, dv))
     q_hi, q_lo = _split(q)
     k_hi, k_lo = _split(k)
-    lhs = _rows([q_hi, q_lo, k_hi, k_lo], dk)                          # [q; k] hi/lo
-    lhs_hi = _rows([q_hi, k_hi], dk)
+    lhs = _rows([q_hi, q_lo, k_hi, k_lo], dk)
     for h in range(i * st.group, (i + 1) * st.group):
       s = s_read(h)
-      if s.dtype == F32:
-        s_hi, s_lo = _split(s)
-        r = _dot(lhs, s_hi)
-        r_lo = _dot(lhs_hi, s_lo)
-        q_s = r[0:1] + r[1:2] + r_lo[0:1]
-        k_s = r[2:3] + r[3:4] + r_lo[1:2]
-      else:                      # a bf16 pool's state: exact as bf16
+      e = decay[:, h:h + 1]
+      k_col = bcast_scr[1]
+      if s.dtype == BF16:
+        # A bf16 pool's state is an exact MXU operand: [q; k] S in one
+        # product (q, k as bf16 hi + lo rows), beside the VPU's update.
         r = _dot(lhs, s)
         q_s, k_s = r[0:1] + r[1:2], r[2:3] + r[3:4]
         s = s.astype(F32)
-      e = decay[:, h:h + 1]
-      v = act[:, 2 * kd + h * dv:2 * kd + (h + 1) * dv]
+      else:
+        s = s.astype(F32)
+        q_s = jnp.sum(bcast_scr[0] * s, axis=0, keepdims=True)         # (1, V)
+        k_s = jnp.sum(k_col * s, axis=0, keepdims=True)
+      v = p.act[row:row + 1, 2 * kd + h * dv:2 * kd + (h + 1) * dv]
       v_new = beta[:, h:h + 1] * (v - e * k_s)                          # (1, V)
       outs.append(e * q_s + qk * v_new)
-      vn_hi, vn_lo = _split(v_new)
-      outer = _dot_ta(_rows([k_hi, k_hi, k_lo], dk), _rows([vn_hi, vn_lo, vn_hi], dv))
-      s_write(h, e * s + outer)
+      s_write(h, e * s + k_col * v_new)
   return jnp.concatenate(outs, axis=1)
+
+
+def _token(st: DecodeStatic, x_row, b_row, a_row, w_ref, bias_ref, gate_ref, win_scr,
+           act_scr, bcast_scr, s_read, s_write):
+  """One token of one request (rows (1, ...) float32); advances the conv
+  window in `win_scr` (W-1, D) f32; returns the output row (1, Hv V)."""
+  kw = st.kernel_size
+  win = win_scr[...]
+  p = _Prepared(st, x_row, [win[w:w + 1] for w in range(kw - 1)], b_row, a_row, w_ref,
+                bias_ref, gate_ref, act_scr)
+  win_scr[...] = jnp.concatenate([win[1:], x_row], axis=0) if kw > 2 else x_row
+  return _heads(st, p, 0, bcast_scr, s_read, s_write)
 
 
 def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st: DecodeStatic):
@@ -168,9 +202,9 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
   o_ref = refs.pop(0)
   o_mid = refs.pop(0) if st.mid_tokens else None
   conv_out, rec_out = refs.pop(0), refs.pop(0)
-  (conv_ibuf, rec_ibuf, conv_obuf, rec_obuf, win_scr, act_scr, s_scr, sem_in,
-   sem_out) = refs[:9]
-  row_bufs = refs[9:]
+  (conv_ibuf, rec_ibuf, conv_obuf, rec_obuf, win_scr, act_scr, bcast_scr, s_scr, sem_in,
+   sem_out) = refs[:10]
+  row_bufs = refs[10:]
   base = pl.program_id(0) * st.tile
   del conv_out, rec_out     # aliased with conv_in / rec_in: the DMAs write those
   n_w = st.window
@@ -178,62 +212,124 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
   def meta(field, j):
     return meta_ref[field, base + j]
 
+  def read_conv(j):
+    return pltpu.make_async_copy(conv_in.at[meta(READ_SLOT, j)], conv_ibuf.at[j], sem_in.at[0, j])
+
+  def read_rec(j):
+    return pltpu.make_async_copy(rec_in.at[meta(READ_SLOT, j)], rec_ibuf.at[j], sem_in.at[1, j])
+
   def reads(j):
-    slot = meta(READ_SLOT, j)
-    return (pltpu.make_async_copy(conv_in.at[slot], conv_ibuf.at[j], sem_in.at[0, j]),
-            pltpu.make_async_copy(rec_in.at[slot], rec_ibuf.at[j], sem_in.at[1, j]))
+    return read_conv(j), read_rec(j)
 
   def writes(j, c):
     slot = meta(WRITE_SLOT, j) + c
     return (pltpu.make_async_copy(conv_obuf.at[j, c], conv_in.at[slot], sem_out.at[0, j, c]),
             pltpu.make_async_copy(rec_obuf.at[j, c], rec_in.at[slot], sem_out.at[1, j, c]))
 
+  def when(cond):
+    """pl.when, or unconditional under `all_run` (a static True)."""
+    if isinstance(cond, bool):
+      return (lambda f: f()) if cond else (lambda f: None)
+    return pl.when(cond)
+
   def runs(j):
-    return meta(LENGTH, j) > 0
+    return True if st.all_run else meta(LENGTH, j) > 0
 
   def loads(j):
-    return jnp.logical_and(runs(j), meta(HAS_INIT, j) > 0)
+    return True if st.all_run else jnp.logical_and(runs(j), meta(HAS_INIT, j) > 0)
 
   def writes_ckpt(j, c):
+    if st.all_run:
+      return c == 0
     return jnp.logical_and(runs(j), c < meta(CHECKPOINTS, j))
 
   for j in range(st.tile):
-    @pl.when(loads(j))
+    @when(loads(j))
     def _():
       for cp in reads(j):
         cp.start()
 
   o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
   pool_f32 = rec_ibuf.dtype == F32
-  for j in range(st.tile):
-    @pl.when(runs(j))
-    def _():
-      length, ckpts, init = meta(LENGTH, j), meta(CHECKPOINTS, j), meta(HAS_INIT, j) > 0
+  # One token per request: the conv, gates and q/k of the whole tile run
+  # vectorised over its requests (rows), and each new state goes straight
+  # to its checkpoint buffer.
+  direct = n_w == 1 and not st.mid_tokens
 
-      @pl.when(init)
+  def init_of(j):
+    return True if st.all_run else meta(HAS_INIT, j) > 0
+
+  def zero_unread(j):
+    if not st.all_run:
+      @pl.when(jnp.logical_not(init_of(j)))
+      def _():
+        rec_ibuf[j] = jnp.zeros(rec_ibuf.shape[1:], rec_ibuf.dtype)
+
+  def first_read(j):
+    # The first token reads the state as loaded (a bf16 pool's values are
+    # exact bf16 MXU operands).
+    return lambda h: rec_ibuf[j, h].astype(F32) if pool_f32 else rec_ibuf[j, h]
+
+  if direct:
+    kw1 = st.kernel_size - 1
+    wins = []
+    for j in range(st.tile):
+      @when(loads(j))
+      def _():
+        read_conv(j).wait()
+      init = init_of(j)
+      conv = conv_ibuf[j].astype(F32)
+      wins.append(conv if init is True else jnp.where(init, conv, 0.0))
+    x = x_ref[...].astype(F32)
+    prep = _Prepared(st, x, [jnp.concatenate([w[r:r + 1] for w in wins], axis=0)
+                             for r in range(kw1)],
+                     b_ref[...].astype(F32), a_ref[...].astype(F32), w_ref, bias_ref,
+                     gate_ref, act_scr)
+    for j in range(st.tile):
+      @when(runs(j))
+      def _():
+        @when(loads(j))
+        def _():
+          read_rec(j).wait()
+        zero_unread(j)
+        conv_obuf[j, 0] = jnp.concatenate([wins[j][1:], x[j:j + 1]], axis=0).astype(
+            conv_obuf.dtype)
+
+        def s_write(h, s):
+          rec_obuf[j, 0, h] = s.astype(rec_obuf.dtype)
+
+        o_ref[j:j + 1, :] = _heads(st, prep, j, bcast_scr, first_read(j), s_write).astype(
+            o_ref.dtype)
+        for cp in writes(j, 0):
+          cp.start()
+  for j in range(st.tile if not direct else 0):
+    @when(runs(j))
+    def _():
+      if st.all_run:
+        length, ckpts, init = 1, 1, True
+      else:
+        length, ckpts, init = meta(LENGTH, j), meta(CHECKPOINTS, j), meta(HAS_INIT, j) > 0
+
+      @when(init)
       def _():
         for cp in reads(j):
           cp.wait()
         win_scr[...] = conv_ibuf[j].astype(F32)
 
-      @pl.when(jnp.logical_not(init))
-      def _():
-        win_scr[...] = jnp.zeros(win_scr.shape, F32)
-        rec_ibuf[j] = jnp.zeros(rec_ibuf.shape[1:], rec_ibuf.dtype)
+      if not st.all_run:
+        @pl.when(jnp.logical_not(init))
+        def _():
+          win_scr[...] = jnp.zeros(win_scr.shape, F32)
+      zero_unread(j)
 
       def store(t):
         """Checkpoint after token t: slot c = t - (length - ckpts), if c >= 0."""
         c = t - (length - ckpts)
 
-        @pl.when(c >= 0)
+        @when(True if st.all_run else c >= 0)
         def _():
           conv_obuf[j, c] = win_scr[...].astype(conv_obuf.dtype)
           rec_obuf[j, c] = s_scr[...].astype(rec_obuf.dtype)
-
-      # The first token reads the state as loaded (a bf16 pool's values are
-      # exact bf16 MXU operands); later ones read the f32 running state.
-      def first_read(h):
-        return rec_ibuf[j, h].astype(F32) if pool_f32 else rec_ibuf[j, h]
 
       def later_read(h):
         return s_scr[h]
@@ -242,12 +338,14 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
         s_scr[h] = s
 
       for t in range(n_w):
-        @pl.when(t < length)
+        @when(True if st.all_run else t < length)
         def _():
-          out = _token(st, x_ref[j, t:t + 1, :].astype(F32), b_ref[j, t:t + 1, :].astype(F32),
-                       a_ref[j, t:t + 1, :].astype(F32), w_ref, bias_ref, gate_ref, win_scr,
-                       act_scr, first_read if t == 0 else later_read, s_write)
-          o_ref[j, t:t + 1, :] = out.astype(o_ref.dtype)
+          row = j * n_w + t
+          out = _token(st, x_ref[row:row + 1, :].astype(F32),
+                       b_ref[row:row + 1, :].astype(F32), a_ref[row:row + 1, :].astype(F32),
+                       w_ref, bias_ref, gate_ref, win_scr, act_scr, bcast_scr,
+                       first_read(j) if t == 0 else later_read, s_write)
+          o_ref[row:row + 1, :] = out.astype(o_ref.dtype)
           store(t)
 
       if st.mid_tokens:
@@ -265,7 +363,7 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
             cp.wait()
           out = _token(st, x_row[...].astype(F32), b_row[...].astype(F32),
                        a_row[...].astype(F32), w_ref, bias_ref, gate_ref, win_scr, act_scr,
-                       later_read, s_write)
+                       bcast_scr, later_read, s_write)
           o_row[...] = out.astype(o_row.dtype)
           cp = pltpu.make_async_copy(o_row, o_mid.at[pl.ds(pos, 1)], sem_row.at[3])
           cp.start()
@@ -276,14 +374,14 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
         lax.fori_loop(n_w, jnp.maximum(length, n_w), body, 0)
 
       for c in range(n_w):
-        @pl.when(writes_ckpt(j, c))
+        @when(writes_ckpt(j, c))
         def _():
           for cp in writes(j, c):
             cp.start()
 
   for j in range(st.tile):
     for c in range(n_w):
-      @pl.when(writes_ckpt(j, c))
+      @when(writes_ckpt(j, c))
       def _():
         for cp in writes(j, c):
           cp.wait()
@@ -294,23 +392,24 @@ def decode(meta, xs, bs, as_, taps, bias, gate, conv_pool, rec_pool, qkv=None, b
   """Runs the decode kernel over R_padded = meta.shape[1] requests.
 
   meta: int32 [_META, R_padded] (rows START..CHECKPOINTS; LENGTH 0 = the
-    request does not run here). xs [R_padded, window, D], bs / as_
-    [R_padded, window, Hv]: each request's first `window` tokens. taps
+    request does not run here). xs [R_padded * window, D], bs / as_
+    [R_padded * window, Hv]: each request's first `window` tokens (row
+    r * window + t). taps
     [W, D] f32, bias [1, D] f32, gate [2, Hv] f32 (a_log; dt_bias). With
     `st.mid_tokens`, qkv / b / a are the whole [T, ...] arrays (rows past the
     window are read from there).
 
-  Returns (out [R_padded, window, Hv V] in xs.dtype, out_mid [T, Hv V] or
+  Returns (out [R_padded * window, Hv V] in xs.dtype, out_mid [T, Hv V] or
   None (rows of tokens past a request's window; others undefined),
   conv_pool, rec_pool) with the pools updated in place.
   """
   r_pad = meta.shape[1]
   assert r_pad % st.tile == 0
   tile, n_w, dim, hv = st.tile, st.window, st.dim, st.n_v
-  block = lambda *shape: pl.BlockSpec((tile, *shape), lambda i, m: (i,) + (0,) * len(shape))
+  block = lambda width: pl.BlockSpec((tile * n_w, width), lambda i, m: (i, 0))
   full = lambda *shape: pl.BlockSpec(shape, lambda i, m: (0,) * len(shape))
   anyspace = pl.BlockSpec(memory_space=pl.ANY)
-  in_specs = [block(n_w, dim), block(n_w, hv), block(n_w, hv), full(*taps.shape),
+  in_specs = [block(dim), block(hv), block(hv), full(*taps.shape),
               full(*bias.shape), full(*gate.shape)]
   args = [xs, bs, as_, taps, bias, gate]
   if st.mid_tokens:
@@ -319,8 +418,8 @@ def decode(meta, xs, bs, as_, taps, bias, gate, conv_pool, rec_pool, qkv=None, b
   in_specs += [anyspace, anyspace]
   args += [conv_pool, rec_pool]
   out_dtype = xs.dtype
-  out_specs = [block(n_w, hv * st.d_v)]
-  out_shape = [jax.ShapeDtypeStruct((r_pad, n_w, hv * st.d_v), out_dtype)]
+  out_specs = [block(hv * st.d_v)]
+  out_shape = [jax.ShapeDtypeStruct((r_pad * n_w, hv * st.d_v), out_dtype)]
   if st.mid_tokens:
     out_specs.append(anyspace)
     out_shape.append(jax.ShapeDtypeStruct((qkv.shape[0], hv * st.d_v), out_dtype))
@@ -336,7 +435,8 @@ def decode(meta, xs, bs, as_, taps, bias, gate, conv_pool, rec_pool, qkv=None, b
       pltpu.VMEM((tile, n_w, kw1, dim), conv_pool.dtype),
       pltpu.VMEM((tile, n_w, hv, st.d_k, st.d_v), rec_pool.dtype),
       pltpu.VMEM((kw1, dim), F32),
-      pltpu.VMEM((1, dim), F32),
+      pltpu.VMEM((tile * n_w if n_w == 1 and not st.mid_tokens else 1, dim), F32),
+      pltpu.VMEM((2, st.d_k, st.d_v), F32),
       pltpu.VMEM((hv, st.d_k, st.d_v), F32),
       pltpu.SemaphoreType.DMA((2, tile)),
       pltpu.SemaphoreType.DMA((2, tile, n_w)),
