@@ -27,6 +27,7 @@ When T < min_chunked_tokens (every decode batch with the heuristic) the
 chunked path is not compiled at all.
 """
 
+import contextlib
 import dataclasses
 from typing import Annotated, ClassVar, Literal
 
@@ -47,6 +48,25 @@ from tokamax_gdn.ops.tiling import round_up
 
 _F32 = jnp.float32
 _MIB = 1 << 20
+_all_run = False
+
+
+@contextlib.contextmanager
+def full_decode_cost():
+  """Compiles the decode kernel as if every request ran one token with an
+  initial state (`DecodeStatic.all_run`): for static cycle estimates only.
+
+  libtpu's estimate leaves out the bodies of data-dependent branches, which
+  is where the kernel's per-request work sits; this variant has none, so its
+  estimate is the cost of a full decode batch. Its results are meaningless
+  (it ignores the request metadata).
+  """
+  global _all_run
+  old, _all_run = _all_run, True
+  try:
+    yield
+  finally:
+    _all_run = old
 
 
 @pydantic.dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,7 +116,7 @@ def _vmem_cap() -> int:
 def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool) -> decode_kernel.DecodeStatic:
   return decode_kernel.DecodeStatic(n_kq=dims.n_kq, n_v=dims.n_v, d_k=dims.d_k, d_v=dims.d_v,
                                     kernel_size=dims.kernel_size, window=window, tile=tile,
-                                    mid_tokens=mid)
+                                    mid_tokens=mid, all_run=_all_run)
 
 
 def _decode_vmem(args, tile: int, window: int) -> int:

@@ -17,7 +17,7 @@ kernel must stay estimable. One semaphore per DMA (a shared one measured 2x
 slower on the estimate: the waits serialise).
 
 Per token (positions t < `window` from the gathered activation block; longer
-short requests continue token by token with row DMAs, see `mid_tokens`):
+short requests continue token by token from aligned row blocks, `mid_tokens`):
 
   pre = bias + sum_w taps[w] * [conv window; x_t][w];  x = silu(pre)
   q, k L2-normalised (q also scaled by d_k^-1/2), beta = sigmoid(b),
@@ -57,7 +57,7 @@ class DecodeStatic:
   kernel_size: int
   window: int        # token positions per request held in the activation block
   tile: int          # requests per grid step
-  mid_tokens: bool   # requests may hold more than `window` tokens (row DMAs)
+  mid_tokens: bool   # requests may hold more than `window` tokens (block DMAs)
   # Cost model only: compile as if every request ran with one token and an
   # initial state (no per-request branches). libtpu's static estimate skips
   # the bodies of data-dependent branches, so this is how the cost of a full
@@ -194,6 +194,16 @@ def _token(st: DecodeStatic, x_row, b_row, a_row, w_ref, bias_ref, gate_ref, win
   return _heads(st, p, 0, bcast_scr, s_read, s_write)
 
 
+_BLOCK = 16   # rows of the aligned blocks mid tokens move in (a bf16 tile)
+
+
+def _pick_row(block, r):
+  """Row r (traced) of a (_BLOCK, L) float32 block, as (1, L), by a masked sum
+  (a dynamic sublane offset is not a vector load Mosaic has for every dtype)."""
+  rows = lax.broadcasted_iota(jnp.int32, block.shape, 0)
+  return jnp.sum(jnp.where(rows == r, block, 0.0), axis=0, keepdims=True)
+
+
 def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st: DecodeStatic):
   refs = list(refs)
   if st.mid_tokens:
@@ -204,10 +214,11 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
   conv_out, rec_out = refs.pop(0), refs.pop(0)
   (conv_ibuf, rec_ibuf, conv_obuf, rec_obuf, win_scr, act_scr, bcast_scr, s_scr, sem_in,
    sem_out) = refs[:10]
-  row_bufs = refs[10:]
+  blk_bufs = refs[10:]
   base = pl.program_id(0) * st.tile
   del conv_out, rec_out     # aliased with conv_in / rec_in: the DMAs write those
   n_w = st.window
+  kw1 = st.kernel_size - 1
 
   def meta(field, j):
     return meta_ref[field, base + j]
@@ -218,16 +229,13 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
   def read_rec(j):
     return pltpu.make_async_copy(rec_in.at[meta(READ_SLOT, j)], rec_ibuf.at[j], sem_in.at[1, j])
 
-  def reads(j):
-    return read_conv(j), read_rec(j)
-
   def writes(j, c):
     slot = meta(WRITE_SLOT, j) + c
     return (pltpu.make_async_copy(conv_obuf.at[j, c], conv_in.at[slot], sem_out.at[0, j, c]),
             pltpu.make_async_copy(rec_obuf.at[j, c], rec_in.at[slot], sem_out.at[1, j, c]))
 
   def when(cond):
-    """pl.when, or unconditional under `all_run` (a static True)."""
+    """pl.when, or static: unconditional / nothing (`all_run`'s conditions)."""
     if isinstance(cond, bool):
       return (lambda f: f()) if cond else (lambda f: None)
     return pl.when(cond)
@@ -235,29 +243,19 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
   def runs(j):
     return True if st.all_run else meta(LENGTH, j) > 0
 
+  def init_of(j):
+    return True if st.all_run else meta(HAS_INIT, j) > 0
+
   def loads(j):
-    return True if st.all_run else jnp.logical_and(runs(j), meta(HAS_INIT, j) > 0)
+    return True if st.all_run else jnp.logical_and(runs(j), init_of(j))
 
   def writes_ckpt(j, c):
     if st.all_run:
       return c == 0
     return jnp.logical_and(runs(j), c < meta(CHECKPOINTS, j))
 
-  for j in range(st.tile):
-    @when(loads(j))
-    def _():
-      for cp in reads(j):
-        cp.start()
-
-  o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
-  pool_f32 = rec_ibuf.dtype == F32
-  # One token per request: the conv, gates and q/k of the whole tile run
-  # vectorised over its requests (rows), and each new state goes straight
-  # to its checkpoint buffer.
-  direct = n_w == 1 and not st.mid_tokens
-
-  def init_of(j):
-    return True if st.all_run else meta(HAS_INIT, j) > 0
+  def length_of(j):
+    return 1 if st.all_run else meta(LENGTH, j)
 
   def zero_unread(j):
     if not st.all_run:
@@ -270,8 +268,58 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
     # exact bf16 MXU operands).
     return lambda h: rec_ibuf[j, h].astype(F32) if pool_f32 else rec_ibuf[j, h]
 
-  if direct:
-    kw1 = st.kernel_size - 1
+  def later_read(h):
+    return s_scr[h]
+
+  def scr_write(h, s):
+    s_scr[h] = s
+
+  def mid_tokens(j, store):
+    """Tokens n_w.. of request j (a short prefill): one by one, from aligned
+    _BLOCK-row blocks of the padded [T, ...] arrays; each output row is
+    merged into its block of `o_mid` (read, modify, write: tokens run in
+    order, so no two writes of a block overlap)."""
+    x_blk, b_blk, a_blk, o_blk, sem_blk = blk_bufs
+    start = meta(START, j)
+
+    def body(t, carry):
+      pos = start + t
+      blk = pl.multiple_of((pos // _BLOCK) * _BLOCK, _BLOCK)
+      r = pos - blk
+      rows = pl.ds(blk, _BLOCK)
+      cps = [pltpu.make_async_copy(src.at[rows], dst, sem_blk.at[i])
+             for i, (src, dst) in enumerate(((qkv_any, x_blk), (b_any, b_blk), (a_any, a_blk),
+                                             (o_mid, o_blk)))]
+      for cp in cps:
+        cp.start()
+      for cp in cps:
+        cp.wait()
+      out = _token(st, _pick_row(x_blk[...].astype(F32), r), _pick_row(b_blk[...].astype(F32), r),
+                   _pick_row(a_blk[...].astype(F32), r), w_ref, bias_ref, gate_ref, win_scr,
+                   act_scr.at[0:1], bcast_scr, later_read, scr_write)
+      sel = lax.broadcasted_iota(jnp.int32, o_blk.shape, 0) == r
+      o_blk[...] = jnp.where(sel, out, o_blk[...].astype(F32)).astype(o_blk.dtype)
+      cp = pltpu.make_async_copy(o_blk, o_mid.at[rows], sem_blk.at[4])
+      cp.start()
+      cp.wait()
+      store(t)
+      return carry
+
+    lax.fori_loop(n_w, jnp.maximum(meta(LENGTH, j), n_w), body, 0)
+
+  for j in range(st.tile):
+    @when(loads(j))
+    def _():
+      read_conv(j).start()
+      read_rec(j).start()
+
+  o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+  pool_f32 = rec_ibuf.dtype == F32
+
+  if n_w == 1:
+    # One token per request (plain decode): the conv, gates and q/k of the
+    # whole tile run vectorised over its requests (rows), and each new state
+    # goes straight to its checkpoint buffer.
     wins = []
     for j in range(st.tile):
       @when(loads(j))
@@ -292,28 +340,45 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
         def _():
           read_rec(j).wait()
         zero_unread(j)
-        conv_obuf[j, 0] = jnp.concatenate([wins[j][1:], x[j:j + 1]], axis=0).astype(
-            conv_obuf.dtype)
+        window = jnp.concatenate([wins[j][1:], x[j:j + 1]], axis=0)
+        conv_obuf[j, 0] = window.astype(conv_obuf.dtype)
+        more = None if st.all_run or not st.mid_tokens else meta(LENGTH, j) > 1
 
         def s_write(h, s):
           rec_obuf[j, 0, h] = s.astype(rec_obuf.dtype)
+          if more is not None:
+            @pl.when(more)
+            def _():
+              s_scr[h] = s
 
         o_ref[j:j + 1, :] = _heads(st, prep, j, bcast_scr, first_read(j), s_write).astype(
             o_ref.dtype)
+        if more is not None:
+          @pl.when(more)
+          def _():
+            win_scr[...] = window
+
+            def store(t):
+              del t   # short prefills keep only their final state
+
+            mid_tokens(j, store)
+            conv_obuf[j, 0] = win_scr[...].astype(conv_obuf.dtype)
+            rec_obuf[j, 0] = s_scr[...].astype(rec_obuf.dtype)
+
         for cp in writes(j, 0):
           cp.start()
-  for j in range(st.tile if not direct else 0):
+
+  for j in range(st.tile if n_w > 1 else 0):
     @when(runs(j))
     def _():
-      if st.all_run:
-        length, ckpts, init = 1, 1, True
-      else:
-        length, ckpts, init = meta(LENGTH, j), meta(CHECKPOINTS, j), meta(HAS_INIT, j) > 0
+      length = length_of(j)
+      ckpts = 1 if st.all_run else meta(CHECKPOINTS, j)
+      init = init_of(j)
 
       @when(init)
       def _():
-        for cp in reads(j):
-          cp.wait()
+        read_conv(j).wait()
+        read_rec(j).wait()
         win_scr[...] = conv_ibuf[j].astype(F32)
 
       if not st.all_run:
@@ -331,12 +396,6 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
           conv_obuf[j, c] = win_scr[...].astype(conv_obuf.dtype)
           rec_obuf[j, c] = s_scr[...].astype(rec_obuf.dtype)
 
-      def later_read(h):
-        return s_scr[h]
-
-      def s_write(h, s):
-        s_scr[h] = s
-
       for t in range(n_w):
         @when(True if st.all_run else t < length)
         def _():
@@ -344,34 +403,12 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
           out = _token(st, x_ref[row:row + 1, :].astype(F32),
                        b_ref[row:row + 1, :].astype(F32), a_ref[row:row + 1, :].astype(F32),
                        w_ref, bias_ref, gate_ref, win_scr, act_scr, bcast_scr,
-                       first_read(j) if t == 0 else later_read, s_write)
+                       first_read(j) if t == 0 else later_read, scr_write)
           o_ref[row:row + 1, :] = out.astype(o_ref.dtype)
           store(t)
 
-      if st.mid_tokens:
-        x_row, b_row, a_row, o_row, sem_row = row_bufs
-        start = meta(START, j)
-
-        def body(t, carry):
-          pos = start + t
-          cps = [pltpu.make_async_copy(src.at[pl.ds(pos, 1)], dst, sem_row.at[i])
-                 for i, (src, dst) in enumerate(((qkv_any, x_row), (b_any, b_row),
-                                                 (a_any, a_row)))]
-          for cp in cps:
-            cp.start()
-          for cp in cps:
-            cp.wait()
-          out = _token(st, x_row[...].astype(F32), b_row[...].astype(F32),
-                       a_row[...].astype(F32), w_ref, bias_ref, gate_ref, win_scr, act_scr,
-                       bcast_scr, later_read, s_write)
-          o_row[...] = out.astype(o_row.dtype)
-          cp = pltpu.make_async_copy(o_row, o_mid.at[pl.ds(pos, 1)], sem_row.at[3])
-          cp.start()
-          cp.wait()
-          store(t)
-          return carry
-
-        lax.fori_loop(n_w, jnp.maximum(length, n_w), body, 0)
+      if st.mid_tokens and not st.all_run:
+        mid_tokens(j, store)
 
       for c in range(n_w):
         @when(writes_ckpt(j, c))
@@ -412,9 +449,12 @@ def decode(meta, xs, bs, as_, taps, bias, gate, conv_pool, rec_pool, qkv=None, b
   in_specs = [block(dim), block(hv), block(hv), full(*taps.shape),
               full(*bias.shape), full(*gate.shape)]
   args = [xs, bs, as_, taps, bias, gate]
+  t_len = 0 if qkv is None else qkv.shape[0]
+  t_pad = -(-t_len // _BLOCK) * _BLOCK
   if st.mid_tokens:
+    # Padded to whole _BLOCK-row blocks (the mid tokens' aligned DMAs).
     in_specs += [anyspace] * 3
-    args += [qkv, b, a]
+    args += [jnp.pad(x, ((0, t_pad - t_len), (0, 0))) for x in (qkv, b, a)]
   in_specs += [anyspace, anyspace]
   args += [conv_pool, rec_pool]
   out_dtype = xs.dtype
@@ -422,7 +462,7 @@ def decode(meta, xs, bs, as_, taps, bias, gate, conv_pool, rec_pool, qkv=None, b
   out_shape = [jax.ShapeDtypeStruct((r_pad * n_w, hv * st.d_v), out_dtype)]
   if st.mid_tokens:
     out_specs.append(anyspace)
-    out_shape.append(jax.ShapeDtypeStruct((qkv.shape[0], hv * st.d_v), out_dtype))
+    out_shape.append(jax.ShapeDtypeStruct((t_pad, hv * st.d_v), out_dtype))
   out_specs += [anyspace, anyspace]
   out_shape += [jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
                 jax.ShapeDtypeStruct(rec_pool.shape, rec_pool.dtype)]
@@ -435,16 +475,16 @@ def decode(meta, xs, bs, as_, taps, bias, gate, conv_pool, rec_pool, qkv=None, b
       pltpu.VMEM((tile, n_w, kw1, dim), conv_pool.dtype),
       pltpu.VMEM((tile, n_w, hv, st.d_k, st.d_v), rec_pool.dtype),
       pltpu.VMEM((kw1, dim), F32),
-      pltpu.VMEM((tile * n_w if n_w == 1 and not st.mid_tokens else 1, dim), F32),
+      pltpu.VMEM((tile if n_w == 1 else 1, dim), F32),
       pltpu.VMEM((2, st.d_k, st.d_v), F32),
       pltpu.VMEM((hv, st.d_k, st.d_v), F32),
       pltpu.SemaphoreType.DMA((2, tile)),
       pltpu.SemaphoreType.DMA((2, tile, n_w)),
   ]
   if st.mid_tokens:
-    scratch += [pltpu.VMEM((1, dim), qkv.dtype), pltpu.VMEM((1, hv), b.dtype),
-                pltpu.VMEM((1, hv), a.dtype), pltpu.VMEM((1, hv * st.d_v), out_dtype),
-                pltpu.SemaphoreType.DMA((4,))]
+    scratch += [pltpu.VMEM((_BLOCK, dim), qkv.dtype), pltpu.VMEM((_BLOCK, hv), b.dtype),
+                pltpu.VMEM((_BLOCK, hv), a.dtype), pltpu.VMEM((_BLOCK, hv * st.d_v), out_dtype),
+                pltpu.SemaphoreType.DMA((5,))]
   res = pl.pallas_call(
       functools.partial(_kernel, st=st),
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -459,6 +499,7 @@ def decode(meta, xs, bs, as_, taps, bias, gate, conv_pool, rec_pool, qkv=None, b
   )(meta, *args)
   if st.mid_tokens:
     out, out_mid, conv_pool, rec_pool = res
+    out_mid = out_mid[:t_len]
   else:
     (out, conv_pool, rec_pool), out_mid = res, None
   return out, out_mid, conv_pool, rec_pool
