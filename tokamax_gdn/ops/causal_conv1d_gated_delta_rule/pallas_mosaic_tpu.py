@@ -146,18 +146,23 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, taps, bias, gate, reqs: base.Re
       meta, qkv[tok], b[tok], a[tok], taps, bias, gate, conv_pool, rec_pool,
       *((qkv, b, a) if mid else ()), st=st, interpret=interpret,
       vmem_limit_bytes=_vmem_cap())
+  # Token -> the kernel's output row (a row gather: XLA's row scatters cost
+  # several times more on the estimate); `none` for tokens it did not run,
+  # `mid` for tokens past a short request's window (they are in `out_mid`).
   live = pos[None, :] < length[:, None]                                    # [R, window]
   rows = jnp.where(live, tok[:n_req * window].reshape(n_req, window), t_len).reshape(-1)
-  out = jnp.zeros((t_len, dims.n_v * dims.d_v), qkv.dtype)
-  out = out.at[rows].set(out_rows[:n_req * window], mode="drop")
+  none, mid_row = r_pad * window, r_pad * window + 1
+  row_of = jnp.full((t_len,), none, jnp.int32)
   if mid:
-    # Tokens past a short request's window came back through `out_mid`.
-    owner_start = jnp.zeros((t_len,), jnp.int32).at[
-        jnp.where(length > window, reqs.start + window, t_len)].add(1, mode="drop")
-    owner_end = jnp.zeros((t_len,), jnp.int32).at[
-        jnp.where(length > window, reqs.start + length, t_len)].add(1, mode="drop")
-    inside = (jnp.cumsum(owner_start) - jnp.cumsum(owner_end)) > 0
-    out = jnp.where(inside[:, None], out_mid, out)
+    first = jnp.where(length > window, reqs.start + window, t_len)
+    last = jnp.where(length > window, reqs.start + length, t_len)
+    marks = (jnp.zeros((t_len + 1,), jnp.int32).at[first].add(1)
+             .at[last].add(-1))[:t_len]
+    row_of = jnp.where(jnp.cumsum(marks) > 0, mid_row, row_of)
+  row_of = row_of.at[rows].set(jnp.arange(n_req * window, dtype=jnp.int32), mode="drop")
+  out = jnp.take(out_rows, row_of, axis=0, mode="fill", fill_value=0)
+  if mid:
+    out = jnp.where((row_of == mid_row)[:, None], out_mid, out)
   return out, conv_pool, rec_pool
 
 

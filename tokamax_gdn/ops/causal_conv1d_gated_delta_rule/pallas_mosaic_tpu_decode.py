@@ -454,7 +454,8 @@ def decode(meta, xs, bs, as_, taps, bias, gate, conv_pool, rec_pool, qkv=None, b
   if st.mid_tokens:
     # Padded to whole _BLOCK-row blocks (the mid tokens' aligned DMAs).
     in_specs += [anyspace] * 3
-    args += [jnp.pad(x, ((0, t_pad - t_len), (0, 0))) for x in (qkv, b, a)]
+    args += [x if t_pad == t_len else jnp.pad(x, ((0, t_pad - t_len), (0, 0)))
+             for x in (qkv, b, a)]
   in_specs += [anyspace, anyspace]
   args += [conv_pool, rec_pool]
   out_dtype = xs.dtype
@@ -499,7 +500,7 @@ def decode(meta, xs, bs, as_, taps, bias, gate, conv_pool, rec_pool, qkv=None, b
   )(meta, *args)
   if st.mid_tokens:
     out, out_mid, conv_pool, rec_pool = res
-    out_mid = out_mid[:t_len]
+    out_mid = out_mid if t_pad == t_len else out_mid[:t_len]
   else:
     (out, conv_pool, rec_pool), out_mid = res, None
   return out, out_mid, conv_pool, rec_pool
