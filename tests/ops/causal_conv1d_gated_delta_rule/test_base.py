@@ -1,0 +1,263 @@
+"""Shared checks for every causal_conv1d_gated_delta_rule implementation.
+
+A backend's test subclasses `ServingTestBase`, sets IMPL and may override
+`context` (Pallas: interpret mode off TPU). Oracles, all on fresh random
+inputs and random (non-zero) pools:
+- tokamax 0.0.17's `reference.py` (installed with tokamax) for plain batches
+  and its test module's token-by-token `gdn_attention_spec_ref` for verify
+  windows; compared on the valid tokens and on the slots valid requests write
+  (tokamax's reference also rewrites padding requests' slots, which ours must
+  not);
+- our `reference` implementation on the same batch (every slot);
+- the op itself one token at a time (a verify window's checkpoints are the
+  states of single-token decodes).
+Shapes are tokamax's layouts (`arg_specs.layout`) scaled down for CPU.
+"""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tokamax._src.ops.causal_conv1d_gated_delta_rule import gdn_attention_test as tokamax_tests
+from tokamax._src.ops.causal_conv1d_gated_delta_rule import reference as tokamax_reference
+
+from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import api
+from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs
+from tokamax_gdn.testing.specs import rel_rms, tolerance
+
+TINY = dict(n_kq=1, n_v=2, d_k=16, d_v=16)
+F32 = dict(dtype=jnp.float32, state_dtype=jnp.float32)
+STATIC = arg_specs.STATIC
+
+# (id, layout keywords): tokamax's ci_tests layouts, scaled down for CPU and
+# merged so that few compiles cover decode, prefill, mixed, padded batches,
+# context > 0, GVA 1:4, d_k = d_v = 128, bf16 and f32 pools.
+CASES = [
+    ("decode_only_ctx", dict(lengths=[1] * 4, context_lens=3, **TINY, **F32)),
+    ("mixed_padded_ctx", dict(lengths=[1, 1, 1, 17, 6, 33], context_lens=[2, 2, 2, 0, 5, 0],
+                              max_reqs=9, **TINY, **F32)),
+    ("gva_1to4_bf16_pools", dict(lengths=[1, 1, 21], context_lens=[5, 5, 7], n_kq=1, n_v=4,
+                                 d_k=32, d_v=16)),
+    ("dk128_f32_act_bf16_pools", dict(lengths=[1, 20], context_lens=[2, 0], n_kq=1, n_v=1,
+                                      d_k=128, d_v=128, dtype=jnp.float32,
+                                      state_dtype=jnp.bfloat16)),
+]
+SPEC_CASES = [
+    ("spec3", dict(lengths=[4, 3, 1, 2], context_lens=9, num_spec_tokens=3, **TINY, **F32)),
+    ("spec1_padded_bf16", dict(lengths=[2, 1, 2], context_lens=4, num_spec_tokens=1,
+                               max_reqs=5, **TINY)),
+]
+_EXPECTED = {}
+_JITTED = {}
+
+
+def expected(case_id, lay, tokamax_fn, tokamax_jit=True):
+  """(inputs, tokamax's result, our reference's result) of a case, computed
+  once per process (shared by every implementation's tests)."""
+  if case_id not in _EXPECTED:
+    args, kwargs = make(lay)
+    static = {k: v for k, v in kwargs.items() if k in STATIC}
+    arrays = {k: v for k, v in kwargs.items() if k not in STATIC}
+    theirs = (jax.jit(lambda a, kw: tokamax_fn(a, kw | static))(args, arrays) if tokamax_jit
+              else tokamax_fn(args, kwargs))
+    ours = jax.jit(lambda a, kw: api.causal_conv1d_gated_delta_rule(
+        *a, **kw, **static, implementation="reference"))(args, arrays)
+    _EXPECTED[case_id] = (args, kwargs), theirs, ours
+  return _EXPECTED[case_id]
+
+
+def make(lay, seed=0):
+  """(args, kwargs) of a layout: positional arrays + optional + static keywords."""
+  return arg_specs.random_call(jax.random.key(seed), lay)
+
+
+def written_slots(lay) -> set[int]:
+  """Slots the layout's valid requests write (module doc of base.py)."""
+  qsl, slots = lay["query_start_loc"], lay["state_indices"]
+  n_dec, n_valid = int(lay["distribution"][0]), int(lay["distribution"][2])
+  out = set()
+  for r in range(n_valid):
+    length = int(qsl[r + 1] - qsl[r])
+    if length:
+      out.update(range(slots[r], slots[r] + (length if r < n_dec else 1)))
+  return out
+
+
+def assert_close(actual, expected, dtype, what):
+  err = rel_rms(actual, expected)
+  tol = tolerance(dtype, grad=False)
+  assert err <= tol, f"{what}: rel-RMS {err:.3g} > {tol:.3g}"
+
+
+def _bits(x):
+  x = np.asarray(x)
+  return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+class ServingTestBase:
+  """Subclasses set IMPL and may override `context`."""
+
+  IMPL = "reference"
+  # The reference is the oracle of the property tests below; its own test
+  # checks it against tokamax only.
+  PROPERTIES = True
+
+  def context(self):
+    return contextlib.nullcontext()
+
+  def call(self, args, kwargs):
+    """The op under jit (index arrays traced: one compile per shape)."""
+    static = {k: v for k, v in kwargs.items() if k in STATIC}
+    arrays = {k: v for k, v in kwargs.items() if k not in STATIC}
+    key = (self.IMPL, tuple(sorted(static.items())))
+    if key not in _JITTED:
+      _JITTED[key] = jax.jit(lambda a, kw: api.causal_conv1d_gated_delta_rule(
+          *a, **kw, **static, implementation=self.IMPL))
+    with self.context():
+      return jax.block_until_ready(_JITTED[key](args, arrays))
+
+  def _check_against_ours_and_tokamax(self, case_id, lay, tokamax_fn, tokamax_jit=True):
+    (args, kwargs), (t_pools, t_out), (r_pools, r_out) = expected(case_id, lay, tokamax_fn,
+                                                                  tokamax_jit)
+    (conv, rec), out = (r_pools, r_out) if self.IMPL == "reference" else self.call(args, kwargs)
+    dtype = lay["qkv"].dtype if lay["recurrent_state"].dtype == jnp.float32 else jnp.bfloat16
+    n_tok = int(lay["query_start_loc"][int(lay["distribution"][2])])
+    written = np.array(sorted(written_slots(lay)))
+    assert_close(out[:n_tok], t_out[:n_tok], dtype, "out vs tokamax")
+    assert_close(rec[written], t_pools[1][written], dtype, "recurrent vs tokamax")
+    assert_close(conv[written], t_pools[0][written], dtype, "conv vs tokamax")
+    np.testing.assert_array_equal(np.asarray(out[n_tok:], np.float32), 0.0)
+    # Every other slot (the null slot 0 that padding requests name included)
+    # is bit-identical.
+    untouched = np.array(sorted(set(range(rec.shape[0])) - set(written.tolist())))
+    np.testing.assert_array_equal(_bits(rec[untouched]), _bits(args[4][untouched]))
+    np.testing.assert_array_equal(_bits(conv[untouched]), _bits(args[3][untouched]))
+    assert_close(out, r_out, dtype, "out vs reference")
+    assert_close(rec, r_pools[1], dtype, "recurrent vs reference")
+    assert_close(conv, r_pools[0], dtype, "conv vs reference")
+
+  @pytest.mark.parametrize("case_id,lay", CASES, ids=[c[0] for c in CASES])
+  def test_against_tokamax_reference(self, case_id, lay):
+    def tokamax_fn(args, kwargs):
+      kwargs = {k: v for k, v in kwargs.items() if k != "num_spec_tokens"}
+      return tokamax_reference.run_jax_gdn_attention_local_ref(*args, **kwargs)
+
+    self._check_against_ours_and_tokamax(case_id, arg_specs.layout(**lay), tokamax_fn)
+
+  @pytest.mark.parametrize("case_id,lay", SPEC_CASES, ids=[c[0] for c in SPEC_CASES])
+  def test_spec_windows_against_tokamax(self, case_id, lay):
+    lay = arg_specs.layout(**lay)
+
+    def tokamax_fn(args, kwargs):
+      names = arg_specs.POSITIONAL
+      full = dict(zip(names, args)) | kwargs
+      return tokamax_tests.gdn_attention_spec_ref(
+          **{n: full[n] for n in names[:11]}, read_offsets=full["read_offsets"],
+          num_spec_seqs=int(lay["distribution"][0]), seq_lens=full["seq_lens"],
+          **{n: full[n] for n in STATIC if n != "num_spec_tokens"})
+
+    # Eager: tokamax's spec oracle loops in Python over concrete indices.
+    self._check_against_ours_and_tokamax(case_id, lay, tokamax_fn, tokamax_jit=False)
+
+  def test_window_checkpoints_are_single_token_decodes(self):
+    """Checkpoint j of a 3-token window = the state after j + 1 one-token calls."""
+    if not self.PROPERTIES:
+      pytest.skip("property tests run for the implementations, not the oracle")
+    lay = arg_specs.layout(lengths=[3], context_lens=5, num_spec_tokens=2, **TINY, **F32)
+    args, kwargs = make(lay, seed=3)
+    kwargs["read_offsets"] = jnp.array([1], jnp.int32)
+    (conv, rec), out = self.call(args, kwargs)
+    one = arg_specs.layout(lengths=[1], context_lens=5, **TINY, **F32)
+    pools = (args[3].at[1].set(args[3][2]), args[4].at[1].set(args[4][2]))   # read slot 1 + 1
+    for j in range(3):
+      step_args = (args[0][j:j + 1], args[1][j:j + 1], args[2][j:j + 1], *pools, *args[5:9],
+                   jnp.asarray(one["query_start_loc"]), jnp.asarray(one["state_indices"]),
+                   jnp.asarray(one["distribution"]), jnp.asarray(one["seq_lens"]))
+      pools, o = self.call(step_args, {n: one[n] for n in STATIC if n in one})
+      assert_close(out[j], o[0], jnp.float32, f"out {j}")
+      assert_close(rec[1 + j], pools[1][1], jnp.float32, f"recurrent checkpoint {j}")
+      assert_close(conv[1 + j], pools[0][1], jnp.float32, f"conv checkpoint {j}")
+
+  def test_continuation_equals_one_call(self):
+    """A prefill split in two calls (the second with seq_lens > its tokens)
+    gives the one-call outputs and final states."""
+    if not self.PROPERTIES:
+      pytest.skip("property tests run for the implementations, not the oracle")
+    lay = arg_specs.layout(lengths=[26], **TINY, **F32)
+    args, kwargs = make(lay, seed=5)
+    (conv, rec), out = self.call(args, kwargs)
+    pools = args[3:5]
+    outs = []
+    for lo, hi in ((0, 13), (13, 26)):
+      part = (args[0][lo:hi], args[1][lo:hi], args[2][lo:hi], *pools, *args[5:9],
+              jnp.array([0, hi - lo], jnp.int32), args[10], args[11],
+              jnp.array([hi], jnp.int32))
+      pools, o = self.call(part, {n: lay[n] for n in STATIC if n in lay})
+      outs.append(o)
+    assert_close(jnp.concatenate(outs), out, jnp.float32, "out")
+    assert_close(pools[1][1], rec[1], jnp.float32, "recurrent")
+    assert_close(pools[0][1], conv[1], jnp.float32, "conv")
+
+  def test_nan_isolation(self):
+    """A NaN in one request's tokens, or in the slot it reads, reaches no
+    other request's outputs or slots (bit for bit), and does reach its own."""
+    if not self.PROPERTIES:
+      pytest.skip("property tests run for the implementations, not the oracle")
+    lay = arg_specs.layout(lengths=[1, 1, 1, 9, 14, 5], context_lens=[3, 3, 3, 0, 4, 0],
+                           **TINY, **F32)
+    args, kwargs = make(lay, seed=7)
+    clean = self.call(args, kwargs)
+    qsl = lay["query_start_loc"]
+    for victim, poison in ((1, "token"), (4, "token"), (4, "slot"), (2, "slot")):
+      bad = list(args)
+      lo, hi = int(qsl[victim]), int(qsl[victim + 1])
+      if poison == "token":
+        bad[0] = bad[0].at[lo + (hi - lo) // 2, 3].set(jnp.nan)
+      else:
+        slot = int(lay["state_indices"][victim])
+        bad[4] = bad[4].at[slot].set(jnp.nan)
+      (conv, rec), out = self.call(tuple(bad), kwargs)
+      keep = np.ones(out.shape[0], bool)
+      keep[lo:hi] = False
+      np.testing.assert_array_equal(np.asarray(out)[keep], np.asarray(clean[1])[keep])
+      assert np.isnan(np.asarray(out)[lo:hi]).any(), (victim, poison)
+      others = np.array([s for s in range(rec.shape[0])
+                         if s != int(lay["state_indices"][victim])])
+      np.testing.assert_array_equal(np.asarray(rec)[others], np.asarray(clean[0][1])[others])
+      np.testing.assert_array_equal(np.asarray(conv)[others], np.asarray(clean[0][0])[others])
+
+  def test_composition_change_does_not_recompile(self):
+    """Same T and R, other distribution / lengths / slots: one compile."""
+    if not self.PROPERTIES:
+      pytest.skip("property tests run for the implementations, not the oracle")
+    lay_a = arg_specs.layout(lengths=[1, 1, 10], context_lens=[2, 2, 0], **TINY, **F32)
+    lay_b = arg_specs.layout(lengths=[4, 8], max_reqs=3, **TINY, **F32)
+    static = {n: lay_a[n] for n in STATIC if n in lay_a}
+    fn = jax.jit(lambda a, kw: api.causal_conv1d_gated_delta_rule(
+        *a, **kw, **static, implementation=self.IMPL))
+    with self.context():
+      for lay in (lay_a, lay_b):
+        args, _ = make(lay)
+        jax.block_until_ready(fn(args, {}))
+    assert fn._cache_size() == 1  # pylint: disable=protected-access
+
+  @pytest.mark.parametrize("change,argname", [
+      (dict(query_start_loc=[0, 2, 1, 12]), "query_start_loc"),       # decreasing
+      (dict(query_start_loc=[0, 1, 2, 13]), "query_start_loc"),       # past T
+      (dict(query_start_loc=[0, 2, 3, 12]), "query_start_loc"),       # decode of 2 tokens
+      (dict(state_indices=[1, 1, 3]), "state_indices"),               # same slot twice
+      (dict(state_indices=[1, 2, 4]), "state_indices"),               # outside the pool
+      (dict(read_offsets=[0, 3, 0]), "read_offsets"),                 # read outside the pool
+  ], ids=["qsl_decreasing", "qsl_past_tokens", "decode_too_long", "duplicate_slot",
+          "slot_outside_pool", "read_outside_pool"])
+  def test_bad_concrete_metadata_is_a_clear_error(self, change, argname):
+    lay = arg_specs.layout(lengths=[1, 1, 10], context_lens=[2, 2, 0], **TINY, **F32)
+    args, kwargs = make(lay)
+    names = arg_specs.POSITIONAL
+    full = dict(zip(names, args)) | kwargs
+    full.update({k: jnp.asarray(v, jnp.int32) for k, v in change.items()})
+    with pytest.raises(ValueError, match=argname):
+      with self.context():
+        api.causal_conv1d_gated_delta_rule(**full, implementation=self.IMPL)
