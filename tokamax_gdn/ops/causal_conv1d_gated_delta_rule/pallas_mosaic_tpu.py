@@ -145,7 +145,8 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, taps, bias, gate, reqs: base.Re
   out_rows, out_mid, conv_pool, rec_pool = decode_kernel.decode(
       meta, qkv[tok], b[tok], a[tok], taps, bias, gate, conv_pool, rec_pool,
       *((qkv, b, a) if mid else ()), st=st, interpret=interpret,
-      vmem_limit_bytes=_vmem_cap())
+      vmem_limit_bytes=min(_vmem_cap(), decode_kernel.vmem_bytes(
+          st, jnp.dtype(rec_pool.dtype).itemsize, jnp.dtype(qkv.dtype).itemsize)))
   # Token -> the kernel's output row (a row gather: XLA's row scatters cost
   # several times more on the estimate); `none` for tokens it did not run,
   # `mid` for tokens past a short request's window (they are in `out_mid`).
@@ -223,21 +224,39 @@ def _chunked_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log,
   beta, g = base.gates(b, a, a_log, dt_bias)
   g = jnp.where(mine[:, None], jnp.maximum(g, gdn_base.CHUNKED_LOG_DECAY_FLOOR), 0.0)
   beta = jnp.where(mine[:, None], beta, 0.0)
-  n_states = n_max + 1
-  seg = jnp.arange(n_states) - lead                                         # request of segment
-  seg_ok = (seg >= 0) & (seg < n_max)
-  seg_req = jnp.clip(seg, 0, n_max - 1)
-  h0 = rec_pool[read[seg_req]].astype(_F32)
-  h0 = jnp.where((seg_ok & init[seg_req])[:, None, None, None], h0, 0.0)
   hv = dims.n_v
-  out, final, _ = gdn_kernel.gdn_fwd(
-      q[None], k[None], v[None], g[None], beta[None], scale=dims.scale,
-      initial_state=h0[None], segment_ids=seg_ids, chunk=cfg.chunk_size,
-      interleave=gdn_kernel.normalize_interleave(16, hv, hv // dims.n_kq),
-      interpret=interpret, vmem_limit_bytes=_vmem_cap())
-  slot_of_seg = jnp.where(seg_ok & used[seg_req], reqs.write_slot[req[seg_req]],
-                          rec_pool.shape[0])
-  rec_pool = rec_pool.at[slot_of_seg].set(final[0].astype(rec_pool.dtype), mode="drop")
+  interleave = gdn_kernel.normalize_interleave(16, hv, hv // dims.n_kq)
+  # The GDN op's own VMEM model for this kernel, with a quarter to spare: a
+  # limit no larger than needed leaves room for XLA's own VMEM (with the
+  # cycle dump on, the full cap overflows at T = 4096).
+  need = gdn_pallas.vmem_estimate(chunk=cfg.chunk_size, hv=hv, hk=dims.n_kq, dim_k=dims.d_k,
+                                  dim_v=dims.d_v, itemsize=jnp.dtype(qkv.dtype).itemsize,
+                                  interleave=interleave, kernel="fwd")
+  kernel_args = dict(scale=dims.scale, chunk=cfg.chunk_size, interleave=interleave,
+                     interpret=interpret, vmem_limit_bytes=min(_vmem_cap(), need * 5 // 4))
+  if n_max == 1:
+    # One request: no segments needed. The masked tokens around it pass the
+    # state through unchanged, so a plain row with its initial state gives
+    # its final state (and no chunk-aligned layout, no padding).
+    h0 = jnp.where(init[0], rec_pool[read[0]].astype(_F32), 0.0)
+    out, final, _ = gdn_kernel.gdn_fwd(q[None], k[None], v[None], g[None], beta[None],
+                                       initial_state=h0[None], **kernel_args)
+    slot_of_seg = jnp.where(used, reqs.write_slot[req], rec_pool.shape[0])
+    finals = final                                                          # [1, Hv, K, V]
+  else:
+    n_states = n_max + 1
+    seg = jnp.arange(n_states) - lead                                       # request of segment
+    seg_ok = (seg >= 0) & (seg < n_max)
+    seg_req = jnp.clip(seg, 0, n_max - 1)
+    h0 = rec_pool[read[seg_req]].astype(_F32)
+    h0 = jnp.where((seg_ok & init[seg_req])[:, None, None, None], h0, 0.0)
+    out, final, _ = gdn_kernel.gdn_fwd(q[None], k[None], v[None], g[None], beta[None],
+                                       initial_state=h0[None], segment_ids=seg_ids,
+                                       **kernel_args)
+    slot_of_seg = jnp.where(seg_ok & used[seg_req], reqs.write_slot[req[seg_req]],
+                            rec_pool.shape[0])
+    finals = final[0]                                                       # [N + 1, ...]
+  rec_pool = rec_pool.at[slot_of_seg].set(finals.astype(rec_pool.dtype), mode="drop")
   conv_pool = conv_pool.at[jnp.where(used, reqs.write_slot[req], conv_pool.shape[0])].set(
       conv_new.astype(conv_pool.dtype), mode="drop")
   out = jnp.where(mine[:, None], out[0].reshape(t_len, -1), 0).astype(qkv.dtype)
@@ -249,7 +268,7 @@ def _check_supported(qkv: jax.Array, dims: base.Dims) -> bool:
   interpret = gdn_config.require_pallas_tpu("causal_conv1d_gated_delta_rule pallas_mosaic_tpu")
   if qkv.dtype not in (jnp.float32, jnp.bfloat16):
     raise NotImplementedError(f"pallas_mosaic_tpu supports float32/bfloat16 qkv; got {qkv.dtype}.")
-  if dims.d_k % 128 or dims.d_v % 128:
+  if not interpret and (dims.d_k % 128 or dims.d_v % 128):
     raise NotImplementedError(
         f"pallas_mosaic_tpu needs d_k and d_v multiples of 128 (lanes); got {dims.d_k},"
         f" {dims.d_v}.")
