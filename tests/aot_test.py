@@ -23,15 +23,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import pytest
 
 from tokamax_gdn import aot
-from tokamax_gdn import autotuning
 from tokamax_gdn import cli
 from tokamax_gdn import config
+from tokamax_gdn import registry
 from tokamax_gdn.benchmarks import gated_delta_rule_aot as report_lib
 from tokamax_gdn.ops.gated_delta_rule import workload
 
 IMPL = "pallas_mosaic_tpu"
 QWEN = [workload.layer_shape(s.abstract()[0])
-        for s in autotuning.arg_specs("gated_delta_rule", "aot")]
+        for s in registry.arg_specs("gated_delta_rule", "aot")]
 KERNELS = ("gdn_fwd", "gdn_fwd_states", "gdn_bwd")
 
 
@@ -78,7 +78,7 @@ def test_gdn_training_step_compiles_with_a_partial_last_chunk():
 def test_gdn_training_step_compiles_at_t32768():
   """The README's long-T claim on a TPU target: value and gradients at
   T=32768 (the finiteness itself is checked in interpret mode at T=4096 and
-  for xla at T=32768 in tests/stress_test.py)."""
+  for xla at T=32768 in tests/ops/gated_delta_rule/stress_test.py)."""
   _check_compiles("v6e", workload.LayerShape(b=1, t=32768, hk=2, hv=4, k=128, v=128))
 
 

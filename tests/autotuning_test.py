@@ -27,7 +27,7 @@ from tokamax_gdn import autotuning
 from tokamax_gdn import cli
 from tokamax_gdn import layers
 from tokamax_gdn import registry
-from tokamax_gdn.autotuning import tune
+from tokamax_gdn.benchmarks import autotune as tune
 from tokamax_gdn.cli import common
 from tokamax_gdn.ops.gated_delta_rule import workload
 
@@ -255,7 +255,7 @@ _CHECK_INSTALLED = textwrap.dedent("""
     import jax.numpy as jnp
     import tokamax_gdn
     from tokamax_gdn import autotuning
-    from tokamax_gdn.autotuning import tune
+    from tokamax_gdn.benchmarks import autotune as tune
     from tokamax_gdn.ops.gated_delta_rule import workload
     pkg = pathlib.Path(tokamax_gdn.__file__).resolve().parent
     shapes = workload.LayerShape(b=1, t=8192, hk=2, hv=4, k=128, v=128, dtype=jnp.bfloat16)
@@ -267,7 +267,7 @@ _CHECK_INSTALLED = textwrap.dedent("""
                        default=ba.default_config.chunk_size))
     from tokamax_gdn.layers import presets
     print(json.dumps(dict(package=str(pkg),
-                          tiny_preset=str(presets.preset_path("qwen3.5-tiny")),
+                          tiny_preset=str(presets.preset_file("qwen3.5-tiny")),
                           files=[p.relative_to(autotuning.package_dir()).as_posix()
                                  for p in autotuning.shipped_files()],
                           rows=rows)))

@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import pytest
 from tokamax._src.ops import op as op_lib
 
-from tokamax_gdn import autotuning
 from tokamax_gdn import registry
 from tokamax_gdn.testing import conformance as conf
 from tokamax_gdn.testing import specs as specs_lib
@@ -32,7 +31,7 @@ def test_every_op_has_reference_and_specs():
     if not impls:
       continue
     assert "reference" in impls, op_name
-    assert autotuning.arg_specs(op_name, "conformance"), op_name
+    assert registry.arg_specs(op_name, "conformance"), op_name
 
 
 @pytest.mark.parametrize("op_name,impl_name", PAIRS, ids=[f"{o}-{i}" for o, i in PAIRS])

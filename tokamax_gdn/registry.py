@@ -1,11 +1,12 @@
-"""Registry of ops and their implementations.
+"""Registry of ops, their implementations and their named workloads.
 
 Each op lives in `tokamax_gdn/ops/<op>/`; each implementation in a module of
 that folder named after it (`pallas_mosaic_tpu.py`, `xla.py`, `reference.py`)
 which exposes its `tokamax.Op` instance as `IMPLEMENTATION`. The registry
 discovers those modules, so an implementation joins the registry (and the
 conformance suite) by existing, with no list to edit; a name whose module does
-not exist is simply absent.
+not exist is simply absent. Likewise each op's `arg_specs.py` holds its named
+workloads (`arg_specs(op, tag)`).
 """
 
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from typing import Any
 
 from tokamax._src.ops import op as op_lib
 
+from tokamax_gdn import autotuning
 from tokamax_gdn import config
 
 OPS: tuple[str, ...] = ("gated_delta_rule", "causal_conv1d", "gmm", "tgmm",
@@ -76,6 +78,15 @@ def default_order(op_name: str) -> tuple[str, ...]:
 Implementation = str | op_lib.Op | Sequence[str | op_lib.Op] | None
 
 
+def for_op(implementation: Implementation | dict[str, Implementation], op_name: str
+           ) -> Implementation:
+  """One op's `implementation=` out of a layer's or model's: a name, a
+  sequence, or {op name: either} (an op it does not name gets None)."""
+  if isinstance(implementation, dict):
+    return implementation.get(op_name)
+  return implementation
+
+
 def resolve(op_name: str, implementation: Implementation) -> list[op_lib.Op]:
   """Turns an `implementation=` argument into the list of Ops to try, in order."""
   if implementation is None:
@@ -120,4 +131,12 @@ def table() -> list[tuple[str, str, str, str]]:
   return rows
 
 
-__all__ = ["list_ops", "implementations", "get", "default_order", "resolve", "call", "table"]
+def arg_specs(op_name: str, tag: str | None = None) -> list[autotuning.ArgSpec]:
+  """The op's specs (from `tokamax_gdn.ops.<op>.arg_specs`), optionally by tag."""
+  module = importlib.import_module(f"tokamax_gdn.ops.{op_name}.arg_specs")
+  specs = list(module.ARG_SPECS)
+  return [s for s in specs if tag is None or tag in s.tags]
+
+
+__all__ = ["list_ops", "implementations", "get", "default_order", "for_op", "resolve", "call",
+           "table", "arg_specs"]

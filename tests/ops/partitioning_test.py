@@ -1,5 +1,5 @@
 """Tests for `ops.partitioning` (the multi-device behaviour is checked on 8
-host devices in `sharding_checks.py`: gdn_pallas_interpret_*_jit,
+host devices in `multidevice/sharding_checks.py`: gdn_pallas_interpret_*_jit,
 conv_pallas_interpret_channels_jit)."""
 
 import jax

@@ -12,7 +12,6 @@ random inputs (never zeros) from a PRNG key; its tags say what it is for:
 
 from collections.abc import Callable
 import dataclasses
-import importlib
 from typing import Any
 
 import jax
@@ -52,10 +51,3 @@ class ArgSpec:
     shaped = iter(jax.eval_shape(arrays, jax.random.key(0)))
     leaves = [next(shaped) if isinstance(x, jax.Array) else x for x in static["leaves"]]
     return jax.tree.unflatten(static["tree"], leaves)
-
-
-def arg_specs(op_name: str, tag: str | None = None) -> list[ArgSpec]:
-  """The op's specs (from `tokamax_gdn.ops.<op>.arg_specs`), optionally by tag."""
-  module = importlib.import_module(f"tokamax_gdn.ops.{op_name}.arg_specs")
-  specs = list(module.ARG_SPECS)
-  return [s for s in specs if tag is None or tag in s.tags]

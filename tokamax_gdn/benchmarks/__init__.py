@@ -1,1 +1,1 @@
-"""Benchmarks run by `tokamax-gdn bench`."""
+"""Benchmarks run by `tokamax-gdn bench`, and the tuning run of `tokamax-gdn autotune`."""

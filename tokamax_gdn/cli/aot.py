@@ -40,8 +40,43 @@ def add_arguments(parser) -> None:
                       help="scale memory from the short compiles instead of compiling at"
                       " --seq-len (faster; underestimates temporaries)")
   parser.add_argument("--json", action="store_true", help="print the report as JSON")
-  from tokamax_gdn.training import aot as train_aot  # pylint: disable=g-import-not-at-top
-  train_aot.add_train_step_arguments(parser)
+  _add_train_step_arguments(parser)
+
+
+def _add_train_step_arguments(parser) -> None:
+  """`tokamax-gdn aot --train-step [--mesh 2x4]` (with the aot command's
+  --model, --target, --batch, --seq-len)."""
+  parser.add_argument("--train-step", action="store_true",
+                      help="compile one whole AdamW training step of --model (a preset with a"
+                           " model: section, e.g. qwen3.5-tiny) with the Pallas kernels for a"
+                           " data x model mesh of --target; prints memory per device")
+  parser.add_argument("--mesh", default="2x4",
+                      help="with --train-step: DATAxMODEL chips (tpu7x 2x2x1 has 8)")
+
+
+def _run_train_step(args) -> int:
+  """Compiles and prints the report (`training.aot`); ValueError for bad arguments."""
+  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.models.config import ModelConfig
+  from tokamax_gdn.training import aot as train_aot
+  # pylint: enable=g-import-not-at-top
+  if not getattr(args, "model", None):
+    raise ValueError("--train-step needs --model (a preset with a model: section, e.g."
+                     " qwen3.5-tiny).")
+  try:
+    n_data, n_model = (int(x) for x in args.mesh.lower().split("x"))
+  except ValueError as e:
+    raise ValueError(f"--mesh {args.mesh!r}: expected DATAxMODEL, e.g. 2x4.") from e
+  batch = max(args.batch or 0, n_data)
+  report = train_aot.compile_train_step(
+      ModelConfig.load(args.model), target=args.target, batch=batch, seq_len=args.seq_len,
+      mesh_shape=(n_data, n_model))
+  print(f"{args.model}: one training step ({report.param_count / 1e6:.1f} M params, batch"
+        f" {report.batch}, T {report.seq_len}) compiled for {report.target} as a"
+        f" {n_data} (data) x {n_model} (model) mesh, {report.mosaic_kernels} Mosaic kernel"
+        " calls; memory per device:")
+  common.print_table(report.rows())
+  return 0
 
 
 def _shapes(args) -> list:
@@ -58,8 +93,7 @@ def _m(x):
 
 def run(args) -> int:
   if args.train_step:
-    from tokamax_gdn.training import aot as train_aot  # pylint: disable=g-import-not-at-top
-    return train_aot.run_train_step(args, common.print_table)
+    return _run_train_step(args)
   from tokamax_gdn.benchmarks import gated_delta_rule_aot as report_lib  # pylint: disable=g-import-not-at-top
   lengths = [int(t) for t in args.cycle_lengths.split(",") if int(t) > 0]
   results = []

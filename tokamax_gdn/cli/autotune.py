@@ -47,7 +47,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
   from tokamax_gdn import autotuning  # pylint: disable=g-import-not-at-top
   from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
-  from tokamax_gdn.autotuning import tune  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.benchmarks import autotune as tune  # pylint: disable=g-import-not-at-top
   shape = common.gdn_shape(args)
   results, rows = [], []
   start = time.perf_counter()

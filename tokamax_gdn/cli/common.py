@@ -8,7 +8,6 @@ turns them into exit codes.
 import argparse
 from collections.abc import Mapping, Sequence
 import json
-import pathlib
 import sys
 from typing import Any, TextIO
 
@@ -16,18 +15,10 @@ DEFAULT_MODEL = "qwen3.5-tiny"
 
 
 def load_model(spec: str):
-  """A `GatedDeltaNetConfig` from a preset name (`qwen3.5-tiny`) or a preset .yml.
-
-  A path that is not a file but looks like one (`configs/models/<name>.yml`
-  outside a checkout) names the preset shipped in the package.
-  """
+  """A `GatedDeltaNetConfig` from a preset name (`qwen3.5-tiny`) or a preset .yml
+  (`layers.presets.preset_file`)."""
   from tokamax_gdn.layers import presets  # pylint: disable=g-import-not-at-top
-  from tokamax_gdn.layers.gated_deltanet import GatedDeltaNetConfig  # pylint: disable=g-import-not-at-top
-  path = pathlib.Path(spec)
-  if path.is_file():
-    return GatedDeltaNetConfig.from_yaml(path)
-  name = path.stem if path.suffix in (".yml", ".yaml") else spec
-  return presets.load_preset(name)
+  return presets.load_preset(spec)
 
 
 def add_gdn_shape_args(parser: argparse.ArgumentParser, *, model_default: str | None,
@@ -66,8 +57,8 @@ def gdn_shape(args: argparse.Namespace):
 
 def select_specs(op_name: str, names: str | None, tag: str) -> list:
   """The op's ArgSpecs named in `names` (comma-separated), else those tagged `tag`."""
-  from tokamax_gdn import autotuning  # pylint: disable=g-import-not-at-top
-  every = autotuning.arg_specs(op_name)
+  from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
+  every = registry.arg_specs(op_name)
   if names:
     by_name = {s.name: s for s in every}
     unknown = [n for n in names.split(",") if n not in by_name]

@@ -15,8 +15,8 @@ projection is stored. Qwen3.5 keeps four matrices (`in_proj_qkv`, `in_proj_z`,
 head: `in_proj_qkvz` rows are [q_h (K), k_h (K), v_h (r*V), z_h (r*V)] for each
 key head h, `in_proj_ba` rows are [b_h (r), a_h (r)]. The parameters here hold
 one fused, de-interleaved `in_proj` [hidden, 2*Hk*K + 2*Hv*V + 2*Hv] (one
-matmul, then plain slices), whatever the variant; `params_from_hf` /
-`params_to_hf` do the (linear, so also gradient-exact) re-layout.
+matmul, then plain slices), whatever the variant; `hf.params_from_hf` /
+`hf.params_to_hf` do the (linear, so also gradient-exact) re-layout.
 
 The gated RMSNorm follows HF to the cast: normalise in float32, cast back to
 the activation dtype, multiply by the weight, then by silu(z) in float32.
@@ -176,138 +176,10 @@ def init_params(key: jax.Array, cfg: GatedDeltaNetConfig, dtype=jnp.float32) -> 
   )
 
 
-def _split_in_proj(w, cfg: GatedDeltaNetConfig):
+def split_in_proj(w, cfg: GatedDeltaNetConfig):
   """Columns of `in_proj` -> (qkv, z, b, a)."""
   c, v, hv = cfg.conv_dim, cfg.value_dim, cfg.num_v_heads
   return w[..., :c], w[..., c:c + v], w[..., c + v:c + v + hv], w[..., c + v + hv:]
-
-
-_F32_PARAMS = ("a_log", "dt_bias")
-
-
-# HF parameter names of one `linear_attn` layer, per variant.
-_HF_COMMON = ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
-HF_NAMES = {
-    "qwen3_next": ("in_proj_qkvz.weight", "in_proj_ba.weight", *_HF_COMMON),
-    "qwen3_5": ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
-                "in_proj_a.weight", *_HF_COMMON),
-}
-
-
-def _layer_tensors(state_dict: dict[str, Any], cfg: GatedDeltaNetConfig,
-                   prefix: str | None) -> dict[str, np.ndarray]:
-  """One layer's tensors under their bare HF names (see `params_from_hf`)."""
-  if prefix is not None:
-    sd = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-    if not sd:
-      near = sorted({k[:k.rfind(".") + 1] for k in state_dict})[:8]
-      raise ValueError(f"No key starts with prefix={prefix!r}; key prefixes here: {near}.")
-  else:
-    # Without a prefix the dict must hold one layer: bare names, or names under
-    # a single `....linear_attn.` prefix. Two layers' worth would silently load
-    # whichever came last, so they are refused.
-    prefixes = {k[:k.rfind("linear_attn.") + len("linear_attn.")] if "linear_attn." in k else ""
-                for k in state_dict}
-    if len(prefixes) > 1:
-      raise ValueError(
-          f"Keys of more than one layer ({sorted(prefixes)}): pass prefix= to choose one,"
-          " e.g. prefix='model.layers.0.linear_attn.'.")
-    pre = prefixes.pop() if prefixes else ""
-    sd = {k[len(pre):]: v for k, v in state_dict.items()}
-  if "conv1d.bias" in sd:
-    raise ValueError("HF `conv1d.bias` is present; Qwen3-Next / Qwen3.5 convs have no bias.")
-  unknown = sorted(set(sd) - set(HF_NAMES[cfg.variant]))
-  if unknown:
-    raise ValueError(f"Keys that name no {cfg.variant!r} `linear_attn` parameter: {unknown}"
-                     f" (expected {list(HF_NAMES[cfg.variant])}).")
-  return {k: np.asarray(v) for k, v in sd.items()}
-
-
-def params_from_hf(state_dict: dict[str, Any], cfg: GatedDeltaNetConfig,
-                   dtype=None, *, prefix: str | None = None) -> Params:
-  """One HF `linear_attn` layer's tensors -> params.
-
-  Accepts NumPy arrays (or anything `np.asarray` takes: jax arrays, CPU torch
-  tensors). `prefix` (e.g. `"model.layers.3.linear_attn."`) picks one layer
-  out of a larger state dict (a checkpoint shard, a whole model): only keys
-  that start with it are read. Without `prefix`, `state_dict` must hold one
-  layer: bare names (`"A_log"`) or all under one `....linear_attn.` prefix;
-  keys of two layers raise ValueError. A key that names no parameter of
-  `cfg.variant` (a misspelling, `conv1d.bias`) raises ValueError naming it; a
-  missing one raises KeyError. `dtype` (default: as stored) applies to all
-  but `a_log` / `dt_bias`, which are kept float32.
-  """
-  sd = _layer_tensors(state_dict, cfg, prefix)
-  hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
-  r = hv // hk
-  hidden = cfg.hidden_size
-
-  def need(name, shape):
-    if name not in sd:
-      raise KeyError(f"HF weight {name!r} missing for variant {cfg.variant!r}; got {sorted(sd)}.")
-    if tuple(sd[name].shape) != tuple(shape):
-      raise ValueError(f"HF weight {name!r}: expected shape {tuple(shape)}, got {tuple(sd[name].shape)}.")
-    return sd[name]
-
-  if cfg.variant == "qwen3_next":
-    qkvz = need("in_proj_qkvz.weight", (2 * cfg.key_dim + 2 * cfg.value_dim, hidden))
-    ba = need("in_proj_ba.weight", (2 * hv, hidden))
-    qkvz = qkvz.reshape(hk, 2 * dk + 2 * r * dv, hidden)
-    q, k = qkvz[:, :dk], qkvz[:, dk:2 * dk]
-    v, z = qkvz[:, 2 * dk:2 * dk + r * dv], qkvz[:, 2 * dk + r * dv:]
-    ba = ba.reshape(hk, 2 * r, hidden)
-    b, a = ba[:, :r], ba[:, r:]
-    flat = lambda t: t.reshape(-1, hidden)
-    rows = [flat(q), flat(k), flat(v), flat(z), flat(b), flat(a)]
-  else:
-    rows = [need("in_proj_qkv.weight", (cfg.conv_dim, hidden)),
-            need("in_proj_z.weight", (cfg.value_dim, hidden)),
-            need("in_proj_b.weight", (hv, hidden)),
-            need("in_proj_a.weight", (hv, hidden))]
-  conv = need("conv1d.weight", (cfg.conv_dim, 1, cfg.conv_kernel_size))
-  params = dict(
-      in_proj=np.concatenate(rows, axis=0).T,
-      conv_weight=conv[:, 0, :],
-      dt_bias=need("dt_bias", (hv,)),
-      a_log=need("A_log", (hv,)),
-      norm_weight=need("norm.weight", (dv,)),
-      out_proj=need("out_proj.weight", (hidden, cfg.value_dim)).T,
-  )
-  # The gate parameters stay float32 whatever `dtype` (HF computes the gate in
-  # float32 too: exp(A_log) in bf16 would be off by up to 0.4 %).
-  return {k: jnp.asarray(v, jnp.float32 if k in _F32_PARAMS else (dtype or v.dtype))
-          for k, v in params.items()}
-
-
-def params_to_hf(params: Params, cfg: GatedDeltaNetConfig) -> dict[str, np.ndarray]:
-  """Inverse of `params_from_hf` (NumPy, HF names); maps gradients the same way."""
-  p = {k: np.asarray(v) for k, v in params.items()}
-  hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
-  r = hv // hk
-  hidden = cfg.hidden_size
-  w_in = p["in_proj"].T                                    # [P, hidden]
-  qkv, z, b, a = _split_in_proj(w_in.T, cfg)
-  qkv, z, b, a = qkv.T, z.T, b.T, a.T
-  out = {}
-  if cfg.variant == "qwen3_next":
-    q = qkv[:cfg.key_dim].reshape(hk, dk, hidden)
-    k = qkv[cfg.key_dim:2 * cfg.key_dim].reshape(hk, dk, hidden)
-    v = qkv[2 * cfg.key_dim:].reshape(hk, r * dv, hidden)
-    zz = z.reshape(hk, r * dv, hidden)
-    out["in_proj_qkvz.weight"] = np.concatenate([q, k, v, zz], axis=1).reshape(-1, hidden)
-    out["in_proj_ba.weight"] = np.concatenate(
-        [b.reshape(hk, r, hidden), a.reshape(hk, r, hidden)], axis=1).reshape(-1, hidden)
-  else:
-    out["in_proj_qkv.weight"] = qkv
-    out["in_proj_z.weight"] = z
-    out["in_proj_b.weight"] = b
-    out["in_proj_a.weight"] = a
-  out["conv1d.weight"] = p["conv_weight"][:, None, :]
-  out["dt_bias"] = p["dt_bias"]
-  out["A_log"] = p["a_log"]
-  out["norm.weight"] = p["norm_weight"]
-  out["out_proj.weight"] = p["out_proj"].T
-  return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
 # ----------------------------------------------------------------------------
@@ -371,7 +243,7 @@ def gated_deltanet(
   """The GatedDeltaNet block: x [B, T, hidden] -> y [B, T, hidden] (x's dtype).
 
   Args:
-    params: from `init_params` or `params_from_hf`.
+    params: from `init_params` or `hf.params_from_hf`.
     x: [B, T, hidden] activations.
     cfg: the layer's shapes.
     implementation: for both `causal_conv1d` and `gated_delta_rule`: a name,
@@ -400,7 +272,7 @@ def gated_deltanet(
 
   proj = jnp.einsum("bth,hp->btp", x, params["in_proj"].astype(dtype),
                     preferred_element_type=jnp.float32).astype(dtype)
-  qkv, z, beta_logit, a = _split_in_proj(proj, cfg)
+  qkv, z, beta_logit, a = split_in_proj(proj, cfg)
 
   conv_state = None if cache is None else cache.conv_state.astype(dtype)
   qkv, new_conv_state = causal_conv1d(

@@ -26,7 +26,17 @@ def list_presets() -> list[str]:
   return sorted({p.stem for d in _dirs() for p in d.glob("*.yml")})
 
 
-def preset_path(name: str) -> pathlib.Path:
+def preset_file(spec: str | os.PathLike[str]) -> pathlib.Path:
+  """The .yml of a preset name (`qwen3.5-tiny`) or of a path to a preset .yml.
+
+  A path that is not a file but looks like one (`configs/models/<name>.yml`
+  outside a checkout) names the preset shipped in the package. ValueError for
+  an unknown name.
+  """
+  path = pathlib.Path(spec)
+  if path.is_file():
+    return path
+  name = path.stem if path.suffix in (".yml", ".yaml") else str(spec)
   for d in _dirs():
     p = d / f"{name}.yml"
     if p.is_file():
@@ -34,9 +44,10 @@ def preset_path(name: str) -> pathlib.Path:
   raise ValueError(f"Unknown model preset {name!r}; available: {', '.join(list_presets())}.")
 
 
-def load_preset(name: str, **overrides) -> GatedDeltaNetConfig:
-  """`load_preset("qwen3.5-tiny")`; keyword overrides replace fields."""
-  cfg = GatedDeltaNetConfig.from_yaml(preset_path(name))
+def load_preset(spec: str | os.PathLike[str], **overrides) -> GatedDeltaNetConfig:
+  """`load_preset("qwen3.5-tiny")` (a name or a .yml path, see `preset_file`);
+  keyword overrides replace fields."""
+  cfg = GatedDeltaNetConfig.from_yaml(preset_file(spec))
   if overrides:
     cfg = dataclasses.replace(cfg, **overrides)
   return cfg

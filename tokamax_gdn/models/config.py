@@ -15,7 +15,6 @@ decoder around it under a `model:` section:
 """
 
 import dataclasses
-import os
 from typing import Any
 
 import yaml
@@ -150,8 +149,6 @@ class ModelConfig:
   def load(cls, spec: str, **overrides) -> "ModelConfig":
     """A preset name (`qwen3.5-micro`) or a path to a preset .yml; `overrides`
     as in `replace`."""
-    is_path = spec.endswith((".yml", ".yaml")) or os.sep in spec
-    path = spec if is_path else presets.preset_path(spec)
-    with open(path) as f:
+    with open(presets.preset_file(spec)) as f:
       cfg = cls.from_dict(yaml.safe_load(f))
     return cfg.replace(**overrides) if overrides else cfg

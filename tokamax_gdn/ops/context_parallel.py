@@ -15,6 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from tokamax_gdn.ops.gated_delta_rule import segments
+
 
 def axis_position(axis_name: str) -> tuple[jax.Array, int]:
   """(this device's index along `axis_name`, the axis size); a clear error when unbound."""
@@ -154,8 +156,7 @@ def boundaries(segment_ids: jax.Array | None, axis_name: str, size: int) -> Boun
     b = 1
     gathered = jnp.zeros((size, b, 3), jnp.int32)
   else:
-    changed = segment_ids[:, 1:] != segment_ids[:, :-1]
-    runs = jnp.sum(changed, axis=1, dtype=jnp.int32)
+    runs = jnp.sum(segments.segment_starts(segment_ids), axis=1, dtype=jnp.int32)
     gathered = gather(jnp.stack([segment_ids[:, 0].astype(jnp.int32),
                                  segment_ids[:, -1].astype(jnp.int32), runs], axis=-1),
                       axis_name)

@@ -30,7 +30,7 @@ def cases() -> list[tuple[str, str, autotuning.ArgSpec]]:
   out = []
   for op_name in registry.list_ops():
     try:
-      all_specs = autotuning.arg_specs(op_name, "conformance")
+      all_specs = registry.arg_specs(op_name, "conformance")
     except ModuleNotFoundError:
       all_specs = []
     for impl_name in registry.implementations(op_name):

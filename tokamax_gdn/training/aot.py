@@ -106,35 +106,3 @@ def compile_train_step(cfg: ModelConfig, *, target: str = "tpu7x", batch: int = 
       temp_bytes=int(mem.temp_size_in_bytes), argument_bytes=int(mem.argument_size_in_bytes),
       output_bytes=int(mem.output_size_in_bytes),
       mosaic_kernels=compiled.as_text().count("tpu_custom_call"))
-
-
-def add_train_step_arguments(parser) -> None:
-  """`tokamax-gdn aot --train-step [--mesh 2x4]` (with the aot command's
-  --model, --target, --batch, --seq-len)."""
-  parser.add_argument("--train-step", action="store_true",
-                      help="compile one whole AdamW training step of --model (a preset with a"
-                           " model: section, e.g. qwen3.5-tiny) with the Pallas kernels for a"
-                           " data x model mesh of --target; prints memory per device")
-  parser.add_argument("--mesh", default="2x4",
-                      help="with --train-step: DATAxMODEL chips (tpu7x 2x2x1 has 8)")
-
-
-def run_train_step(args, print_table) -> int:
-  """Compiles and prints the report; ValueError for bad arguments."""
-  from tokamax_gdn.models.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  if not getattr(args, "model", None):
-    raise ValueError("--train-step needs --model (a preset with a model: section, e.g."
-                     " qwen3.5-tiny).")
-  try:
-    n_data, n_model = (int(x) for x in args.mesh.lower().split("x"))
-  except ValueError as e:
-    raise ValueError(f"--mesh {args.mesh!r}: expected DATAxMODEL, e.g. 2x4.") from e
-  batch = max(args.batch or 0, n_data)
-  report = compile_train_step(ModelConfig.load(args.model), target=args.target, batch=batch,
-                              seq_len=args.seq_len, mesh_shape=(n_data, n_model))
-  print(f"{args.model}: one training step ({report.param_count / 1e6:.1f} M params, batch"
-        f" {report.batch}, T {report.seq_len}) compiled for {report.target} as a"
-        f" {n_data} (data) x {n_model} (model) mesh, {report.mosaic_kernels} Mosaic kernel"
-        " calls; memory per device:")
-  print_table(report.rows())
-  return 0

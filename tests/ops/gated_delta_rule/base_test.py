@@ -7,7 +7,8 @@ import pytest
 
 import tokamax_gdn
 from tokamax_gdn import registry
-from tokamax_gdn.ops.gated_delta_rule import base
+from tokamax_gdn.ops.gated_delta_rule import prologue
+from tokamax_gdn.ops.gated_delta_rule import segments
 from tokamax_gdn.ops.gated_delta_rule.arg_specs import random_inputs
 from tokamax_gdn.testing import conformance
 
@@ -73,10 +74,10 @@ def test_scale_defaults_to_inverse_sqrt_k():
 
 def test_prologue_gate_and_l2norm():
   x = jnp.array([[3.0, 4.0]])
-  assert jnp.allclose(base.l2norm(x), x / jnp.sqrt(25.0 + 1e-6))
+  assert jnp.allclose(prologue.l2norm(x), x / jnp.sqrt(25.0 + 1e-6))
   g = jnp.array([0.5]); a_log = jnp.array([0.2]); dt = jnp.array([-1.0])
   expected = -jnp.exp(0.2) * jax.nn.softplus(-0.5)
-  assert jnp.allclose(base.gate_log_decay(g, a_log, dt), expected)
+  assert jnp.allclose(prologue.gate_log_decay(g, a_log, dt), expected)
 
 
 # ------------------------------------------------------- per-segment states
@@ -129,7 +130,7 @@ def _layout_cases():
 @pytest.mark.parametrize("ids,n,c", _layout_cases())
 def test_align_segments(ids, n, c):
   seg_ids = jnp.array([ids, ids[::-1]], jnp.int32)
-  lay = base.align_segments(seg_ids, n, c)
+  lay = segments.align_segments(seg_ids, n, c)
   t = len(ids)
   t_al = -(-(t + n * (c - 1)) // c) * c
   assert lay.source.shape == (2, t_al) and lay.aligned_length == t_al

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from tokamax_gdn import aot
-from tokamax_gdn import autotuning
+from tokamax_gdn import registry
 from tokamax_gdn.ops.gmm.api import gmm
 from tokamax_gdn.ops.tgmm.api import tgmm
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.aot
 
 IMPL = "pallas_mosaic_tpu"
 BF16, F32, I8, FP8 = jnp.bfloat16, jnp.float32, jnp.int8, jnp.float8_e4m3fn
-SPECS = autotuning.arg_specs("gmm", "aot")
+SPECS = registry.arg_specs("gmm", "aot")
 (_LHS, _RHS, _), _ = SPECS[0].abstract()
 (M, K), (G, _, N) = _LHS.shape, _RHS.shape
 TEMP_LIMIT = 2 << 20
@@ -98,7 +98,6 @@ def test_transposed_rhs_vjp_compiles_on_v6e():
                          ids=["bf16", "int8_x_bf16", "bf16_x_f32"])
 def test_irregular_shapes_with_k_tail_compile_on_v6e(lhs_dtype, rhs_dtype):
   """M, K, N not multiples of 128 with tiles that leave partial M/N blocks and a masked K tail."""
-  from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.gmm.pallas_mosaic_tpu import Config  # pylint: disable=g-import-not-at-top
   m, k, n, g = 1000, 1000, 300, 5
   cfg = Config(tm=256, tk=512, tn=256)

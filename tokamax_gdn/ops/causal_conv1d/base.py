@@ -33,6 +33,7 @@ from tokamax._src.ops import op
 from tokamax_gdn.autotuning import ShippedAutotuningCacheMixin
 from tokamax_gdn.ops import checks
 from tokamax_gdn.ops import autodiff
+from tokamax_gdn.ops.gated_delta_rule import segments
 
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
 Output: TypeAlias = tuple[jax.Array, jax.Array | None]
@@ -57,12 +58,10 @@ def window_reach(segment_ids: jax.Array | None, width: int) -> jax.Array | None:
   """[B, T] int32: the largest look-back s (0..W-1) token t may read (see module doc)."""
   if segment_ids is None:
     return None
-  b, t = segment_ids.shape
-  pos = jnp.arange(t, dtype=jnp.int32)[None, :]
-  changed = jnp.concatenate(
-      [jnp.zeros((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-  start = jax.lax.cummax(jnp.where(changed, pos, 0), axis=1)
-  first_segment = jnp.cumsum(changed.astype(jnp.int32), axis=1) == 0
+  pos = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)[None, :]
+  starts = segments.segment_starts(segment_ids)
+  start = segments.segment_first(starts)
+  first_segment = jnp.cumsum(starts.astype(jnp.int32), axis=1) == 0
   reach = jnp.where(first_segment, width - 1, jnp.minimum(pos - start, width - 1))
   return reach.astype(jnp.int32)
 

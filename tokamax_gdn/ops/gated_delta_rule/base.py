@@ -17,19 +17,20 @@ initial_state[b, n], and the final state is [B, N, Hv, K, V], segment n's own
 end state (zeros where a row has fewer than N segments). Segments past the
 N-th start from zero and their end states are not returned. Chunked backends
 run this on a re-layout where every segment starts at a chunk boundary
-(`align_segments`; math.md, "Per-segment states").
+(`segments.align_segments`; math.md, "Per-segment states").
 
-Split of work:
-- `GatedDeltaRule.bind` validates and canonicalises once, for all backends.
-- `prologue` (l2norm + gate activation) is pointwise per token; it is shared and
-  differentiated by autodiff in `GatedDeltaRuleVjp`.
+Split of work (one module per concept):
+- `GatedDeltaRule.bind` (here) validates and canonicalises once, for all backends.
+- `prologue` (l2norm + gate activation + the chunked log-decay floor) is
+  pointwise per token; it is shared and differentiated by autodiff in
+  `GatedDeltaRuleVjp`.
 - Backends implement `_core_fwd` (and, for an analytical backward, a
   `GatedDeltaRuleVjp` subclass implementing `_core_bwd`) on the prepared
   q, k (input dtype, normalised), v, log-decay (float32) and beta.
-- With `segment_ids`, `SegmentGuard` wraps the core (forward and backward) for
-  every backend: a NaN / inf in one packed segment's inputs or cotangents
-  makes that segment's results NaN and leaves the others exactly as with
-  finite values. Without `segment_ids` it costs nothing.
+- `segments`: segment starts, the state each segment starts from, the aligned
+  layout of per-segment states.
+- `isolation`: with `segment_ids`, `SegmentGuard` wraps the core (forward and
+  backward) for every backend, so a NaN / inf stays in its packed segment.
 - B = 0 or T = 0 never reach the core (empty results, the state passes through).
 
 The chunked algorithm both chunked backends implement is in `math.md`.
@@ -47,6 +48,8 @@ from tokamax._src.ops import op
 from tokamax_gdn.autotuning import ShippedAutotuningCacheMixin
 from tokamax_gdn.ops import autodiff
 from tokamax_gdn.ops import checks
+from tokamax_gdn.ops.gated_delta_rule import isolation
+from tokamax_gdn.ops.gated_delta_rule import prologue
 
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
 Output: TypeAlias = tuple[jax.Array, jax.Array | None]
@@ -65,72 +68,6 @@ class Residuals:
 
   states: Float[Array, "..."] | None = None
   tmats: Float[Array, "..."] | None = None
-
-L2NORM_EPS = 1e-6
-
-# Chunked implementations add log-decays into an in-chunk cumsum G and take
-# exp(G_i - G_j). A very negative gate (a "forget": -1e4 from a large raw gate)
-# makes |G| large, and float32 cancellation in G_i - G_j then loses the small
-# decays after it. Flooring the log-decay at -30 bounds |G| and changes the
-# result by at most exp(-30) ~ 1e-13 relative (the state is multiplied by
-# ~0 either way); the floored tokens get a zero gate gradient (true: < 1e-13).
-CHUNKED_LOG_DECAY_FLOOR = -30.0
-
-
-def l2norm(x: jax.Array) -> jax.Array:
-  """x / sqrt(sum(x^2) + 1e-6) over the last axis, computed in float32."""
-  x32 = x.astype(jnp.float32)
-  return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + L2NORM_EPS)
-
-
-def gate_log_decay(
-    g: jax.Array, a_log: jax.Array | None, dt_bias: jax.Array | None
-) -> jax.Array:
-  """Log-decay in float32: g itself, or -exp(a_log) * softplus(g + dt_bias)."""
-  g = g.astype(jnp.float32)
-  if a_log is None:
-    return g
-  if dt_bias is not None:
-    g = g + dt_bias.astype(jnp.float32)
-  return -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(g)
-
-
-def prologue(
-    query: jax.Array,
-    key: jax.Array,
-    g: jax.Array,
-    a_log: jax.Array | None,
-    dt_bias: jax.Array | None,
-    *,
-    use_qk_l2norm: bool,
-    log_decay_floor: float | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Per-token preparation shared by every backend: (q, k, log_decay).
-
-  q and k keep the input dtype (normalised in float32 first); the log-decay is
-  float32, floored at `log_decay_floor` when given.
-  """
-  if use_qk_l2norm:
-    query = l2norm(query).astype(query.dtype)
-    key = l2norm(key).astype(key.dtype)
-  log_decay = gate_log_decay(g, a_log, dt_bias)
-  if log_decay_floor is not None:
-    log_decay = jnp.maximum(log_decay, log_decay_floor)
-  return query, key, log_decay
-
-
-def segment_starts(segment_ids: jax.Array | None, t: int) -> jax.Array | None:
-  """[B, T] bool: True where a new segment starts (never at t = 0)."""
-  if segment_ids is None:
-    return None
-  changed = segment_ids[:, 1:] != segment_ids[:, :-1]
-  return jnp.concatenate([jnp.zeros_like(changed[:, :1]), changed], axis=1)
-
-
-def segment_index(segment_ids: jax.Array) -> jax.Array:
-  """[B, T] int32: n for the tokens of the n-th run of equal ids in the row."""
-  starts = segment_starts(segment_ids, segment_ids.shape[1])
-  return jnp.cumsum(starts, axis=1, dtype=jnp.int32)
 
 
 def _check_segment_states(initial_state, segment_ids, per_state: tuple[int, ...]) -> None:
@@ -161,119 +98,6 @@ def empty_final_state(query, value, initial_state) -> jax.Array:
   return initial_state.astype(jnp.float32)
 
 
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["position", "source", "segment", "chunk_segment", "chunk_reset",
-                 "chunk_last", "num_segments"],
-    meta_fields=["chunk_size", "num_states"])
-@dataclasses.dataclass(frozen=True)
-class SegmentLayout:
-  """Packed segments re-laid so that each starts at a chunk boundary.
-
-  Built by `align_segments` (see there and math.md, "Per-segment states").
-  In the aligned layout of static length Ta = round_up(T + N (C - 1), C),
-  segments 0..N (N = `num_states`) each start at a chunk boundary and are
-  followed by pad tokens up to the next one; segments past N follow each other
-  without padding (they start from zero and their end states are not
-  returned, so an in-chunk start, handled by the chunked code's in-chunk
-  segment masks, is enough). Pads carry q = k = v = 0, g = 0, beta = 0: the
-  state passes through them unchanged.
-
-  Attributes (B rows, T tokens, Ta aligned positions, Nc = Ta / C chunks):
-    position: [B, T] int32, each token's aligned position (strictly increasing).
-    source: [B, Ta] int32, the token at each aligned position; T for a pad.
-    segment: [B, Ta] int32, the segment index of each aligned position (a pad
-      belongs to the segment it follows).
-    chunk_segment: [B, Nc] int32, the segment of each chunk's first position.
-    chunk_reset: [B, Nc] bool, a segment starts at the chunk's first position:
-      the state entering the chunk is initial_state[b, chunk_segment] (zeros
-      from segment N on), selected rather than decayed.
-    chunk_last: [B, Nc] bool, the chunk is the last of its segment: the state
-      leaving it is that segment's final state (kept when chunk_segment < N).
-    num_segments: [B] int32, segments per row.
-    chunk_size: C.
-    num_states: N.
-  """
-
-  position: jax.Array
-  source: jax.Array
-  segment: jax.Array
-  chunk_segment: jax.Array
-  chunk_reset: jax.Array
-  chunk_last: jax.Array
-  num_segments: jax.Array
-  chunk_size: int
-  num_states: int
-
-  @property
-  def aligned_length(self) -> int:
-    return self.source.shape[1]
-
-  def to_aligned(self, x: jax.Array) -> jax.Array:
-    """[B, T, ...] -> [B, Ta, ...], zeros at the pads (differentiable)."""
-    padded = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
-    return padded[jnp.arange(x.shape[0])[:, None], self.source]
-
-  def from_aligned(self, x: jax.Array) -> jax.Array:
-    """[B, Ta, ...] -> [B, T, ...], the tokens' positions (differentiable)."""
-    return x[jnp.arange(x.shape[0])[:, None], self.position]
-
-  def in_chunk_starts(self) -> jax.Array:
-    """[B, Ta] bool: segment starts that are not at a chunk boundary (only
-    segments past N can start there)."""
-    changed = segment_starts(self.segment, self.aligned_length)
-    at_boundary = (jnp.arange(self.aligned_length) % self.chunk_size) == 0
-    return changed & ~at_boundary
-
-
-def aligned_length(t: int, num_states: int, chunk_size: int) -> int:
-  """Ta of `align_segments`: round_up(T + N (C - 1), C)."""
-  return _round_up(t + num_states * (chunk_size - 1), chunk_size)
-
-
-def align_segments(segment_ids: jax.Array, num_states: int, chunk_size: int) -> SegmentLayout:
-  """The chunk-aligned layout of `segment_ids` [B, T] (T >= 1) for N states.
-
-  Segment n < N is padded after its end to a multiple of C tokens, so that
-  segments 1..N start at chunk boundaries (segment 0 starts at 0). Every
-  token moves right by the padding of the segments before it; the total
-  padding is at most N (C - 1), hence the static length
-  Ta = round_up(T + N (C - 1), C).
-  """
-  b, t = segment_ids.shape
-  c = chunk_size
-  t_al = aligned_length(t, num_states, c)
-  pos = jnp.arange(t, dtype=jnp.int32)
-  starts = segment_starts(segment_ids, t)
-  seg = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
-  seg_start = jax.lax.cummax(jnp.where(starts, pos, 0), axis=1)
-  ends = jnp.concatenate([starts[:, 1:], jnp.ones((b, 1), bool)], axis=1)
-  pad = jnp.where(ends & (seg < num_states), (seg_start - pos - 1) % c, 0)
-  position = pos + jnp.cumsum(pad, axis=1, dtype=jnp.int32) - pad
-  rows = jnp.arange(b)[:, None]
-  source = jnp.full((b, t_al), t, jnp.int32).at[rows, position].set(
-      jnp.broadcast_to(pos, (b, t)))
-  segment = jnp.full((b, t_al), -1, jnp.int32).at[rows, position].set(seg)
-  segment = jax.lax.cummax(segment, axis=1)        # pads join the segment they follow
-  chunk_segment = segment[:, ::c]
-  chunk_reset = jnp.concatenate(
-      [jnp.ones((b, 1), bool), chunk_segment[:, 1:] != segment[:, c - 1:-1:c]], axis=1)
-  chunk_last = jnp.concatenate([chunk_reset[:, 1:], jnp.ones((b, 1), bool)], axis=1)
-  return SegmentLayout(
-      position=position, source=source, segment=segment,
-      chunk_segment=chunk_segment, chunk_reset=chunk_reset, chunk_last=chunk_last,
-      num_segments=seg[:, -1] + 1, chunk_size=c, num_states=num_states)
-
-
-# ----------------------------------------------------------------------------
-# Packed sequences: a non-finite value stays in its segment.
-# ----------------------------------------------------------------------------
-
-
 def _float64_to_float32(tree):
   """Every float64 array of `tree` as float32.
 
@@ -290,204 +114,12 @@ def _float64_to_float32(tree):
   return jax.tree.map(cast, tree)
 
 
-def _nonfinite_tokens(x: jax.Array, per_token_axes: int) -> jax.Array:
-  """Whether any of the trailing `per_token_axes` axes holds a NaN or inf."""
-  bad = ~jnp.isfinite(x)
-  return jnp.any(bad, axis=tuple(range(-per_token_axes, 0))) if per_token_axes else bad
-
-
-def _zero_where(bad: jax.Array, x: jax.Array) -> jax.Array:
-  return jnp.where(bad, jnp.zeros((), x.dtype), x)
-
-
-def _nan_where(bad: jax.Array, x: jax.Array) -> jax.Array:
-  return jnp.where(bad, jnp.full((), jnp.nan, x.dtype), x)
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["seg", "first", "last", "bad", "bad_q", "bad_gate"],
-    meta_fields=["group"])
-@dataclasses.dataclass(frozen=True)
-class SegmentGuard:
-  """Keeps a NaN / inf of one packed segment out of every other segment.
-
-  Inside a chunk the matmuls mix the tokens of different segments with zero
-  coefficients, and 0 * NaN = NaN, so masking is not enough: the non-finite
-  inputs are replaced by zeros before the core runs (`sanitize`), which then
-  computes every other segment exactly as with finite values, and NaN is put
-  back afterwards where the true result is not finite: in the outputs from
-  the first bad token of a segment on (plus a token's own output for a bad
-  query), in the final state of a poisoned segment, and in the gradients of a
-  segment's inputs when its inputs or its cotangents held a NaN / inf.
-
-  Built by `guard_segments`; all masks per token and value head [B, T, Hv]
-  (key-side values are per key head and count for the value heads reading
-  them).
-
-  Attributes:
-    seg: [B, T] int32 segment index n of each token.
-    first, last: [B, T] int32 position of the first / last token of each
-      token's segment.
-    bad: [B, T, Hv] bool: the token's k, v, g or beta is not finite, or (at
-      a segment's first token) the segment's initial state is not.
-    bad_q: [B, T, Hv] bool: the token's query is not finite.
-    bad_gate: [B, T, Hv] bool: the token's raw gate or its log-decay is not
-      finite (any NaN / inf input counts, including g = -inf).
-    group: Hv / Hk.
-  """
-
-  seg: jax.Array
-  first: jax.Array
-  last: jax.Array
-  bad: jax.Array
-  bad_q: jax.Array
-  bad_gate: jax.Array
-  group: int
-
-  def _take(self, x: jax.Array, pos: jax.Array) -> jax.Array:
-    return jnp.take_along_axis(x, pos[..., None], axis=1)
-
-  def running(self, bad: jax.Array) -> jax.Array:
-    """[B, T, Hv]: a bad token at or before this one, in its segment."""
-    count = jnp.cumsum(bad, axis=1, dtype=jnp.int32)
-    before_segment = self._take(count - bad, self.first)
-    return count > before_segment
-
-  def anywhere(self, bad: jax.Array) -> jax.Array:
-    """[B, T, Hv]: a bad token anywhere in this token's segment."""
-    count = jnp.cumsum(bad, axis=1, dtype=jnp.int32)
-    return self._take(count, self.last) > self._take(count - bad, self.first)
-
-  def per_segment(self, flags: jax.Array, n_states: int) -> jax.Array:
-    """[B, T, Hv] segment-constant flags -> [B, N, Hv] (False past the row's
-    segments)."""
-    b, _, hv = flags.shape
-    idx = jnp.minimum(self.seg, n_states)
-    out = jnp.zeros((b, n_states + 1, hv), jnp.int32).at[
-        jnp.arange(b)[:, None], idx].max(flags.astype(jnp.int32))
-    return out[:, :n_states] > 0
-
-  def at_segment_starts(self, per_state: jax.Array) -> jax.Array:
-    """[B, Hv] (segment 0) or [B, N, Hv] (segment n) flags -> [B, T, Hv] at
-    the first token of those segments."""
-    is_first = (self.first == jnp.arange(self.seg.shape[1]))[..., None]
-    if per_state.ndim == 2:
-      return is_first & (self.seg == 0)[..., None] & per_state[:, None]
-    n_states = per_state.shape[1]
-    rows = jnp.arange(self.seg.shape[0])[:, None]
-    flags = per_state[rows, jnp.minimum(self.seg, n_states - 1)]
-    return is_first & (self.seg < n_states)[..., None] & flags
-
-  def sanitize(self, q, k, v, log_decay, beta, initial_state):
-    """The inputs with every non-finite value replaced by 0."""
-    zero_bad = lambda x: _zero_where(~jnp.isfinite(x), x)
-    state = None if initial_state is None else zero_bad(initial_state)
-    return (zero_bad(q), zero_bad(k), zero_bad(v),
-            _zero_where(self.bad_gate, log_decay), zero_bad(beta), state)
-
-  def poison_outputs(self, out, final_state):
-    """NaN in the outputs and final states the bad inputs reach."""
-    running = self.running(self.bad)
-    out = _nan_where((running | self.bad_q)[..., None], out)
-    if final_state.ndim == 4:        # the state after the last token
-      poisoned = running[:, -1]
-    else:
-      poisoned = self.per_segment(self.anywhere(self.bad), final_state.shape[1])
-    return out, _nan_where(poisoned[..., None, None], final_state)
-
-  def gradient_poison(self, d_out, d_final) -> jax.Array:
-    """[B, T, Hv]: the segments whose input gradients are not finite: a bad
-    input, a bad output cotangent, or a bad final-state cotangent."""
-    bad = self.bad | self.bad_q | _nonfinite_tokens(d_out, 1)
-    if d_final is not None:
-      bad_final = _nonfinite_tokens(d_final, 2)
-      if bad_final.ndim == 2:        # belongs to the last segment
-        bad = bad.at[:, -1].set(bad[:, -1] | bad_final)
-      else:
-        bad = bad | self.at_segment_starts(bad_final)
-    return self.anywhere(bad)
-
-  def poison_gradients(self, poison, dq, dk, dv, d_log_decay, dbeta, d_initial):
-    """NaN in the gradients of the poisoned segments' inputs."""
-    b, t, hv = poison.shape
-    key_poison = jnp.any(poison.reshape(b, t, hv // self.group, self.group), axis=-1)
-    dq = _nan_where(key_poison[..., None], dq)
-    dk = _nan_where(key_poison[..., None], dk)
-    dv = _nan_where(poison[..., None], dv)
-    d_log_decay = _nan_where(poison, d_log_decay)
-    dbeta = _nan_where(poison, dbeta)
-    if d_initial is not None:
-      if d_initial.ndim == 4:
-        state_poison = poison[:, 0]
-      else:
-        state_poison = self.per_segment(poison, d_initial.shape[1])
-      d_initial = _nan_where(state_poison[..., None, None], d_initial)
-    return dq, dk, dv, d_log_decay, dbeta, d_initial
-
-
-def guard_segments(q, k, v, beta, initial_state, segment_ids, *, g, a_log,
-                   dt_bias) -> SegmentGuard:
-  """The `SegmentGuard` of the prologue's q, k (and v, beta, initial_state,
-  segment_ids) and the raw gate inputs g, a_log, dt_bias; B, T >= 1."""
-  b, t, hk, _ = q.shape
-  hv = v.shape[2]
-  group = hv // hk
-  per_value_head = lambda x: jnp.repeat(x, group, axis=2)
-  starts = segment_starts(segment_ids, t)
-  pos = jnp.arange(t, dtype=jnp.int32)
-  seg = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
-  first = jax.lax.cummax(jnp.where(starts, pos, 0), axis=1)
-  ends = jnp.concatenate([starts[:, 1:], jnp.ones((b, 1), bool)], axis=1)
-  last = jax.lax.cummin(jnp.where(ends, pos, t - 1), axis=1, reverse=True)
-  # Before the log-decay floor, which would turn -inf into -30.
-  bad_gate = ~jnp.isfinite(g) | ~jnp.isfinite(gate_log_decay(g, a_log, dt_bias))
-  bad = (per_value_head(_nonfinite_tokens(k, 1)) | _nonfinite_tokens(v, 1)
-         | bad_gate | ~jnp.isfinite(beta))
-  guard = SegmentGuard(seg, first, last, bad, per_value_head(_nonfinite_tokens(q, 1)),
-                       bad_gate, group)
-  if initial_state is not None:
-    bad = bad | guard.at_segment_starts(_nonfinite_tokens(initial_state, 2))
-  return dataclasses.replace(guard, bad=bad)
-
-
-def guarded_autodiff(core, guard: SegmentGuard, q, k, v, log_decay, beta, initial_state):
-  """(out, final_state) of `core` under `guard`, for cores differentiated by
-  autodiff: a custom VJP sanitises the cotangents and puts NaN into the
-  gradients of poisoned segments (`GatedDeltaRuleVjp` does the same around
-  an analytical `_core_bwd`)."""
-
-  def clean_core(q, k, v, log_decay, beta, initial_state):
-    return core(q, k, v, log_decay, beta, initial_state=initial_state)[:2]
-
-  @jax.custom_vjp
-  def run(q, k, v, log_decay, beta, initial_state, guard):
-    out, final = clean_core(*guard.sanitize(q, k, v, log_decay, beta, initial_state))
-    return guard.poison_outputs(out, final)
-
-  def run_fwd(q, k, v, log_decay, beta, initial_state, guard):
-    clean = guard.sanitize(q, k, v, log_decay, beta, initial_state)
-    (out, final), core_vjp = jax.vjp(clean_core, *clean)
-    return guard.poison_outputs(out, final), (core_vjp, guard)
-
-  def run_bwd(res, cts):
-    core_vjp, guard = res
-    d_out, d_final = cts
-    poison = guard.gradient_poison(d_out, d_final)
-    zero_bad = lambda x: _zero_where(~jnp.isfinite(x), x)
-    grads = core_vjp((zero_bad(d_out), zero_bad(d_final)))
-    return (*guard.poison_gradients(poison, *grads), None)
-
-  run.defvjp(run_fwd, run_bwd)
-  return run(q, k, v, log_decay, beta, initial_state, guard)
-
-
 class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Residuals, C, K]):
   """Gated delta rule op. Subclasses implement `_core_fwd`."""
 
   # K or V above this: NotImplementedError, so `implementation=` falls through.
   max_head_dim: ClassVar[int | None] = None
-  # Chunked backends set CHUNKED_LOG_DECAY_FLOOR (see there).
+  # Chunked backends set prologue.CHUNKED_LOG_DECAY_FLOOR (see there).
   log_decay_floor: ClassVar[float | None] = None
   # Whether `_core_fwd` (and the VJP's `_core_bwd`) take an initial_state of
   # shape [B, N, Hv, K, V] (per-segment states); if not, bind raises
@@ -603,7 +235,7 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
       return_residuals: bool,
       config: C,
   ) -> tuple[Output, Residuals]:
-    q, k, log_decay = prologue(
+    q, k, log_decay = prologue.prologue(
         query, key, g, a_log, dt_bias, use_qk_l2norm=use_qk_l2norm,
         log_decay_floor=self.log_decay_floor,
     )
@@ -617,12 +249,12 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
       out, final_state, residuals = core(q, k, value, log_decay, beta,
                                          initial_state=initial_state)
     else:
-      guard = guard_segments(q, k, value, beta, initial_state, segment_ids, g=g,
-                             a_log=a_log, dt_bias=dt_bias)
+      guard = isolation.guard_segments(q, k, value, beta, initial_state, segment_ids,
+                                       g=g, a_log=a_log, dt_bias=dt_bias)
       if self.vjp is None:       # differentiated by autodiff through this
         residuals = None
-        out, final_state = guarded_autodiff(core, guard, q, k, value, log_decay, beta,
-                                            initial_state)
+        out, final_state = isolation.guarded_autodiff(core, guard, q, k, value, log_decay,
+                                                      beta, initial_state)
       else:                      # `GatedDeltaRuleVjp` guards the backward
         *clean, clean_state = guard.sanitize(q, k, value, log_decay, beta, initial_state)
         out, final_state, residuals = core(*clean, initial_state=clean_state)
@@ -693,7 +325,7 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
       config: C,
   ) -> tuple[dict[str, jax.Array], None]:
     del out, return_residuals
-    pro = functools.partial(prologue, use_qk_l2norm=use_qk_l2norm,
+    pro = functools.partial(prologue.prologue, use_qk_l2norm=use_qk_l2norm,
                             log_decay_floor=self.log_decay_floor)
     (q, k, log_decay), pro_vjp = jax.vjp(pro, query, key, g, a_log, dt_bias)
     d_out, d_final = dout
@@ -714,12 +346,12 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
         dq, dk, dv, d_log_decay, dbeta, d_initial = core_bwd(
             q, k, value, log_decay, beta, d_out, d_final, initial_state=initial_state)
       else:
-        guard = guard_segments(q, k, value, beta, initial_state, segment_ids, g=g,
-                               a_log=a_log, dt_bias=dt_bias)
+        guard = isolation.guard_segments(q, k, value, beta, initial_state, segment_ids,
+                                         g=g, a_log=a_log, dt_bias=dt_bias)
         poison = guard.gradient_poison(d_out, d_final)
         *clean, clean_state = guard.sanitize(q, k, value, log_decay, beta, initial_state)
-        zero_bad = lambda x: None if x is None else _zero_where(~jnp.isfinite(x), x)
-        grads = core_bwd(*clean, zero_bad(d_out), zero_bad(d_final),
+        grads = core_bwd(*clean, isolation.zero_nonfinite(d_out),
+                         isolation.zero_nonfinite(d_final),
                          initial_state=clean_state)
         dq, dk, dv, d_log_decay, dbeta, d_initial = guard.poison_gradients(poison, *grads)
     dquery, dkey, dg, da_log, ddt_bias = pro_vjp(

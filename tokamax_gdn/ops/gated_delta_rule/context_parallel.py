@@ -66,6 +66,7 @@ import jax.numpy as jnp
 from tokamax_gdn import registry
 from tokamax_gdn.ops import checks
 from tokamax_gdn.ops import context_parallel as cp
+from tokamax_gdn.ops.gated_delta_rule import segments
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -89,13 +90,6 @@ def _compose(a_all, b_all, resets, entry):
       step, jnp.zeros(b_all.shape[1:], jnp.float32),
       (jnp.arange(size), a_all, b_all, resets))
   return entering, final
-
-
-def _states_at(states: jax.Array, segment: jax.Array) -> jax.Array:
-  """states [B, N, Hv, K, V] at segment [B] (zeros from N on: those start from zero)."""
-  n = states.shape[1]
-  picked = states[jnp.arange(states.shape[0]), jnp.clip(segment, 0, n - 1)]
-  return jnp.where((segment < n)[:, None, None, None], picked, 0.0)
 
 
 def gated_delta_rule(
@@ -189,7 +183,7 @@ def gated_delta_rule(
     # The segments starting on this device (local run j >= 1) start from their
     # own states; the first local run's state is the incoming one (slot 0).
     local = first_segment[:, None] + jnp.arange(n_states)
-    local_states = jax.vmap(_states_at, in_axes=(None, 1), out_axes=1)(initial_state, local)
+    local_states = segments.state_of_segment(initial_state, local)
     local_states = local_states.astype(jnp.float32)
     # Every local run's end state with the first one started from zero: the
     # last run's, when it is one of the N, is this device's B.
@@ -207,8 +201,8 @@ def gated_delta_rule(
     # from zero) from the chain call.
     last_end = run_ends[jnp.arange(b), jnp.minimum(last_run, n_states - 1)]
     b_map = jnp.where((last_run < n_states)[:, None, None, None], last_end, chain_map)
-    entry = lambda j: _states_at(initial_state.astype(jnp.float32),
-                                 bounds.first_segment[j])
+    entry = lambda j: segments.state_of_segment(initial_state.astype(jnp.float32),
+                                                bounds.first_segment[j])
   else:
     s0 = (jnp.zeros((b, hv, dk, dv), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))

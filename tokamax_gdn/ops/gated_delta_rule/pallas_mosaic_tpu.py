@@ -4,7 +4,7 @@ The kernels live in `pallas_mosaic_tpu_kernel.py` (their TPU-specific design
 at the top of that module; the math in `math.md`).
 
 The shared prologue (q/k L2-norm, gate activation -exp(a_log)·softplus(g+dt_bias),
-the -30 floor) runs in XLA before the kernels (`base.prologue`), pointwise, and
+the -30 floor) runs in XLA before the kernels (`prologue.prologue`), pointwise, and
 is differentiated by autodiff in `base.GatedDeltaRuleVjp`. The in-chunk gate
 cumsum, decay masks, segment resets, the partial last chunk and d log-decay
 per token are inside the kernels.
@@ -33,6 +33,8 @@ from tokamax_gdn import config as gdn_config
 from tokamax_gdn.ops import partitioning
 from tokamax_gdn.ops.tiling import round_up
 from tokamax_gdn.ops.gated_delta_rule import base
+from tokamax_gdn.ops.gated_delta_rule import prologue
+from tokamax_gdn.ops.gated_delta_rule import segments
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as kernel
 
 _MIB = 1 << 20
@@ -261,7 +263,7 @@ class PallasMosaicTpuGatedDeltaRule(base.GatedDeltaRule[Config, None]):
 
   config_cls: ClassVar[type[Config]] = Config
   max_head_dim: ClassVar[int | None] = 256
-  log_decay_floor: ClassVar[float | None] = base.CHUNKED_LOG_DECAY_FLOOR
+  log_decay_floor: ClassVar[float | None] = prologue.CHUNKED_LOG_DECAY_FLOOR
   supports_segment_states: ClassVar[bool] = True
 
   def __post_init__(self):
@@ -308,7 +310,7 @@ class PallasMosaicTpuGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, None]):
   """Reverse-chunk analytical backward of the Mosaic TPU GDN kernels."""
 
   config_cls: ClassVar[type[Config]] = Config
-  log_decay_floor: ClassVar[float | None] = base.CHUNKED_LOG_DECAY_FLOOR
+  log_decay_floor: ClassVar[float | None] = prologue.CHUNKED_LOG_DECAY_FLOOR
 
   @override
   def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
@@ -337,7 +339,7 @@ class PallasMosaicTpuGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, None]):
       else:
         states = tmats = None
     if initial_state is not None and initial_state.ndim == 5:   # the aligned layout's chunks
-      t = base.aligned_length(t, initial_state.shape[1], config.chunk_size)
+      t = segments.aligned_length(t, initial_state.shape[1], config.chunk_size)
     if states is not None and states.shape[1] != -(-t // config.chunk_size):
       states = tmats = None
 

@@ -52,7 +52,7 @@ for bf16 inputs (errors of a bf16 T0, up to 1e-2 on correlated keys, fall to
 ~1e-4), two for float32 (~1e-5).
 
 Per-segment states ([B, N, Hv, K, V] with segment ids): the wrappers move
-the tokens to the chunk-aligned layout (`base.align_segments`) and give the
+the tokens to the chunk-aligned layout (`segments.align_segments`) and give the
 kernels one code per chunk in SMEM (scalar prefetch): take the segment's
 state on entry, write the state out on leaving, and which slot the state
 blocks' index maps fetch (math.md, "Per-segment states").
@@ -75,7 +75,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
-from tokamax_gdn.ops.gated_delta_rule import base
+from tokamax_gdn.ops.gated_delta_rule import segments
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 _NEG_INF = -jnp.inf
@@ -609,8 +609,7 @@ def _starts_row(gate: ChunkGate):
 
 def _starts(segment_ids):
   """[B, 1, T] int32: 1 where a segment starts (never at t = 0)."""
-  changed = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
-  return jnp.concatenate([jnp.zeros_like(changed[:, :1]), changed], 1)[:, None, :]
+  return segments.segment_starts(segment_ids).astype(jnp.int32)[:, None, :]
 
 
 # Per-segment states: one int32 code per chunk, read from SMEM (scalar
@@ -633,17 +632,17 @@ def _code_last(code):
 @dataclasses.dataclass(frozen=True)
 class _Segments:
   """Per-segment states ([B, N, Hv, K, V]) on the chunk-aligned layout of
-  `base.align_segments`: every segment n < N starts at a chunk boundary, so a
+  `segments.align_segments`: every segment n < N starts at a chunk boundary, so a
   chunk either continues the state or takes its segment's own (`_code_*`);
   later segments start in-chunk from zeros (the kernels' segment masks).
   """
 
-  layout: base.SegmentLayout
+  layout: segments.SegmentLayout
   code: jax.Array      # [B * Nc] int32: slot * 4 + reset * 2 + last
 
   @classmethod
   def build(cls, segment_ids, n_states: int, chunk: int) -> "_Segments":
-    layout = base.align_segments(segment_ids, n_states, chunk)
+    layout = segments.align_segments(segment_ids, n_states, chunk)
     slot = jnp.minimum(layout.chunk_segment, n_states)
     code = (slot * 4 + layout.chunk_reset.astype(jnp.int32) * 2
             + layout.chunk_last.astype(jnp.int32))
@@ -776,7 +775,7 @@ def _prepare(q, k, v, log_decay, beta, *, initial_state, segment_ids, chunk, sca
 def gdn_fwd(q, k, v, log_decay, beta, *, scale, initial_state=None, segment_ids=None,
             chunk=128, interleave=16, newton=None, write_out=True, emit_residuals=False,
             interpret=False, vmem_limit_bytes=None):
-  """Chunked GDN forward on prepared inputs (after `base.prologue`).
+  """Chunked GDN forward on prepared inputs (after `prologue.prologue`).
 
   Returns (out [B, T, Hv, V] in v.dtype or None without `write_out`,
   final_state f32, residuals or None): with `emit_residuals`,

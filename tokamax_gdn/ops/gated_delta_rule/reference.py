@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from tokamax_gdn.ops.gated_delta_rule import base
+from tokamax_gdn.ops.gated_delta_rule import segments
 
 
 class ReferenceGatedDeltaRule(base.GatedDeltaRule[Any, Any]):
@@ -41,20 +42,16 @@ class ReferenceGatedDeltaRule(base.GatedDeltaRule[Any, Any]):
     if segment_ids is None:
       starts = seg = jnp.zeros((b, t), bool)
     else:
-      starts = base.segment_starts(segment_ids, t)
-      seg = base.segment_index(segment_ids)
-    rows = jnp.arange(b)
+      starts = segments.segment_starts(segment_ids)
+      seg = segments.segment_index(segment_ids)
 
     if per_segment:
       states = f32(initial_state)                               # [B, N, Hv, K, V]
-      n_states = states.shape[1]
       s0 = states[:, 0]
-      ends = jnp.concatenate([starts[:, 1:], jnp.ones((b, 1), bool)], axis=1)
+      ends = segments.segment_ends(starts)
 
       def restart(seg_t):
-        kept = seg_t < n_states
-        s_in = states[rows, jnp.minimum(seg_t, n_states - 1)]
-        return jnp.where(kept[:, None, None, None], s_in, 0.0)
+        return segments.state_of_segment(states, seg_t)
     else:
       s0 = zeros if initial_state is None else f32(initial_state)
       ends = seg
@@ -76,9 +73,7 @@ class ReferenceGatedDeltaRule(base.GatedDeltaRule[Any, Any]):
       s = s + einsum("bhk,bhv->bhkv", beta_t[..., None] * k_t, v_t - pred)
       o_t = scale * einsum("bhkv,bhk->bhv", s, q_t)
       if per_segment:
-        idx = jnp.minimum(seg_t, n_states - 1)
-        keep = (end_t & (seg_t < n_states))[:, None, None, None]
-        finals = finals.at[rows, idx].set(jnp.where(keep, s, finals[rows, idx]))
+        finals = segments.store_segment_state(finals, seg_t, s, end_t)
       return (s, finals), o_t
 
     time_major = lambda x: jnp.moveaxis(x, 1, 0)

@@ -16,6 +16,7 @@ from tokamax._src.ops import op
 from typing_extensions import override
 
 from tokamax_gdn.ops.gated_delta_rule import base
+from tokamax_gdn.ops.gated_delta_rule import prologue
 from tokamax_gdn.ops.gated_delta_rule import xla_chunked_kernel as kernel
 
 BlockSize = Literal[256, 512, 1024, 2048, 4096, 8192, 16384]
@@ -72,7 +73,7 @@ class XlaGatedDeltaRule(base.GatedDeltaRule[Config, Any]):
   """Chunked WY/UT gated delta rule lowered by XLA; analytical backward."""
 
   config_cls: ClassVar[type[Config]] = Config
-  log_decay_floor: ClassVar[float | None] = base.CHUNKED_LOG_DECAY_FLOOR
+  log_decay_floor: ClassVar[float | None] = prologue.CHUNKED_LOG_DECAY_FLOOR
   supports_segment_states: ClassVar[bool] = True
 
   def __post_init__(self):
@@ -107,7 +108,7 @@ class XlaGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, Any]):
   """
 
   config_cls: ClassVar[type[Config]] = Config
-  log_decay_floor: ClassVar[float | None] = base.CHUNKED_LOG_DECAY_FLOOR
+  log_decay_floor: ClassVar[float | None] = prologue.CHUNKED_LOG_DECAY_FLOOR
 
   @override
   def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:

@@ -52,7 +52,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tokamax_gdn.ops.gated_delta_rule import base
+from tokamax_gdn.ops import tiling
+from tokamax_gdn.ops.gated_delta_rule import segments
 
 _F32 = jnp.float32
 # Diagonal blocks of `invert_unit_lower` (forward substitution inside them).
@@ -478,19 +479,13 @@ def _prepare(q, k, v, log_decay, beta, starts, *, c, scale, precision) -> _Block
                    data_fields=["reset", "segment", "last"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class _SegmentChunks:
-  """Per-chunk tables of `base.SegmentLayout` ([..., B], chunk axes leading):
+  """Per-chunk tables of `segments.SegmentLayout` ([..., B], chunk axes leading):
   the chunk starts `segment` (select its initial state), it is the last chunk
   of `segment` (its exit state is that segment's final state)."""
 
   reset: jax.Array
   segment: jax.Array
   last: jax.Array
-
-
-def _row_index(states, seg):
-  """states[b, min(seg[b], N - 1)] for every row b, and whether seg < N."""
-  n = states.shape[1]
-  return states[jnp.arange(states.shape[0]), jnp.minimum(seg, n - 1)], seg < n
 
 
 def _bcast(flag, x):
@@ -502,8 +497,7 @@ def _take_segment_state(x, ctl: _SegmentChunks | None, states, flag_name: str):
   flag `flag_name` ("reset" or "last") is set (a select), else x."""
   if ctl is None:
     return x
-  chosen, kept = _row_index(states, ctl.segment)
-  chosen = jnp.where(_bcast(kept, chosen), chosen, 0.0)
+  chosen = segments.state_of_segment(states, ctl.segment)
   return jnp.where(_bcast(getattr(ctl, flag_name), x), chosen, x)
 
 
@@ -512,10 +506,7 @@ def _put_segment_state(states, x, ctl: _SegmentChunks | None, flag_name: str):
   chunk's flag `flag_name` is set."""
   if ctl is None:
     return states
-  rows = jnp.arange(states.shape[0])
-  idx = jnp.minimum(ctl.segment, states.shape[1] - 1)
-  keep = getattr(ctl, flag_name) & (ctl.segment < states.shape[1])
-  return states.at[rows, idx].set(jnp.where(_bcast(keep, x), x, states[rows, idx]))
+  return segments.store_segment_state(states, ctl.segment, x, getattr(ctl, flag_name))
 
 
 def _enter(s, ctl: _SegmentChunks | None, initial):
@@ -621,23 +612,19 @@ def _precision(dtype):
   return jax.lax.Precision.DEFAULT
 
 
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
 def scanned_length(t_len: int, initial_state, chunk_size: int) -> int:
   """Tokens the block scan covers: T, or the aligned length for per-segment
-  states (`base.SegmentLayout`)."""
+  states (`segments.SegmentLayout`)."""
   if initial_state is None or initial_state.ndim != 5:
     return t_len
-  return base.aligned_length(t_len, initial_state.shape[1], chunk_size)
+  return segments.aligned_length(t_len, initial_state.shape[1], chunk_size)
 
 
 def block_layout(t_len: int, chunk_size: int, block_size: int) -> tuple[int, int]:
   """(block length L, number of blocks): L = min(block_size, T rounded up to C)."""
   if block_size % chunk_size:
     raise ValueError(f"block_size={block_size} is not a multiple of chunk_size={chunk_size}.")
-  length = min(block_size, _round_up(t_len, chunk_size))
+  length = min(block_size, tiling.round_up(t_len, chunk_size))
   return length, -(-t_len // length)
 
 
@@ -655,7 +642,7 @@ class _Setup:
   blocks: tuple          # (q, k, v, log_decay, beta, starts, ctl) as [NB, B, L, ...]
   s0: jax.Array          # [B, Hk, G, K, V] state entering the first block
   initial: jax.Array | None   # [B, N, Hk, G, K, V] per-segment states, or None
-  layout: base.SegmentLayout | None
+  layout: segments.SegmentLayout | None
   t_len: int             # tokens of the (aligned) sequence the blocks cover
   length: int
   n_blocks: int
@@ -665,7 +652,7 @@ class _Setup:
 def _setup(q, k, v, log_decay, beta, *, scale, initial_state, segment_ids,
            chunk_size, block_size) -> _Setup:
   """Blocks the inputs; for per-segment states (initial_state [B, N, Hv, K, V])
-  first moves them to the chunk-aligned layout of `base.align_segments`."""
+  first moves them to the chunk-aligned layout of `segments.align_segments`."""
   b, t_len, hk, dim_k = q.shape
   hv, dim_v = v.shape[2:]
   grp = hv // hk
@@ -674,14 +661,14 @@ def _setup(q, k, v, log_decay, beta, *, scale, initial_state, segment_ids,
   if initial_state is not None and initial_state.ndim == 5:
     n_states = initial_state.shape[1]
     initial = initial_state.astype(_F32).reshape(b, n_states, hk, grp, dim_k, dim_v)
-    layout = base.align_segments(segment_ids, n_states, chunk_size)
+    layout = segments.align_segments(segment_ids, n_states, chunk_size)
     q, k, v, log_decay, beta = map(layout.to_aligned, (q, k, v, log_decay, beta))
     starts = layout.in_chunk_starts()
     t_len = layout.aligned_length
   else:
     if initial_state is not None:
       s0 = initial_state.astype(_F32).reshape(s0.shape)
-    starts = base.segment_starts(segment_ids, t_len)
+    starts = segments.segment_starts(segment_ids)
   length, n_blocks = block_layout(t_len, chunk_size, block_size)
   blocks = _blocked((q, k, v, log_decay, beta, starts), length, n_blocks)
   if layout is not None:

@@ -1,10 +1,10 @@
-"""`tokamax-gdn train`'s command logic (tokamax_gdn.training.command): the
-table and the final line naming the recall accuracy."""
+"""`tokamax-gdn train` (tokamax_gdn.cli.train): the table and the final
+line naming the recall accuracy."""
 
 import argparse
 import re
 
-from tokamax_gdn.training import command
+from tokamax_gdn.cli import train
 
 # qwen3.5-micro's structure (GDN and attention blocks, routed MoE) at the
 # smallest width: the command's logic, not the model, is under test here.
@@ -32,7 +32,7 @@ model:
 
 def _parse(argv):
   p = argparse.ArgumentParser()
-  command.add_arguments(p)
+  train.add_arguments(p)
   return p.parse_args(argv)
 
 
@@ -45,8 +45,8 @@ def test_short_run_prints_table_and_recall_line(tmp_path, capsys):
   model = tmp_path / "toy.yml"
   model.write_text(_TOY)
   tables = []
-  rc = command.run(_parse(["--model", str(model), "--steps", "3", "--batch", "32",
-                           "--seq-len", "8"]), tables.append)
+  rc = train.run(_parse(["--model", str(model), "--steps", "3", "--batch", "32",
+                         "--seq-len", "8"]), tables.append)
   assert rc == 0
   rows = {r["metric"].strip(): r["value"] for r in tables[0]}
   for key in ("loss at start", "loss at end", "recall accuracy (fresh sequences)",

@@ -1,5 +1,9 @@
 """Autotuning an op's configs for the calls a model makes (`tokamax-gdn autotune`).
 
+The tuning run, beside the benchmarks it is one of: it reads the registry and
+the GDN workload, which `tokamax_gdn.autotuning` (the cache every op imports)
+must not.
+
 `bound_args(op, impl, shape)` finds the tunable Ops (those with a Config) that
 the layer's call (`ops.gated_delta_rule.workload`) makes: the forward Op called
 alone, the forward inside `jax.grad` (its cache key differs by

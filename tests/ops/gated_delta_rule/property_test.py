@@ -18,7 +18,7 @@ import pytest
 from tokamax_gdn import config
 from tokamax_gdn import registry
 
-from .ops.gated_delta_rule import test_base as h  # pylint: disable=relative-beyond-top-level
+from . import test_base as h  # pylint: disable=relative-beyond-top-level
 
 OP = "gated_delta_rule"
 SEGMENT_LAYOUTS = ("none", "random", "chunk_aligned", "every_token", "last_token_alone")

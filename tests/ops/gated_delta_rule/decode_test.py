@@ -16,7 +16,7 @@ from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule
 from tokamax_gdn.testing import conformance as conf
 from tokamax_gdn.testing.specs import rel_rms, tolerance
 
-from .ops.gated_delta_rule import test_base as h  # pylint: disable=relative-beyond-top-level
+from . import test_base as h  # pylint: disable=relative-beyond-top-level
 
 
 def _params(op_name):

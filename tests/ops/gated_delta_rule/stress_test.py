@@ -18,7 +18,7 @@ from tokamax_gdn import registry
 from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule
 from tokamax_gdn.testing.specs import rel_rms, tolerance
 
-from .ops.gated_delta_rule import test_base as h  # pylint: disable=relative-beyond-top-level
+from . import test_base as h  # pylint: disable=relative-beyond-top-level
 
 OP = "gated_delta_rule"
 INTERPRET_MAX_T = 4096

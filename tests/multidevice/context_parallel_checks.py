@@ -1,8 +1,8 @@
 """Context parallelism (T sharded over a mesh axis) against the unsharded ops.
 
-Usage: python -P tests/context_parallel_checks.py {cp|cp_aot} OUT.json [CHECK ...]
+Usage: python -P tests/multidevice/context_parallel_checks.py {cp|cp_aot} OUT.json [CHECK ...]
 
-Run in a subprocess by `context_parallel_test.py`: `cp` needs 8 host devices
+Run in a subprocess by `tests/context_parallel_test.py`: `cp` needs 8 host devices
 (XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax starts);
 `cp_aot` compiles for a tpu7x 2x2x1 mesh through libtpu.
 
@@ -33,14 +33,9 @@ import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
-import importlib.util  # pylint: disable=g-import-not-at-top
-
-# By path: run as `python -P` (sharding_test does), tests/ is not on sys.path.
-_sc_spec = importlib.util.spec_from_file_location(
-    "sharding_checks", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                    "sharding_checks.py"))
-sc = importlib.util.module_from_spec(_sc_spec)
-_sc_spec.loader.exec_module(sc)
+# Run as a script (`python -P`): the repository root is not on the path.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.multidevice import sharding_checks as sc  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tokamax_gdn import config  # pylint: disable=g-import-not-at-top
 from tokamax_gdn import layers  # pylint: disable=g-import-not-at-top
 from tokamax_gdn.ops.causal_conv1d.api import causal_conv1d  # pylint: disable=g-import-not-at-top

@@ -1,6 +1,6 @@
-"""Sharded-vs-unsharded checks, run in a subprocess by `sharding_test.py`.
+"""Sharded-vs-unsharded checks, run in a subprocess by `tests/sharding_test.py`.
 
-Usage: python -P tests/sharding_checks.py {cpu|aot} OUT.json [CHECK ...]
+Usage: python -P tests/multidevice/sharding_checks.py {cpu|aot} OUT.json [CHECK ...]
 (-P: tests/ must not shadow installed packages, e.g. tests/flax/ would hide flax.)
 
 `cpu` needs 8 host devices, so XLA_FLAGS must hold
@@ -35,7 +35,7 @@ from tokamax_gdn.ops.gmm.api import gmm  # pylint: disable=g-import-not-at-top
 from tokamax_gdn.testing.specs import rel_rms  # pylint: disable=g-import-not-at-top
 
 # The GDN test harness (run as a script, the repository root is not on the path).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests.ops.gated_delta_rule import test_base as gdn_harness  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 TOL = 2e-5  # sharding must not change the arithmetic beyond reduction order

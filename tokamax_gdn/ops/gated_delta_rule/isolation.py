@@ -1,0 +1,210 @@
+"""Packed sequences: a non-finite value stays in its segment.
+
+With `segment_ids`, `SegmentGuard` wraps the core of every backend (forward
+and backward): a NaN / inf in one packed segment's inputs or cotangents makes
+that segment's results NaN and leaves the others exactly as with finite
+values. `base.GatedDeltaRule` applies it (`guarded_autodiff` for cores
+differentiated by autodiff); `base.GatedDeltaRuleVjp` applies it around an
+analytical `_core_bwd`. Without `segment_ids` it costs nothing.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from tokamax_gdn.ops.gated_delta_rule import prologue
+from tokamax_gdn.ops.gated_delta_rule import segments
+
+
+def _nonfinite_tokens(x: jax.Array, per_token_axes: int) -> jax.Array:
+  """Whether any of the trailing `per_token_axes` axes holds a NaN or inf."""
+  bad = ~jnp.isfinite(x)
+  return jnp.any(bad, axis=tuple(range(-per_token_axes, 0))) if per_token_axes else bad
+
+
+def _zero_where(bad: jax.Array, x: jax.Array) -> jax.Array:
+  return jnp.where(bad, jnp.zeros((), x.dtype), x)
+
+
+def zero_nonfinite(x: jax.Array | None) -> jax.Array | None:
+  """x with every NaN / inf replaced by 0 (None stays None)."""
+  return None if x is None else _zero_where(~jnp.isfinite(x), x)
+
+
+def _nan_where(bad: jax.Array, x: jax.Array) -> jax.Array:
+  return jnp.where(bad, jnp.full((), jnp.nan, x.dtype), x)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["seg", "first", "last", "bad", "bad_q", "bad_gate"],
+    meta_fields=["group"])
+@dataclasses.dataclass(frozen=True)
+class SegmentGuard:
+  """Keeps a NaN / inf of one packed segment out of every other segment.
+
+  Inside a chunk the matmuls mix the tokens of different segments with zero
+  coefficients, and 0 * NaN = NaN, so masking is not enough: the non-finite
+  inputs are replaced by zeros before the core runs (`sanitize`), which then
+  computes every other segment exactly as with finite values, and NaN is put
+  back afterwards where the true result is not finite: in the outputs from
+  the first bad token of a segment on (plus a token's own output for a bad
+  query), in the final state of a poisoned segment, and in the gradients of a
+  segment's inputs when its inputs or its cotangents held a NaN / inf.
+
+  Built by `guard_segments`; all masks per token and value head [B, T, Hv]
+  (key-side values are per key head and count for the value heads reading
+  them).
+
+  Attributes:
+    seg: [B, T] int32 segment index n of each token.
+    first, last: [B, T] int32 position of the first / last token of each
+      token's segment.
+    bad: [B, T, Hv] bool: the token's k, v, g or beta is not finite, or (at
+      a segment's first token) the segment's initial state is not.
+    bad_q: [B, T, Hv] bool: the token's query is not finite.
+    bad_gate: [B, T, Hv] bool: the token's raw gate or its log-decay is not
+      finite (any NaN / inf input counts, including g = -inf).
+    group: Hv / Hk.
+  """
+
+  seg: jax.Array
+  first: jax.Array
+  last: jax.Array
+  bad: jax.Array
+  bad_q: jax.Array
+  bad_gate: jax.Array
+  group: int
+
+  def _take(self, x: jax.Array, pos: jax.Array) -> jax.Array:
+    return jnp.take_along_axis(x, pos[..., None], axis=1)
+
+  def running(self, bad: jax.Array) -> jax.Array:
+    """[B, T, Hv]: a bad token at or before this one, in its segment."""
+    count = jnp.cumsum(bad, axis=1, dtype=jnp.int32)
+    before_segment = self._take(count - bad, self.first)
+    return count > before_segment
+
+  def anywhere(self, bad: jax.Array) -> jax.Array:
+    """[B, T, Hv]: a bad token anywhere in this token's segment."""
+    count = jnp.cumsum(bad, axis=1, dtype=jnp.int32)
+    return self._take(count, self.last) > self._take(count - bad, self.first)
+
+  def per_segment(self, flags: jax.Array, n_states: int) -> jax.Array:
+    """[B, T, Hv] segment-constant flags -> [B, N, Hv] (False past the row's
+    segments)."""
+    b, _, hv = flags.shape
+    idx = jnp.minimum(self.seg, n_states)
+    out = jnp.zeros((b, n_states + 1, hv), jnp.int32).at[
+        jnp.arange(b)[:, None], idx].max(flags.astype(jnp.int32))
+    return out[:, :n_states] > 0
+
+  def at_segment_starts(self, per_state: jax.Array) -> jax.Array:
+    """[B, Hv] (segment 0) or [B, N, Hv] (segment n) flags -> [B, T, Hv] at
+    the first token of those segments."""
+    is_first = (self.first == jnp.arange(self.seg.shape[1]))[..., None]
+    if per_state.ndim == 2:
+      return is_first & (self.seg == 0)[..., None] & per_state[:, None]
+    return is_first & segments.state_of_segment(per_state, self.seg)
+
+  def sanitize(self, q, k, v, log_decay, beta, initial_state):
+    """The inputs with every non-finite value replaced by 0."""
+    return (zero_nonfinite(q), zero_nonfinite(k), zero_nonfinite(v),
+            _zero_where(self.bad_gate, log_decay), zero_nonfinite(beta),
+            zero_nonfinite(initial_state))
+
+  def poison_outputs(self, out, final_state):
+    """NaN in the outputs and final states the bad inputs reach."""
+    running = self.running(self.bad)
+    out = _nan_where((running | self.bad_q)[..., None], out)
+    if final_state.ndim == 4:        # the state after the last token
+      poisoned = running[:, -1]
+    else:
+      poisoned = self.per_segment(self.anywhere(self.bad), final_state.shape[1])
+    return out, _nan_where(poisoned[..., None, None], final_state)
+
+  def gradient_poison(self, d_out, d_final) -> jax.Array:
+    """[B, T, Hv]: the segments whose input gradients are not finite: a bad
+    input, a bad output cotangent, or a bad final-state cotangent."""
+    bad = self.bad | self.bad_q | _nonfinite_tokens(d_out, 1)
+    if d_final is not None:
+      bad_final = _nonfinite_tokens(d_final, 2)
+      if bad_final.ndim == 2:        # belongs to the last segment
+        bad = bad.at[:, -1].set(bad[:, -1] | bad_final)
+      else:
+        bad = bad | self.at_segment_starts(bad_final)
+    return self.anywhere(bad)
+
+  def poison_gradients(self, poison, dq, dk, dv, d_log_decay, dbeta, d_initial):
+    """NaN in the gradients of the poisoned segments' inputs."""
+    b, t, hv = poison.shape
+    key_poison = jnp.any(poison.reshape(b, t, hv // self.group, self.group), axis=-1)
+    dq = _nan_where(key_poison[..., None], dq)
+    dk = _nan_where(key_poison[..., None], dk)
+    dv = _nan_where(poison[..., None], dv)
+    d_log_decay = _nan_where(poison, d_log_decay)
+    dbeta = _nan_where(poison, dbeta)
+    if d_initial is not None:
+      if d_initial.ndim == 4:
+        state_poison = poison[:, 0]
+      else:
+        state_poison = self.per_segment(poison, d_initial.shape[1])
+      d_initial = _nan_where(state_poison[..., None, None], d_initial)
+    return dq, dk, dv, d_log_decay, dbeta, d_initial
+
+
+def guard_segments(q, k, v, beta, initial_state, segment_ids, *, g, a_log,
+                   dt_bias) -> SegmentGuard:
+  """The `SegmentGuard` of the prologue's q, k (and v, beta, initial_state,
+  segment_ids) and the raw gate inputs g, a_log, dt_bias; B, T >= 1."""
+  b, t, hk, _ = q.shape
+  hv = v.shape[2]
+  group = hv // hk
+  per_value_head = lambda x: jnp.repeat(x, group, axis=2)
+  starts = segments.segment_starts(segment_ids)
+  pos = jnp.arange(t, dtype=jnp.int32)
+  seg = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
+  first = segments.segment_first(starts)
+  last = jax.lax.cummin(jnp.where(segments.segment_ends(starts), pos, t - 1), axis=1,
+                        reverse=True)
+  # Before the log-decay floor, which would turn -inf into -30.
+  bad_gate = ~jnp.isfinite(g) | ~jnp.isfinite(prologue.gate_log_decay(g, a_log, dt_bias))
+  bad = (per_value_head(_nonfinite_tokens(k, 1)) | _nonfinite_tokens(v, 1)
+         | bad_gate | ~jnp.isfinite(beta))
+  guard = SegmentGuard(seg, first, last, bad, per_value_head(_nonfinite_tokens(q, 1)),
+                       bad_gate, group)
+  if initial_state is not None:
+    bad = bad | guard.at_segment_starts(_nonfinite_tokens(initial_state, 2))
+  return dataclasses.replace(guard, bad=bad)
+
+
+def guarded_autodiff(core, guard: SegmentGuard, q, k, v, log_decay, beta, initial_state):
+  """(out, final_state) of `core` under `guard`, for cores differentiated by
+  autodiff: a custom VJP sanitises the cotangents and puts NaN into the
+  gradients of poisoned segments (`GatedDeltaRuleVjp` does the same around
+  an analytical `_core_bwd`)."""
+
+  def clean_core(q, k, v, log_decay, beta, initial_state):
+    return core(q, k, v, log_decay, beta, initial_state=initial_state)[:2]
+
+  @jax.custom_vjp
+  def run(q, k, v, log_decay, beta, initial_state, guard):
+    out, final = clean_core(*guard.sanitize(q, k, v, log_decay, beta, initial_state))
+    return guard.poison_outputs(out, final)
+
+  def run_fwd(q, k, v, log_decay, beta, initial_state, guard):
+    clean = guard.sanitize(q, k, v, log_decay, beta, initial_state)
+    (out, final), core_vjp = jax.vjp(clean_core, *clean)
+    return guard.poison_outputs(out, final), (core_vjp, guard)
+
+  def run_bwd(res, cts):
+    core_vjp, guard = res
+    d_out, d_final = cts
+    poison = guard.gradient_poison(d_out, d_final)
+    grads = core_vjp((zero_nonfinite(d_out), zero_nonfinite(d_final)))
+    return (*guard.poison_gradients(poison, *grads), None)
+
+  run.defvjp(run_fwd, run_bwd)
+  return run(q, k, v, log_decay, beta, initial_state, guard)
