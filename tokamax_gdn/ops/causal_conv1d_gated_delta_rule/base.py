@@ -50,7 +50,7 @@ from tokamax._src.ops import op
 
 from tokamax_gdn.autotuning import ShippedAutotuningCacheMixin
 from tokamax_gdn.ops import checks
-from tokamax_gdn.ops.gated_delta_rule import base as gdn_base
+from tokamax_gdn.ops.gated_delta_rule import prologue as gdn_prologue
 
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
 # ((new_conv_state, new_recurrent_state), out)
@@ -156,7 +156,7 @@ def split_heads(x: jax.Array, dims: Dims):
 def gates(b: jax.Array, a: jax.Array, a_log: jax.Array, dt_bias: jax.Array):
   """(beta, log-decay g), float32: sigmoid(b), -exp(a_log) softplus(a + dt_bias)."""
   beta = jax.nn.sigmoid(b.astype(jnp.float32))
-  return beta, gdn_base.gate_log_decay(a, a_log, dt_bias)
+  return beta, gdn_prologue.gate_log_decay(a, a_log, dt_bias)
 
 
 def conv_weight_taps(conv_weight: jax.Array) -> jax.Array:

@@ -41,7 +41,7 @@ from tokamax_gdn import config as gdn_config
 from tokamax_gdn.ops.causal_conv1d import api as conv_api
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import base
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu_decode as decode_kernel
-from tokamax_gdn.ops.gated_delta_rule import base as gdn_base
+from tokamax_gdn.ops.gated_delta_rule import prologue as gdn_prologue
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu as gdn_pallas
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as gdn_kernel
 from tokamax_gdn.ops.tiling import round_up
@@ -218,11 +218,11 @@ def _chunked_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log,
 
   q, k, v = base.split_heads(act, dims)
   keep = mine[:, None, None]
-  q = jnp.where(keep, gdn_base.l2norm(q), 0.0).astype(qkv.dtype)
-  k = jnp.where(keep, gdn_base.l2norm(k), 0.0).astype(qkv.dtype)
+  q = jnp.where(keep, gdn_prologue.l2norm(q), 0.0).astype(qkv.dtype)
+  k = jnp.where(keep, gdn_prologue.l2norm(k), 0.0).astype(qkv.dtype)
   v = jnp.where(keep, v, 0.0).astype(qkv.dtype)
   beta, g = base.gates(b, a, a_log, dt_bias)
-  g = jnp.where(mine[:, None], jnp.maximum(g, gdn_base.CHUNKED_LOG_DECAY_FLOOR), 0.0)
+  g = jnp.where(mine[:, None], jnp.maximum(g, gdn_prologue.CHUNKED_LOG_DECAY_FLOOR), 0.0)
   beta = jnp.where(mine[:, None], beta, 0.0)
   hv = dims.n_v
   interleave = gdn_kernel.normalize_interleave(16, hv, hv // dims.n_kq)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import base
-from tokamax_gdn.ops.gated_delta_rule import base as gdn_base
+from tokamax_gdn.ops.gated_delta_rule import prologue as gdn_prologue
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -62,8 +62,8 @@ class ReferenceCausalConv1dGatedDeltaRule(base.CausalConv1dGatedDeltaRule[Any, A
       xp = jnp.concatenate([window, x_t.astype(jnp.float32)[None]], axis=0)   # [W, D]
       act = jax.nn.silu(bias + jnp.sum(taps * xp, axis=0))
       q, k, v = base.split_heads(act, dims)
-      q = jnp.repeat(gdn_base.l2norm(q), group, axis=0)
-      k = jnp.repeat(gdn_base.l2norm(k), group, axis=0)
+      q = jnp.repeat(gdn_prologue.l2norm(q), group, axis=0)
+      k = jnp.repeat(gdn_prologue.l2norm(k), group, axis=0)
       s_new = jnp.exp(g_t)[:, None, None] * s
       pred = jnp.einsum("hk,hkv->hv", k, s_new, precision=_HIGHEST)
       s_new = s_new + jnp.einsum("hk,hv->hkv", beta_t[:, None] * k, v - pred,

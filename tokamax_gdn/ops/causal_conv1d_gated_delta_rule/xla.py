@@ -37,7 +37,7 @@ from tokamax._src.ops import op
 from typing_extensions import override
 
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import base
-from tokamax_gdn.ops.gated_delta_rule import base as gdn_base
+from tokamax_gdn.ops.gated_delta_rule import prologue as gdn_prologue
 from tokamax_gdn.ops.gated_delta_rule import xla_chunked_kernel as kernel
 
 _F32 = jnp.float32
@@ -90,7 +90,7 @@ def _conv(xp: jax.Array, taps: jax.Array, bias: jax.Array, n: int) -> jax.Array:
 
 
 def _qk(x: jax.Array) -> jax.Array:
-  return gdn_base.l2norm(x)
+  return gdn_prologue.l2norm(x)
 
 
 def _decode_lanes(qkv, beta_all, g_all, conv_pool, rec_pool, out, reqs: base.Requests,
@@ -164,7 +164,7 @@ def _prefill_tiles(qkv, beta_all, g_all, conv_pool, rec_pool, out, reqs: base.Re
   pad = lambda x: jnp.pad(x, ((0, tile), (0, 0)))
   qkv_p, beta_p = pad(qkv), pad(beta_all)
   # The chunked algebra's floor on log-decays (gated_delta_rule/base.py).
-  g_p = pad(jnp.maximum(g_all, gdn_base.CHUNKED_LOG_DECAY_FLOOR))
+  g_p = pad(jnp.maximum(g_all, gdn_prologue.CHUNKED_LOG_DECAY_FLOOR))
   precision = kernel._precision(qkv.dtype)  # pylint: disable=protected-access
   rows_idx = jnp.arange(tile)
 
