@@ -161,8 +161,12 @@ def compile_for(target: str, fn: Callable[..., Any], *arg_specs,
   mesh = mesh or target_mesh(target)
   args = [a if isinstance(a, jax.ShapeDtypeStruct) else spec(mesh, *a) for a in arg_specs]
   before = _snapshot(_cycle_dir)
+  # A function may name arguments to donate (`fn.aot_donate_argnums`): the
+  # serving op's pools, updated in place as an engine calls it.
+  donate = getattr(fn, "aot_donate_argnums", ())
   with on_target(mesh):
-    compiled = jax.jit(functools.partial(fn, **static_kwargs)).lower(*args).compile()
+    compiled = jax.jit(functools.partial(fn, **static_kwargs),
+                       donate_argnums=donate).lower(*args).compile()
   mem = compiled.memory_analysis()
   return CompileReport(
       target=target,

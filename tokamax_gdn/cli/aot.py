@@ -4,6 +4,8 @@ the XLA glue (summed), the total, and the total over the roofline floor.
 
   tokamax-gdn aot --target v6e --model qwen3-next-80b-a3b --seq-len 4096 [--kda] [--json]
   tokamax-gdn aot --target v6e [--specs NAME,...]     # the GDN arg specs tagged 'aot'
+  tokamax-gdn aot --op causal_conv1d_gated_delta_rule --target v6e [--implementation xla]
+      [--specs NAME,...]    # serving op: cycles, HBM floor, ratio per workload
 
 The shape is the GatedDeltaNet layer's call of the op (`--model` and/or
 --hk --hv --k --v), else each GDN arg spec tagged 'aot'. Each pass is compiled
@@ -16,6 +18,12 @@ lengths: 18 vs 139 MiB of temporaries for the Qwen3-Next fwd+bwd on v6e). The ro
 / bytes per cycle), both peaks measured with the same estimator
 (`tokamax_gdn.config.TpuGeneration`). `--kda` adds tokamax's
 kimi_delta_attention on the same shapes. See `tokamax_gdn.benchmarks.gated_delta_rule_aot`.
+
+With --op causal_conv1d_gated_delta_rule: per workload (its arg specs tagged
+'aot', tokamax's Qwen3.5-397B TP8 set), the static cycles of one call of
+--implementation (default: pallas_mosaic_tpu if registered, else xla), the HBM
+floor (bytes of pool states read and written + tokens in and out, at the
+estimator's HBM rate) and their ratio (`tokamax_gdn.benchmarks.serving_aot`).
 """
 
 import dataclasses
@@ -23,11 +31,14 @@ import dataclasses
 from tokamax_gdn.cli import common
 
 HELP = "compile the Pallas GDN for a TPU generation on CPU: memory, cycles, roofline"
+SERVING = "causal_conv1d_gated_delta_rule"
 
 
 def add_arguments(parser) -> None:
   from tokamax_gdn import config  # pylint: disable=g-import-not-at-top
   parser.add_argument("--target", choices=sorted(config.TPU_GENERATIONS), default="v6e")
+  parser.add_argument("--op", choices=("gated_delta_rule", SERVING), default="gated_delta_rule")
+  parser.add_argument("--implementation", help=f"{SERVING}: the implementation to compile")
   common.add_gdn_shape_args(parser, model_default=None, seq_len_default=4096)
   parser.add_argument("--specs", help="without --model/--hk..: comma-separated GDN arg-spec"
                       " names (default: those tagged 'aot')")
@@ -91,7 +102,37 @@ def _m(x):
   return None if x is None else f"{x / 1e6:.3g}"
 
 
+def _serving(args) -> int:
+  from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.benchmarks import serving_aot  # pylint: disable=g-import-not-at-top
+  impls = registry.implementations(SERVING)
+  impl = args.implementation or ("pallas_mosaic_tpu" if "pallas_mosaic_tpu" in impls else "xla")
+  registry.get(SERVING, impl)          # a clear error for an unknown name
+  specs = common.select_specs(SERVING, args.specs, "aot")
+  rows = serving_aot.report(args.target, specs, impl)
+  if args.json:
+    common.print_json([serving_aot.as_dict(r) for r in rows])
+    return 0 if all(r.compiled == "ok" for r in rows) else 1
+  steps = lambda d: " ".join(f"{k}={v}" for k, v in d.items()) or None
+  common.print_table(
+      [dict(spec=r.spec, impl=r.implementation, compiled=r.compiled[:60],
+            total=r.total_cycles and f"{r.total_cycles / 1e3:,.1f}",
+            hbm=f"{r.hbm_bytes / 2**20:.1f}",
+            floor=r.floor_cycles and f"{r.floor_cycles / 1e3:,.1f}",
+            ratio=r.total_over_floor and f"{r.total_over_floor:.2f}",
+            loops=steps(r.loop_steps)) for r in rows],
+      dict(spec="workload", impl="impl", compiled="compiled", total="total kcyc",
+           hbm="HBM MiB", floor="HBM floor kcyc", ratio="total/floor", loops="loop steps"),
+      title=f"{SERVING} on {args.target}: static cycles per call vs the HBM floor")
+  if impl == "xla":
+    print("xla: the static estimate counts each loop body once; 'loop steps' is how often"
+          " each loop runs on the workload, so its total is a lower bound.")
+  return 0 if all(r.compiled == "ok" for r in rows) else 1
+
+
 def run(args) -> int:
+  if args.op == SERVING:
+    return _serving(args)
   if args.train_step:
     return _run_train_step(args)
   from tokamax_gdn.benchmarks import gated_delta_rule_aot as report_lib  # pylint: disable=g-import-not-at-top

@@ -3,6 +3,7 @@
   tokamax-gdn bench [--op gated_delta_rule] [--specs NAME,...] [--tag bench]
       [--impls reference,xla,xla_autodiff] [--reps 7] [--json]
   tokamax-gdn bench --op gmm [--target v6e] [--specs NAME,...] [--tiles tm,tk,tn] [--json]
+  tokamax-gdn bench --op causal_conv1d_gated_delta_rule [--specs NAME,...] [--reps 7] [--json]
 
 gated_delta_rule (on this machine's default backend): median forward and
 forward+backward times, the bytes the VJP keeps for the backward, compiled
@@ -14,15 +15,21 @@ rounds of the same run; reference runs only for T <= 2048
 gmm (compiled for --target on CPU, no TPU needed): static cycle estimates of
 our kernels, tokamax's ragged_dot and a dense matmul of the same size
 (`tokamax_gdn.benchmarks.gmm`).
+
+causal_conv1d_gated_delta_rule (on this machine's default backend): median
+call times of our serving `xla` (or --impls) and tokamax's `xla` op on the
+same inputs, pools donated and fed back, interleaved rounds of one run, and
+the ratio tokamax / ours (`tokamax_gdn.benchmarks.serving`).
 """
 
 import sys
 
 from tokamax_gdn.cli import common
 
-HELP = "benchmarks (--op gated_delta_rule | gmm) on the ops' bench workloads"
+HELP = ("benchmarks (--op gated_delta_rule | gmm | causal_conv1d_gated_delta_rule) on the"
+        " ops' bench workloads")
 
-OPS = ("gated_delta_rule", "gmm")
+OPS = ("gated_delta_rule", "gmm", "causal_conv1d_gated_delta_rule")
 
 
 def add_arguments(parser) -> None:
@@ -30,10 +37,11 @@ def add_arguments(parser) -> None:
   parser.add_argument("--specs", help="comma-separated arg-spec names of the op"
                       " (default: the specs carrying --tag)")
   parser.add_argument("--tag", default="bench", help="arg-spec tag to run (default bench)")
-  parser.add_argument("--impls", default="reference,xla,xla_autodiff",
-                      help="gated_delta_rule: comma-separated implementations; 'xla_autodiff'"
-                      " is xla's forward under JAX autodiff")
-  parser.add_argument("--reps", type=int, default=7, help="gated_delta_rule: timed rounds")
+  parser.add_argument("--impls", help="comma-separated implementations (gated_delta_rule:"
+                      " default reference,xla,xla_autodiff, 'xla_autodiff' being xla's forward"
+                      " under JAX autodiff; causal_conv1d_gated_delta_rule: default xla, with"
+                      " tokamax's xla always added)")
+  parser.add_argument("--reps", type=int, default=7, help="timed rounds (CPU benches)")
   parser.add_argument("--target", default="v6e", help="gmm: TPU generation to compile for")
   parser.add_argument("--tiles", help="gmm: also compile ours with tm,tk,tn")
   parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -41,7 +49,8 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
   specs = common.select_specs(args.op, args.specs, args.tag)
-  return (_gdn if args.op == "gated_delta_rule" else _gmm)(args, specs)
+  run_op = dict(gated_delta_rule=_gdn, gmm=_gmm, causal_conv1d_gated_delta_rule=_serving)
+  return run_op[args.op](args, specs)
 
 
 def _mib(x) -> str | None:
@@ -54,7 +63,7 @@ def _ratio(x) -> str | None:
 
 def _gdn(args, specs) -> int:
   from tokamax_gdn.benchmarks import gated_delta_rule as bench  # pylint: disable=g-import-not-at-top
-  impls = [s for s in args.impls.split(",") if s]
+  impls = [s for s in (args.impls or "reference,xla,xla_autodiff").split(",") if s]
   report = bench.run(specs, impls, args.reps)
   if args.json:
     common.print_json(report)
@@ -107,4 +116,21 @@ def _gmm(args, specs) -> int:
              fpc="FLOP/cycle", dense="% dense", bpf="HBM B/FLOP", note="note"),
         title=f"{res['spec']}: gmm M={res['m']} K={res['k']} N={res['n']} G={res['g']}"
               f" {res['dtype']} on {res['target']} (AOT, static cycle estimates)")
+  return 0
+
+
+def _serving(args, specs) -> int:
+  from tokamax_gdn.benchmarks import serving as bench  # pylint: disable=g-import-not-at-top
+  impls = [s for s in (args.impls or "xla").split(",") if s and s != bench.TOKAMAX]
+  rows = bench.run(specs, (*impls, bench.TOKAMAX), args.reps)
+  if args.json:
+    common.print_json(rows)
+    return 0
+  common.print_table(
+      [dict(spec=r["spec"], shape=r["shape"], impl=r["impl"], ms=f"{r['ms']:.2f}",
+            ratio=_ratio(r["tokamax_over_this"])) for r in rows],
+      dict(spec="workload", shape="shape", impl="impl", ms="median ms",
+           ratio="tokamax / this"))
+  print("tokamax / this: tokamax's xla op time over this implementation's, same run"
+        " (> 1: faster than tokamax).")
   return 0

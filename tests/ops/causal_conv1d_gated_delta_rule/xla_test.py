@@ -66,8 +66,8 @@ def test_several_tiles_per_request():
   impl = xla.IMPLEMENTATION.replace(config=xla.Config(tile_size=64, chunk_size=16))
   static = {k: v for k, v in kwargs.items() if k in STATIC}
   (conv, rec), out = jax.jit(lambda a: impl(*a, **static))(args)
-  (r_conv, r_rec), r_out = api.causal_conv1d_gated_delta_rule(*args, **kwargs,
-                                                              implementation="reference")
+  (r_conv, r_rec), r_out = jax.jit(lambda a: api.causal_conv1d_gated_delta_rule(
+      *a, **static, implementation="reference"))(args)
   assert_close(out, r_out, jnp.float32, "out")
   assert_close(rec, r_rec, jnp.float32, "recurrent")
   assert_close(conv, r_conv, jnp.float32, "conv")

@@ -8,8 +8,8 @@
   AOT table are also tagged 'aot'.
 - CPU-scaled versions of those layouts (small heads, short prefills) and odd
   cases (GVA 1:4, d_k = d_v = 128 at T = 24, padded batches, context > 0,
-  verify windows, f32 and bf16 pools), tagged 'conformance'; the smallest also
-  'interpret' (Pallas interpret mode).
+  verify windows, f32 and bf16 pools): four tagged 'conformance' (three also
+  'interpret', for Pallas interpret mode), the others 'odd'.
 - The benchmark workloads of `tokamax-gdn bench` ('bench'): Hk=2, Hv=8,
   K=V=128, bf16 (a 2048-token prefill, decode_64, a mixed batch).
 
@@ -114,7 +114,11 @@ def layout(*, lengths: Sequence[int], n_kq: int, n_v: int, d_k: int = 128, d_v: 
   return out
 
 
+_LAYOUTS: dict[str, dict[str, Any]] = {}
+
+
 def _from_layout(name: str, lay: dict[str, Any], tags: tuple[str, ...]) -> ArgSpec:
+  _LAYOUTS[name] = lay
   return ArgSpec(name=name, make=lambda key: random_call(key, lay), diff_argnames=(),
                  tags=tags, vmap_ok=False)
 
@@ -136,29 +140,30 @@ def _tokamax() -> list[ArgSpec]:
 _TINY = dict(n_kq=1, n_v=2, d_k=16, d_v=16)
 _GVA4 = dict(n_kq=1, n_v=4, d_k=32, d_v=16)
 _BENCH = dict(n_kq=2, n_v=8, d_k=128, d_v=128)
-_C, _I = ("conformance",), ("conformance", "interpret")
+_C, _I, _O = ("conformance",), ("conformance", "interpret"), ("odd",)
 f32 = dict(dtype=jnp.float32, state_dtype=jnp.float32)
 
 ARG_SPECS: list[ArgSpec] = [
-    # CPU-scaled layouts of tokamax's ci_tests specs.
-    spec("tiny_decode_8_ctx", lengths=[1] * 8, context_lens=5, tags=_I, **_TINY, **f32),
-    spec("tiny_prefill_37", lengths=[37], tags=_I, **_TINY, **f32),
-    spec("tiny_mixed_prefill_decode", lengths=[1] * 3 + [9, 2, 17],
-         context_lens=[4, 4, 4, 0, 3, 0], tags=_I, **_TINY, **f32),
-    spec("tiny_padded_mixed_16", lengths=[13, 6, 3, 2, 1], max_reqs=16, tags=_C, **_TINY, **f32),
-    spec("tiny_padded_decode_6_max12", lengths=[1] * 6, context_lens=2, max_reqs=12, tags=_C,
-         **_TINY, **f32),
+    # CPU-scaled layouts of tokamax's ci_tests specs: the conformance suite's
+    # cases (few: each compiles every implementation).
+    spec("tiny_mixed_padded_ctx", lengths=[1] * 3 + [9, 2, 17], context_lens=[4, 4, 4, 0, 3, 0],
+         max_reqs=8, tags=_I, **_TINY, **f32),
     spec("tiny_spec3_windows", lengths=[4, 2, 1, 3], context_lens=7, num_spec_tokens=3,
          tags=_I, **_TINY, **f32),
-    spec("tiny_spec1_and_prefill", lengths=[2, 1, 11], context_lens=[5, 5, 0],
-         num_spec_tokens=1, tags=_C, **_TINY, **f32),
     spec("gva_1to4_mixed_ctx", lengths=[1, 1, 23], context_lens=[9, 9, 30], tags=_C, **_GVA4,
          **f32),
+    spec("bf16_mixed_ctx", lengths=[1, 1, 1, 29], context_lens=[6, 6, 6, 12], tags=_I, **_TINY),
+    # Odd ones (the op's own tests build these layouts too).
+    spec("tiny_decode_8_ctx", lengths=[1] * 8, context_lens=5, tags=_O, **_TINY, **f32),
+    spec("tiny_prefill_37", lengths=[37], tags=_O, **_TINY, **f32),
+    spec("tiny_padded_decode_6_max12", lengths=[1] * 6, context_lens=2, max_reqs=12, tags=_O,
+         **_TINY, **f32),
+    spec("tiny_spec1_and_prefill", lengths=[2, 1, 11], context_lens=[5, 5, 0],
+         num_spec_tokens=1, tags=_O, **_TINY, **f32),
     spec("dk128_mixed", lengths=[1, 1, 22], context_lens=[3, 3, 0], n_kq=1, n_v=1, d_k=128,
-         d_v=128, tags=_C, **f32),
-    spec("bf16_mixed_ctx", lengths=[1, 1, 1, 29], context_lens=[6, 6, 6, 12], tags=_C, **_TINY),
+         d_v=128, tags=_O, **f32),
     spec("bf16_spec3_padded", lengths=[4, 3], context_lens=9, num_spec_tokens=3, max_reqs=4,
-         tags=_C, **_TINY),
+         tags=_O, **_TINY),
     # tokamax's named workloads (Qwen3.5-397B and friends).
     *_tokamax(),
     # `tokamax-gdn bench` (CPU): ours vs tokamax's xla op.
@@ -167,6 +172,12 @@ ARG_SPECS: list[ArgSpec] = [
     spec("bench_mixed_63_t1024", lengths=[1] * 63 + [961], context_lens=[1024] * 63 + [0],
          tags=("bench",), **_BENCH),
 ]
+
+
+def layout_of(name: str) -> dict[str, Any]:
+  """The layout a spec draws from: ShapeDtypeStructs, concrete index arrays, sizes."""
+  by_name(name)
+  return _LAYOUTS[name]
 
 
 def by_name(name: str) -> ArgSpec:

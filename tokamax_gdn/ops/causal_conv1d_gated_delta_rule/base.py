@@ -22,16 +22,18 @@ zeros. Writes, into the pools' dtype (everything inside a call is float32):
   len_r - m + j (so with len_r <= s + 1, the state after token j);
 - the other valid requests (prefills, continuations) write their final state
   to slot state_indices[r].
-Requests run in order (reads see earlier requests' writes; tokamax's kernel
-does the same). Nothing else is written: a slot no valid request writes is
-bit-identical after the call (the null slot 0 of padding requests included),
-and the `out` rows of tokens outside valid requests are zero.
+Nothing else is written: a slot no valid request writes is bit-identical
+after the call (the null slot 0 of padding requests included), and the `out`
+rows of tokens outside valid requests are zero. A NaN or inf in one request's
+tokens or read slot reaches no other request's outputs or slots.
 
 Preconditions the op cannot check on traced values (checked when the index
 arrays are concrete): decode-segment requests have 1 <= len_r <= s + 1 (the
 `xla` and Pallas paths process s + 1 tokens per decode request); valid
 requests' token ranges are in order inside [0, tokens); the slots they read
-and write are in [0, slots) and no two write the same slot.
+and write are in [0, slots), no two write the same slot, and none reads a
+slot another one writes (implementations may order the requests' reads and
+writes differently).
 
 Split of work: `bind` validates and canonicalises once for every backend;
 `_fwd` builds the per-request metadata (`Requests`) and calls the backend's
@@ -185,7 +187,7 @@ def check_concrete_metadata(qsl, state_indices, distribution, seq_lens, read_sta
   arrays = [_concrete(x) for x in (qsl, state_indices, distribution, seq_lens)]
   if any(a is None for a in arrays):
     return
-  qsl, slots, dist, _ = (a.astype(np.int64) for a in arrays)
+  qsl, slots, dist, seq_lens = (a.astype(np.int64) for a in arrays)
   r = slots.shape[0]
   n_valid = int(np.clip(dist[2], 0, r))
   n_decode = int(np.clip(dist[0], 0, n_valid))
@@ -202,9 +204,9 @@ def check_concrete_metadata(qsl, state_indices, distribution, seq_lens, read_sta
         f" {lengths[:n_decode].tolist()}.")
   idx, live = np.arange(n_valid), lengths > 0
   decode = live & (idx < n_decode)
-  written = [slots[:n_valid][live & ~decode]]
-  written += [slots[i] + np.arange(lengths[i]) for i in idx[decode]]
-  writes = np.concatenate(written)
+  own = {int(i): (list(range(slots[i], slots[i] + lengths[i])) if decode[i] else [slots[i]])
+         for i in idx[live]}
+  writes = np.array([w for ws in own.values() for w in ws], np.int64)
   if writes.size and (writes.min() < 0 or writes.max() >= num_slots):
     raise ValueError(
         f"`state_indices` {slots[:n_valid].tolist()}: valid requests write slots outside"
@@ -222,6 +224,13 @@ def check_concrete_metadata(qsl, state_indices, distribution, seq_lens, read_sta
     raise ValueError(
         f"`read_state_indices` + `read_offsets` {reads[:n_valid].tolist()}: valid requests"
         f" read slots outside [0, {num_slots}).")
+  all_writes = set(writes.tolist())
+  for i in idx[live & (seq_lens[:n_valid] > lengths)]:
+    slot = int(reads[i])
+    if slot in all_writes and slot not in own[int(i)]:
+      raise ValueError(
+          f"`read_state_indices` / `read_offsets`: request {i} reads slot {slot}, which another"
+          " request writes in the same call.")
 
 
 class CausalConv1dGatedDeltaRule[C, K](ShippedAutotuningCacheMixin,

@@ -1,0 +1,151 @@
+"""Static TPU report of the serving op, compiled on CPU (`tokamax-gdn aot --op
+causal_conv1d_gated_delta_rule`).
+
+Per workload (the op's arg specs tagged 'aot': issue 22's Qwen3.5-397B TP8
+set) and one implementation: the compiler's static cycle estimate of every
+kernel and XLA fusion of the call (pools donated, as an engine calls it;
+index arrays traced), summed; the HBM floor, the bytes the call must move
+(each valid request's read-slot states when it continues one, its written
+checkpoints, the tokens' qkv, b, a in and out) over the generation's HBM
+bytes per cycle on the estimator's own scale (`tokamax_gdn.config`); and the
+ratio. Each workload compiles in a child process (`aot.compile_in_child`).
+
+The estimate is static: a loop body is counted once whatever its trip count
+(the `xla` implementation's decode and prefill loops run a data-dependent
+number of times), so for `xla` the total is a lower bound; `loop_steps` says
+how many times each loop runs on the workload.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tokamax_gdn import aot
+from tokamax_gdn import config
+from tokamax_gdn import registry
+from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs
+
+OP = "causal_conv1d_gated_delta_rule"
+_BUILDER = "tokamax_gdn.benchmarks.serving_aot:cases"
+
+
+def _abstract(spec, mesh: Mesh):
+  """(positional, keyword arrays, static) of a spec, every array abstract on `mesh`."""
+  args, kwargs = spec.abstract()
+  rep = NamedSharding(mesh, P())
+
+  def place(x):
+    if x is None:
+      return None
+    x = x if hasattr(x, "dtype") else np.asarray(x)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)
+
+  static = {k: v for k, v in kwargs.items() if k in arg_specs.STATIC}
+  arrays = {k: place(v) for k, v in kwargs.items() if k not in arg_specs.STATIC}
+  return [place(a) for a in args], arrays, static
+
+
+def cases(mesh: Mesh, spec_name: str, implementation: str) -> list[aot.Case]:
+  """The call of `implementation` on the spec (an `aot.compile_in_child` builder)."""
+  spec = arg_specs.by_name(spec_name)
+  args, arrays, static = _abstract(spec, mesh)
+  impl = registry.get(OP, implementation)
+  rest = args[:3] + args[5:]
+  names = list(arrays)
+  # compile_for takes a flat list of arrays: None arguments stay in the closure.
+  flat = list(rest) + [arrays[n] for n in names]
+  present = [i for i, x in enumerate(flat) if x is not None]
+
+  def call(conv, rec, *values):
+    full = [None] * len(flat)
+    for i, x in zip(present, values):
+      full[i] = x
+    pos, kw = full[:len(rest)], dict(zip(names, full[len(rest):]))
+    return impl(*pos[:3], conv, rec, *pos[3:], **kw, **static)
+
+  call.aot_donate_argnums = (0, 1)
+  return [(f"{implementation}|{spec_name}", call,
+           [args[3], args[4], *[flat[i] for i in present]])]
+
+
+def hbm_bytes(spec) -> int:
+  """Bytes a call must move: states read / checkpoints written, tokens in and out."""
+  lay = arg_specs.layout_of(spec.name)
+  qkv, conv, rec = lay["qkv"], lay["conv_state"], lay["recurrent_state"]
+  qsl, slots, dist, seq_lens = (np.asarray(lay[n]) for n in (
+      "query_start_loc", "state_indices", "distribution", "seq_lens"))
+  window = lay.get("num_spec_tokens", 0) + 1
+  item = lambda x: jnp.dtype(x.dtype).itemsize
+  slot_bytes = (np.prod(conv.shape[1:]) * item(conv) + np.prod(rec.shape[1:]) * item(rec))
+  n_valid = min(int(dist[2]), slots.shape[0])
+  n_decode = min(int(dist[0]), n_valid)
+  total = 0
+  for r in range(n_valid):
+    length = int(qsl[r + 1] - qsl[r])
+    if length <= 0:
+      continue
+    written = min(length, window) if r < n_decode else 1
+    total += slot_bytes * (int(seq_lens[r] > length) + written)
+  n_tok = int(qsl[n_valid])
+  per_token_in = sum(lay[n].shape[1] * item(lay[n]) for n in ("qkv", "b", "a"))
+  per_token_out = lay["n_v"] * lay["d_v"] * item(qkv)
+  return int(total + n_tok * (per_token_in + per_token_out))
+
+
+def loop_steps(spec) -> dict[str, int]:
+  """How many times the `xla` implementation's loops run on the spec (heuristic config)."""
+  from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import xla  # pylint: disable=g-import-not-at-top
+  lay = arg_specs.layout_of(spec.name)
+  qsl, dist = np.asarray(lay["query_start_loc"]), np.asarray(lay["distribution"])
+  cfg = xla._heuristics(lay["qkv"].shape[0])  # pylint: disable=protected-access
+  n_valid = min(int(dist[2]), lay["state_indices"].shape[0])
+  n_decode = min(int(dist[0]), n_valid)
+  lengths = np.diff(qsl[:n_valid + 1])
+  return dict(decode=-(-n_decode // cfg.decode_tile),
+              prefill=int(sum(-(-int(n) // cfg.tile_size) for n in lengths[n_decode:])))
+
+
+@dataclasses.dataclass
+class Row:
+  spec: str
+  implementation: str
+  compiled: str
+  total_cycles: int | None = None
+  kernels: dict[str, int] = dataclasses.field(default_factory=dict)
+  hbm_bytes: int = 0
+  floor_cycles: float | None = None
+  total_over_floor: float | None = None
+  loop_steps: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def report(target: str, specs, implementation: str, timeout: float | None = 1200) -> list[Row]:
+  """One `Row` per spec (see the module docstring)."""
+  gen = config.TPU_GENERATIONS[target]
+  rows = []
+  for spec in specs:
+    (result,) = aot.compile_in_child(target, _BUILDER,
+                                     dict(spec_name=spec.name, implementation=implementation),
+                                     timeout=timeout)
+    row = Row(spec.name, implementation, "ok" if result.report else (result.error or "?"),
+              hbm_bytes=hbm_bytes(spec))
+    if gen.hbm_bytes_per_cycle:
+      row.floor_cycles = row.hbm_bytes / gen.hbm_bytes_per_cycle
+    if result.report:
+      for k, v in result.report.kernel_cycles.items():
+        name = aot.kernel_name(k)
+        row.kernels[name] = row.kernels.get(name, 0) + v
+      row.total_cycles = sum(result.report.kernel_cycles.values())
+      if row.floor_cycles:
+        row.total_over_floor = row.total_cycles / row.floor_cycles
+    if implementation == "xla":
+      row.loop_steps = loop_steps(spec)
+    rows.append(row)
+  return rows
+
+
+def as_dict(row: Row) -> dict[str, Any]:
+  return dataclasses.asdict(row)
