@@ -50,6 +50,7 @@ def test_short_run_prints_table_and_recall_line(tmp_path, capsys):
   assert rc == 0
   rows = {r["metric"].strip(): r["value"] for r in tables[0]}
   for key in ("loss at start", "loss at end", "recall accuracy (fresh sequences)",
+              "recall accuracy, answers generated",
               "step time (median)", "GDN fwd+bwd (profiled step)", "gmm/tgmm (profiled step)",
               "rest (profiled step)"):
     assert key in rows, rows

@@ -187,8 +187,7 @@ def split_in_proj(w, cfg: GatedDeltaNetConfig):
 
 def _implementations(op_name: str, implementation, cfg: GatedDeltaNetConfig):
   """The `implementation=` for one op, from the layer's argument and config."""
-  if isinstance(implementation, dict):
-    implementation = implementation.get(op_name)
+  implementation = registry.for_op(implementation, op_name)
   if implementation is not None:
     names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
   else:
@@ -207,14 +206,14 @@ def _with_chunk_size(impl, chunk_size: int):
   op = registry.get("gated_delta_rule", "xla")
   try:
     cfg = type(op).config_cls(chunk_size=chunk_size)
-  except Exception:  # pylint: disable=broad-except
+  except (TypeError, ValueError):   # pydantic's ValidationError is a ValueError
     return impl      # no such knob (or not this value): the op's own choice.
   kw = dict(config=cfg)
   vjp = getattr(op, "vjp", None)
   if vjp is not None:
     try:
       kw["vjp"] = vjp.replace(config=type(vjp).config_cls(chunk_size=chunk_size))
-    except Exception:  # pylint: disable=broad-except
+    except (TypeError, ValueError):
       pass
   return op.replace(**kw)
 
@@ -227,6 +226,28 @@ def gated_rmsnorm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> 
   h = weight * o32.astype(dtype)
   h = h.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
   return h.astype(dtype)
+
+
+def in_projection(params: Params, x: jax.Array, cfg: GatedDeltaNetConfig):
+  """x [..., hidden] -> (qkv, z, b, a), x's dtype: the conv input qkv
+  [..., 2*Hk*K + Hv*V] (head-major q | k | v, the serving op's `qkv` layout),
+  the output gate z [..., Hv*V] and the beta / decay gate inputs b, a [..., Hv]."""
+  proj = jnp.einsum("...h,hp->...p", x, params["in_proj"].astype(x.dtype),
+                    preferred_element_type=jnp.float32).astype(x.dtype)
+  return split_in_proj(proj, cfg)
+
+
+def out_projection(params: Params, o: jax.Array, z: jax.Array,
+                   cfg: GatedDeltaNetConfig) -> jax.Array:
+  """GDN output o [..., Hv, V] and gate z [..., Hv*V] -> y [..., hidden] in
+  z's dtype: the gated RMSNorm per value head, then `out_proj`."""
+  dtype = z.dtype
+  lead = z.shape[:-1]
+  o = gated_rmsnorm(o.astype(dtype), z.reshape(*lead, cfg.num_v_heads, cfg.head_v_dim),
+                    params["norm_weight"].astype(dtype), cfg.rms_norm_eps)
+  return jnp.einsum("...v,vh->...h", o.reshape(*lead, cfg.value_dim),
+                    params["out_proj"].astype(dtype),
+                    preferred_element_type=jnp.float32).astype(dtype)
 
 
 def gated_deltanet(
@@ -270,9 +291,7 @@ def gated_deltanet(
   dtype = x.dtype
   hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
 
-  proj = jnp.einsum("bth,hp->btp", x, params["in_proj"].astype(dtype),
-                    preferred_element_type=jnp.float32).astype(dtype)
-  qkv, z, beta_logit, a = split_in_proj(proj, cfg)
+  qkv, z, beta_logit, a = in_projection(params, x, cfg)
 
   conv_state = None if cache is None else cache.conv_state.astype(dtype)
   qkv, new_conv_state = causal_conv1d(
@@ -300,10 +319,7 @@ def gated_deltanet(
       implementation=_implementations("gated_delta_rule", implementation, cfg),
       context_parallel_axis=context_parallel_axis,
   )
-  o = gated_rmsnorm(o.astype(dtype), z.reshape(b, t, hv, dv),
-                    params["norm_weight"].astype(dtype), cfg.rms_norm_eps)
-  y = jnp.einsum("btv,vh->bth", o.reshape(b, t, cfg.value_dim), params["out_proj"].astype(dtype),
-                 preferred_element_type=jnp.float32).astype(dtype)
+  y = out_projection(params, o, z, cfg)
   if return_cache:
     return y, GatedDeltaNetCache(new_conv_state, new_state)
   return y

@@ -29,19 +29,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from tokamax_gdn import layers
+from tokamax_gdn import registry
 from tokamax_gdn.models import blocks
 from tokamax_gdn.models import sharding
 from tokamax_gdn.models.config import ModelConfig
 
 Params = dict
-
-
-def op_implementation(implementation, op_name: str):
-  """The model's `implementation=` (a name, a sequence, or {op name: that})
-  for one op."""
-  if isinstance(implementation, dict):
-    return implementation.get(op_name)
-  return implementation
 
 
 def init_dt_bias(key: jax.Array, num_heads: int, dt_min: float = 1e-3,
@@ -110,12 +103,17 @@ def block(params: Params, x: jax.Array, cfg: ModelConfig, kind: str, *,
     h = blocks.attention(params["attn"], h, heads=cfg.num_attention_heads,
                          kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                          eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta)
-  x = x + h
+  return mlp_residual(params, x + h, cfg, implementation=implementation, mesh=mesh)
+
+
+def mlp_residual(params: Params, x: jax.Array, cfg: ModelConfig, *, implementation=None,
+                 mesh: Mesh | None = None):
+  """A block's second half, after the mixer: x -> (x + moe(rms_norm(x)), MoE stats)."""
   h = blocks.rms_norm(x, params["post_norm"], cfg.rms_norm_eps)
   h, stats = sharding.moe_mixer(
       params["moe"], h, top_k=cfg.num_experts_per_tok, capacity_factor=cfg.capacity_factor,
       norm_topk_prob=cfg.norm_topk_prob,
-      implementation=op_implementation(implementation, "gmm"), mesh=mesh)
+      implementation=registry.for_op(implementation, "gmm"), mesh=mesh)
   return x + h, stats
 
 

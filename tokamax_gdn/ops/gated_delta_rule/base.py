@@ -50,6 +50,7 @@ from tokamax_gdn.ops import autodiff
 from tokamax_gdn.ops import checks
 from tokamax_gdn.ops.gated_delta_rule import isolation
 from tokamax_gdn.ops.gated_delta_rule import prologue
+from tokamax_gdn.ops.gated_delta_rule import segments
 
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
 Output: TypeAlias = tuple[jax.Array, jax.Array | None]
@@ -265,17 +266,14 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
 
   def _core_fwd(
       self,
-      q: jax.Array,
-      k: jax.Array,
-      v: jax.Array,
-      log_decay: jax.Array,
-      beta: jax.Array,
+      q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"], v: Float[Array, "B T Hv V"],
+      log_decay: Float[Array, "B T Hv"], beta: Float[Array, "B T Hv"],
       *,
       scale: float,
-      initial_state: jax.Array | None,
-      segment_ids: jax.Array | None,
+      initial_state: segments.State | None,
+      segment_ids: Int[Array, "B T"] | None,
       config: C,
-  ) -> tuple[jax.Array, jax.Array, Residuals | None]:
+  ) -> tuple[Float[Array, "B T Hv V"], segments.State, Residuals | None]:
     """Returns (out [B,T,Hv,V], final_state f32, residuals).
 
     final_state is [B, Hv, K, V], or [B, N, Hv, K, V] for per-segment states
@@ -375,17 +373,14 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
   def _core_bwd(
       self,
       residuals: Residuals | None,
-      q: jax.Array,
-      k: jax.Array,
-      v: jax.Array,
-      log_decay: jax.Array,
-      beta: jax.Array,
-      d_out: jax.Array,
-      d_final: jax.Array | None,
+      q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"], v: Float[Array, "B T Hv V"],
+      log_decay: Float[Array, "B T Hv"], beta: Float[Array, "B T Hv"],
+      d_out: Float[Array, "B T Hv V"],
+      d_final: segments.State | None,
       *,
       scale: float,
-      initial_state: jax.Array | None,
-      segment_ids: jax.Array | None,
+      initial_state: segments.State | None,
+      segment_ids: Int[Array, "B T"] | None,
       config: C,
   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Returns (dq, dk, dv, d_log_decay, dbeta, d_initial_state f32).
