@@ -150,17 +150,18 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, taps, bias, gate, reqs: base.Re
   # Token -> the kernel's output row (a row gather: XLA's row scatters cost
   # several times more on the estimate); `none` for tokens it did not run,
   # `mid` for tokens past a short request's window (they are in `out_mid`).
-  live = pos[None, :] < length[:, None]                                    # [R, window]
-  rows = jnp.where(live, tok[:n_req * window].reshape(n_req, window), t_len).reshape(-1)
+  # One compare of every token against every request's range (requests are
+  # disjoint, so at most one matches): a single fusion, where scatters and a
+  # cumsum cost ~1k cycles each on the estimate.
   none, mid_row = r_pad * window, r_pad * window + 1
-  row_of = jnp.full((t_len,), none, jnp.int32)
+  k = jnp.arange(t_len, dtype=jnp.int32)[:, None] - reqs.start[None, :]          # [T, R]
+  in_win = (k >= 0) & (k < jnp.minimum(length, window)[None, :])
+  row = jnp.sum(jnp.where(in_win, jnp.arange(n_req, dtype=jnp.int32)[None, :] * window + k, 0),
+                axis=1)
+  row_of = jnp.where(jnp.any(in_win, axis=1), row, none)
   if mid:
-    first = jnp.where(length > window, reqs.start + window, t_len)
-    last = jnp.where(length > window, reqs.start + length, t_len)
-    marks = (jnp.zeros((t_len + 1,), jnp.int32).at[first].add(1)
-             .at[last].add(-1))[:t_len]
-    row_of = jnp.where(jnp.cumsum(marks) > 0, mid_row, row_of)
-  row_of = row_of.at[rows].set(jnp.arange(n_req * window, dtype=jnp.int32), mode="drop")
+    in_mid = (k >= window) & (k < length[None, :])
+    row_of = jnp.where(jnp.any(in_mid, axis=1), mid_row, row_of)
   out = jnp.take(out_rows, row_of, axis=0, mode="fill", fill_value=0)
   if mid:
     out = jnp.where((row_of == mid_row)[:, None], out_mid, out)
@@ -185,18 +186,22 @@ def _chunked_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log,
   read = reqs.read_slot[req]
   # Token labels: n + 1 from the start of chunked request n on (0 before the
   # first); tokens between requests keep the previous label and are masked.
-  label = jnp.cumsum(jnp.zeros((t_len,), jnp.int32).at[start].add(1, mode="drop"))
-  n_of = jnp.clip(label - 1, 0, n_max - 1)
-  mine = (label > 0) & (token < start[n_of] + length[n_of])
+  # Compares of every token against the (sorted) starts: one fusion, where a
+  # scatter + cumsum cost several.
+  after = token[:, None] >= start[None, :]                                    # [T, N]
+  label = jnp.sum(after.astype(jnp.int32), axis=1)
+  mine = jnp.any(after & (token[:, None] < (start + length)[None, :]), axis=1)
   # align_segments numbers segments by label changes: request n is segment
   # n + lead, lead = 1 when tokens before the first request form segment 0.
   lead = (label[0] == 0).astype(jnp.int32)
   seg_ids = label[None]
 
   conv0 = jnp.where(init[:, None, None], conv_pool[read].astype(_F32), 0.0)    # [N, W-1, D]
-  x = jnp.where(mine[:, None], qkv, jnp.zeros((), qkv.dtype))
+  # No mask on the conv's input: the segment ids keep every other token out of
+  # a chunked request's windows (the kernel selects, so a NaN there cannot
+  # leak), and rows outside chunked requests are masked below.
   taps = base.conv_weight_taps(conv_weight)                                   # [W, D]
-  pre = conv_api.causal_conv1d(x[None], conv_weight[:, 0, :], conv_bias, activation=None,
+  pre = conv_api.causal_conv1d(qkv[None], conv_weight[:, 0, :], conv_bias, activation=None,
                                segment_ids=seg_ids,
                                implementation="pallas_mosaic_tpu")[0][0].astype(_F32)
   # The taps that reach back into a request's conv state (its first W-1 tokens).
