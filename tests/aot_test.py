@@ -37,9 +37,7 @@ KERNELS = ("gdn_fwd", "gdn_fwd_states", "gdn_bwd")
 
 def _train_fn():
   """Value and gradients of the layer's GDN call: all three kernels, one compile."""
-  forward, _ = workload.layer_fns(IMPL)
-  return jax.value_and_grad(lambda *xs: jnp.sum(forward(*xs).astype(jnp.float32)),
-                            argnums=tuple(range(7)))
+  return workload.layer_fns(IMPL)[1]
 
 
 def _check_compiles(target, shape):
@@ -80,6 +78,23 @@ def test_gdn_training_step_compiles_at_t32768():
   T=32768 (the finiteness itself is checked in interpret mode at T=4096 and
   for xla at T=32768 in tests/ops/gated_delta_rule/stress_test.py)."""
   _check_compiles("v6e", workload.LayerShape(b=1, t=32768, hk=2, hv=4, k=128, v=128))
+
+
+@pytest.mark.aot
+def test_the_measured_grad_program_keeps_the_forward_kernel():
+  """What `aot` and autotuning compile as "fwd+bwd" (`workload.layer_fns`)
+  must run the forward kernel, as a model's training step does; a loss that
+  does not use the outputs' values (sum(out)) loses it, and so must fail the
+  same check."""
+  mesh = aot.target_mesh("v6e")
+  args = workload.abstract_inputs(workload.LayerShape(b=1, t=128, hk=1, hv=2, k=128, v=128),
+                                  NamedSharding(mesh, P()))
+  forward, grad = workload.layer_fns(IMPL)
+  step = {name: 1 for name in KERNELS}
+  assert aot.compile_for("v6e", grad, *args, mesh=mesh).pallas_calls == step
+  plain_sum = jax.grad(lambda *xs: jnp.sum(forward(*xs).astype(jnp.float32)),
+                       argnums=tuple(range(7)))
+  assert aot.compile_for("v6e", plain_sum, *args, mesh=mesh).pallas_calls != step
 
 
 def test_roofline_formula_by_hand():
@@ -139,11 +154,12 @@ def test_stored_peaks_are_what_the_estimator_measures():
 @pytest.mark.aot
 def test_aot_command_reports_kernels_glue_total_and_roofline(capsys):
   rc = cli.main(["aot", "--target", "v6e", "--hk", "1", "--hv", "2", "--k", "128", "--v", "128",
-                 "--seq-len", "1024", "--cycle-lengths", "256", "--scaled-memory", "--json"])
+                 "--seq-len", "1024", "--cycle-lengths", "256", "--scaled-memory",
+                 "--remat-policies", "save_gdn", "--json"])
   (report,) = json.loads(capsys.readouterr().out)
   assert rc == 0, report
   passes = {p["pass_"]: p for p in report["passes"]}
-  assert set(passes) == {"fwd", "fwd+bwd"}
+  assert set(passes) == {"fwd", "fwd+bwd", "fwd+bwd/save_gdn"}
   # libtpu's estimator aborts on some backward kernels (an LLO_CHECK): such a
   # pass says why and still gets its memory, from a compile at the full length.
   estimated = {k: p for k, p in passes.items() if p["total_cycles"] is not None}
@@ -161,6 +177,8 @@ def test_aot_command_reports_kernels_glue_total_and_roofline(capsys):
     assert all(n.startswith("gdn_") for n in kernels if n != report_lib.GLUE), kernels
     assert p["total_cycles"] == sum(kernels.values()) > 0
     assert p["total_over_floor"] == pytest.approx(p["total_cycles"] / p["floor_cycles"])
+  if "fwd+bwd/save_gdn" in estimated:   # saved residuals: no states pass
+    assert "gdn_fwd_states" not in estimated["fwd+bwd/save_gdn"]["kernels"]
 
 
 _HOLD_LIBTPU = """
@@ -193,3 +211,35 @@ def test_aot_compiles_while_another_process_holds_libtpu():
     assert proc.stdout.split()[-1] == str(8 * 128 * 4)
   finally:
     holder.communicate("\n", timeout=60)
+
+
+@pytest.mark.aot
+def test_heads_over_one_tpu7x_chips_two_devices():
+  """tpu7x: JAX exposes each of a chip's two TensorCores as a device. The
+  layer's call with its heads split over the first two (one chip) by
+  shard_map compiles, each device runs all three kernels on its half, with
+  less memory than one device running every head."""
+  mesh = aot.target_mesh("tpu7x", 2)
+  assert len({tuple(d.coords) for d in mesh.devices.flat}) == 1   # one chip
+  shape = dict(b=1, t=256, hk=2, hv=4, k=128, v=128, dtype="bfloat16")
+  (label, fn, args), = report_lib.sharded_cases(mesh, shape, passes=["fwd+bwd"])
+  half = aot.compile_for("tpu7x", fn, *args, mesh=mesh)
+  (_, fn1, args1), = report_lib.sharded_cases(aot.target_mesh("tpu7x"), shape, ["fwd+bwd"])
+  whole = aot.compile_for("tpu7x", fn1, *args1)
+  assert half.pallas_calls == whole.pallas_calls == {name: 1 for name in KERNELS}, label
+  assert half.temp_bytes < whole.temp_bytes
+
+
+@pytest.mark.aot
+def test_each_kernel_alone_has_a_tpu7x_cycle_estimate():
+  """Where the whole step's estimate overflows tpu7x's VMEM (the cycle dump
+  reserves VMEM of its own), each kernel compiled alone at a lower scoped
+  limit gets one (the Qwen3-Next heads, all on one device)."""
+  shape = dict(b=1, t=256, hk=16, hv=32, k=128, v=128, dtype="bfloat16")
+  results = aot.compile_in_child("tpu7x", "tokamax_gdn.benchmarks.gated_delta_rule_aot:kernel_cases",
+                                 dict(shape=shape, vmem_limit_mib=19), timeout=600)
+  assert [r.label.split()[0] for r in results] == list(KERNELS)
+  for r in results:
+    assert r.report is not None, (r.label, r.error)
+    name = r.label.split()[0]
+    assert [c for n, c in r.report.kernel_cycles.items() if aot.kernel_name(n) == name][0] > 0

@@ -89,3 +89,41 @@ def test_bad_input_is_an_error_message_and_exit_code_2(capsys):
   with pytest.raises(SystemExit) as info:
     cli.main(["no-such-command"])
   assert info.value.code == 2
+
+
+def _refused(argv, capsys, *words):
+  """argv exits with 2 and one stderr line naming `words`, no traceback."""
+  assert cli.main(argv) == 2
+  captured = capsys.readouterr()
+  lines = captured.err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(f"tokamax-gdn {argv[0]}: error:"), captured.err
+  for w in words:
+    assert w in lines[0], (w, lines[0])
+  return lines[0]
+
+
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_bad_preset_files_are_one_line_errors(command, tmp_path, capsys):
+  bad_yaml = tmp_path / "bad.yml"
+  bad_yaml.write_text("hidden_size: [64\nnum_k_heads: 1\n")
+  _refused([command, "--model", str(bad_yaml)], capsys, str(bad_yaml), "not valid YAML")
+  incomplete = tmp_path / "incomplete.yml"
+  incomplete.write_text("name: x\nnum_k_heads: 1\nnum_v_heads: 2\nmodel:\n  num_layers: 1\n"
+                        "  num_attention_heads: 1\n  num_key_value_heads: 1\n  head_dim: 8\n"
+                        "  num_experts: 2\n  num_experts_per_tok: 1\n  moe_intermediate_size: 8\n")
+  _refused([command, "--model", str(incomplete)], capsys, str(incomplete), "hidden_size",
+           "missing")
+  a_list = tmp_path / "list.yml"
+  a_list.write_text("- 1\n- 2\n")
+  _refused([command, "--model", str(a_list)], capsys, str(a_list), "mapping")
+  missing = tmp_path / "nodir" / "mymodel.yml"
+  _refused([command, "--model", str(missing)], capsys, str(missing), "does not exist")
+
+
+@pytest.mark.parametrize("argv", [
+    ["validate", "--seq-len", "0"], ["validate", "--batch", "0"],
+    ["train", "--batch", "0"], ["train", "--steps", "0"], ["train", "--seq-len", "0"],
+    ["train", "--batch", "-3"],
+])
+def test_sizes_below_one_are_refused(argv, capsys):
+  _refused(argv, capsys, argv[1], ">= 1")

@@ -116,6 +116,10 @@ class CompileReport:
   argument_bytes: int
   output_bytes: int
   kernel_cycles: dict[str, int]
+  # Pallas kernels in the optimised program: name -> number of calls.
+  pallas_calls: dict[str, int] = dataclasses.field(default_factory=dict)
+  # Temporaries in host memory (what a remat policy offloads).
+  host_temp_bytes: int = 0
 
   def as_row(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -131,6 +135,23 @@ def _snapshot(d: str | None) -> dict[str, int]:
 def kernel_name(dump_name: str) -> str:
   """`gdn_fwd_scan.1_TPU v6 lite_...` (a dump file's stem) -> `gdn_fwd_scan`."""
   return re.sub(r"\.\d+$", "", re.sub(r"_TPU.*$", "", dump_name))
+
+
+_PALLAS_CALL = re.compile(r"^\s*(?:ROOT\s+)?%([\w-]+?)(?:\.\d+)?\s*=.*"
+                          r'custom_call_target="tpu_custom_call"', re.M)
+
+
+def pallas_calls(hlo_text: str) -> dict[str, int]:
+  """Pallas TPU kernels called in an (optimised) HLO module's text, by name.
+
+  A Pallas call's instruction is named after its kernel (`%gdn_fwd.1 =
+  custom-call(...)`). Counts what survives XLA's optimisations: a kernel
+  whose outputs are dead is gone from the compiled program.
+  """
+  out: dict[str, int] = {}
+  for name in _PALLAS_CALL.findall(hlo_text):
+    out[name] = out.get(name, 0) + 1
+  return out
 
 
 def _read_cycles(paths) -> dict[str, int]:
@@ -175,6 +196,8 @@ def compile_for(target: str, fn: Callable[..., Any], *arg_specs,
       output_bytes=int(getattr(mem, "output_size_in_bytes", 0)),
       kernel_cycles=_read_cycles(
           p for p, mtime in _snapshot(_cycle_dir).items() if before.get(p) != mtime),
+      pallas_calls=pallas_calls(compiled.as_text()),
+      host_temp_bytes=int(getattr(mem, "host_temp_size_in_bytes", 0)),
   )
 
 
@@ -200,17 +223,20 @@ class ChildResult:
 
 
 def compile_in_child(target: str, builder: str, kwargs: dict[str, Any] | None = None, *,
-                     cycles: bool = True, timeout: float | None = None) -> list[ChildResult]:
+                     cycles: bool = True, timeout: float | None = None,
+                     num_devices: int = 1) -> list[ChildResult]:
   """Compiles, in a fresh Python process, the cases `builder` returns.
 
   Args:
     target: TPU generation (`config.TPU_GENERATIONS`).
     builder: "package.module:function", called there as
-      `function(mesh, **kwargs) -> [(label, fn, arg_specs)]` with a one-chip
-      mesh of `target`; the arguments should be placed on that mesh.
+      `function(mesh, **kwargs) -> [(label, fn, arg_specs)]` with a mesh
+      ("x") of the first `num_devices` devices of `target` (2 on tpu7x: the
+      two TensorCores of one chip); the arguments should be placed on it.
     kwargs: JSON-serialisable keyword arguments for the builder.
     cycles: turn the static cycle dump on in the child.
     timeout: seconds before the child is killed (its finished cases are kept).
+    num_devices: devices in the builder's mesh.
 
   Returns:
     One `ChildResult` per case, in the builder's order. A case that failed to
@@ -218,7 +244,8 @@ def compile_in_child(target: str, builder: str, kwargs: dict[str, Any] | None = 
     of the child (libtpu aborts on some compiles with the dump on) have the
     crash's reason.
   """
-  request = json.dumps(dict(target=target, builder=builder, kwargs=kwargs or {}, cycles=cycles))
+  request = json.dumps(dict(target=target, builder=builder, kwargs=kwargs or {}, cycles=cycles,
+                            num_devices=num_devices))
   cmd = [sys.executable, "-c", "from tokamax_gdn import aot; aot._child_main()"]
   env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
   try:
@@ -264,7 +291,7 @@ def _child_main() -> None:
     enable_cycle_estimates()
   module, function = request["builder"].split(":")
   builder = getattr(importlib.import_module(module), function)
-  mesh = target_mesh(request["target"])
+  mesh = target_mesh(request["target"], request["num_devices"])
   cases = builder(mesh, **request["kwargs"])
 
   def emit(msg):

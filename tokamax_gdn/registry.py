@@ -9,7 +9,7 @@ not exist is simply absent. Likewise each op's `arg_specs.py` holds its named
 workloads (`arg_specs(op, tag)`).
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import importlib
 import importlib.util
 from typing import Any
@@ -110,12 +110,24 @@ def call(
 
   Raises:
     ValueError: for an unknown implementation name (before anything runs).
-    ExceptionGroup: when every implementation raised NotImplementedError.
+    NotImplementedError (or any error of its own): from a single named
+      implementation (a str or an Op), as it raised it.
+    ExceptionGroup: when every implementation of a sequence (or of the
+      default order, `implementation=None`) raised NotImplementedError.
   """
+  return call_each(op_name, implementation, lambda impl: impl(*args, **kwargs))
+
+
+def call_each(op_name: str, implementation: Implementation, fn: Callable[[Any], Any]) -> Any:
+  """`fn(impl)` for the implementations in order, up to the first that does
+  not raise NotImplementedError (`call` with a caller's own way to call); a
+  single named implementation (a str or an Op) raises its own error."""
+  if isinstance(implementation, (str, op_lib.Op)):
+    return fn(resolve(op_name, implementation)[0])
   errors = []
   for impl in resolve(op_name, implementation):
     try:
-      return impl(*args, **kwargs)
+      return fn(impl)
     except NotImplementedError as e:
       errors.append(e)
   raise ExceptionGroup(f"all implementations of {op_name} failed", errors)
@@ -139,4 +151,4 @@ def arg_specs(op_name: str, tag: str | None = None) -> list[autotuning.ArgSpec]:
 
 
 __all__ = ["list_ops", "implementations", "get", "default_order", "for_op", "resolve", "call",
-           "table", "arg_specs"]
+           "call_each", "table", "arg_specs"]

@@ -9,10 +9,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-from tqdm import tqdm
 
 from tokamax_gdn import autotuning
 from tokamax_gdn import config
+from tokamax_gdn import progress as progress_lib
 from tokamax_gdn import registry
 from tokamax_gdn.ops.gated_delta_rule.arg_specs import random_inputs
 from tokamax_gdn.testing import conformance
@@ -135,7 +135,7 @@ def run(cfg, *, seq_len: int = 64, batch: int = 1, interpret: bool = False,
   jobs += [("layer", n, None) for n in layer_impls]
   rows = []
   key = jax.random.key(0)
-  for op_name, impl_name, make_case in tqdm(jobs, disable=not progress, desc="validate"):
+  for op_name, impl_name, make_case in progress_lib.bar(jobs, disable=not progress, desc="validate"):
     why = _runnable(impl_name, interpret)
     if why is not None:
       rows.append(dict(op=op_name if op_name != "layer" else "layer:gated_deltanet",

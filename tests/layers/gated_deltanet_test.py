@@ -23,6 +23,8 @@ from tokamax_gdn.layers import (  # pylint: disable=g-multiple-import
     load_preset, param_shapes, params_from_hf, params_to_hf)
 from tokamax_gdn.testing.specs import rel_rms
 
+from tests import readme_blocks
+
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 VARIANTS = ("qwen3_next", "qwen3_5")
 OPS = ("causal_conv1d", "gated_delta_rule")
@@ -182,6 +184,64 @@ def test_nan_in_one_segment_stays_there(impl_name):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("impl_name", ["reference", "xla"])
+def test_nan_does_not_flow_backwards_in_time(impl_name):
+  """No segment_ids, garbage (NaN) from token 12 of row 0, as in a right
+  padding, and a loss that masks those tokens with `where`: the outputs
+  before it are as without the garbage, and the input gradients before the
+  conv's window (the W - 1 tokens whose gradients read the conv outputs at
+  and after the garbage, where silu's and the L2 norm's backward of a NaN
+  activation is NaN under a zero cotangent) are finite; row 1 is untouched."""
+  impl, reason = implementation_for(impl_name)
+  if reason:
+    pytest.fail(reason)
+  cfg = _small_cfg()
+  params = init_params(jax.random.key(0), cfg)
+  x = jax.random.normal(jax.random.key(1), (2, 20, cfg.hidden_size))
+  cot = jax.random.normal(jax.random.key(2), x.shape)
+  t0 = 12
+  mask = (jnp.arange(x.shape[1]) < t0)[None, :, None]
+  run = layer(cfg, impl)
+
+  def grad(x):
+    def loss(x):
+      y = run(params, x)
+      return jnp.sum(jnp.where(mask, y * cot, 0.0)), y
+    with context_for(impl_name):
+      return jax.grad(loss, has_aux=True)(x)
+
+  dx, y = grad(x)
+  dx_p, y_p = grad(x.at[0, t0:].set(jnp.nan))
+  np.testing.assert_array_equal(y_p[:, :t0], y[:, :t0])
+  np.testing.assert_array_equal(y_p[1], y[1])
+  assert np.isnan(np.asarray(y_p[0, t0:])).all()
+  np.testing.assert_allclose(dx_p[0, :t0 - cfg.conv_kernel_size + 1],
+                             dx[0, :t0 - cfg.conv_kernel_size + 1], rtol=1e-4, atol=1e-6)
+  np.testing.assert_array_equal(dx_p[1], dx[1])
+
+
+@pytest.mark.parametrize("chunk", [0, 48, 256])
+def test_chunk_size_outside_the_xla_configs_is_refused(chunk):
+  with pytest.raises(ValueError, match=r"16, 32, 64, 128"):
+    _small_cfg(chunk_size=chunk)
+
+
+def test_one_named_implementation_raises_its_own_error():
+  """Off TPU without interpret mode the Pallas kernels raise
+  NotImplementedError, caught by `except NotImplementedError` (not an
+  ExceptionGroup of one)."""
+  from tokamax_gdn import config  # pylint: disable=g-import-not-at-top
+  if config.on_tpu():
+    pytest.skip("on a TPU the kernels run")
+  cfg = _small_cfg()
+  params = init_params(jax.random.key(0), cfg)
+  x = jnp.ones((1, 4, cfg.hidden_size))
+  with config.interpret_mode(False):
+    with pytest.raises(NotImplementedError) as info:
+      gated_deltanet(params, x, cfg, implementation="pallas_mosaic_tpu")
+  assert not isinstance(info.value, ExceptionGroup)
+
+
 def test_bf16_runs_finite():
   cfg = _small_cfg()
   params = init_params(jax.random.key(0), cfg, dtype=jnp.bfloat16)
@@ -265,15 +325,6 @@ def test_params_from_hf_prefix_and_bad_keys():
     params_from_hf(both, cfg, prefix="model.layers.7.linear_attn.")
 
 
-def _readme_block(marker):
-  """The README's ```python block that contains `marker`."""
-  readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
-  blocks = readme.split("```python\n")[1:]
-  found = [b.split("```")[0] for b in blocks if marker in b]
-  assert len(found) == 1, f"{len(found)} README python blocks contain {marker!r}"
-  return found[0]
-
-
 def test_readme_checkpoint_snippet(tmp_path, monkeypatch):
   """Runs the README's loading snippet, as written, on a sharded two-layer
   safetensors checkpoint written here (tiny config, HF's file layout)."""
@@ -295,7 +346,7 @@ def test_readme_checkpoint_snippet(tmp_path, monkeypatch):
   x = jnp.asarray(d["x"], jnp.bfloat16)
   scope = dict(x=x, x1=x[:, :1])
   monkeypatch.chdir(tmp_path)
-  exec(_readme_block("load_hf_layer("), scope)  # pylint: disable=exec-used
+  exec(readme_blocks.block("load_hf_layer("), scope)  # pylint: disable=exec-used
   for k, v in scope["params"].items():
     want = params[k] if k in ("a_log", "dt_bias") else params[k].astype(jnp.bfloat16)
     np.testing.assert_array_equal(v, want, err_msg=k)

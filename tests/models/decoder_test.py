@@ -84,15 +84,16 @@ def test_params_layout_and_block_kinds():
 
 def test_scan_and_remat_match_python_loop():
   """The per-block loop against `lax.scan` over blocks, without and with
-  `jax.checkpoint` (the training and the AOT train-step configurations): the
-  custom VJPs inside scan and remat give the loop's logits and gradients."""
+  `jax.checkpoint` (the training and the AOT train-step configurations), and
+  with the policy that saves the GDN op's named residuals: the custom VJPs
+  inside scan and remat give the loop's logits and gradients."""
   cfg = CFG
   params, tokens = _params(cfg), _tokens()
 
-  def run(scan, remat):
+  def run(scan, remat, remat_policy="recompute"):
     def loss(p):
       logits, stats = models.forward(p, tokens, cfg, implementation="xla", scan=scan,
-                                     remat=remat)
+                                     remat=remat, remat_policy=remat_policy)
       return jnp.mean(jnp.sin(logits)) + 0.1 * stats["aux_loss"], (logits, stats)
     (_, aux), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
     return aux, grads
@@ -100,12 +101,13 @@ def test_scan_and_remat_match_python_loop():
   (logits, stats), grads = run(False, False)
   assert stats["group_sizes"].shape == (4, 4)
   np.testing.assert_array_equal(stats["group_sizes"].sum(-1), 2 * 12 * 2)   # dropless
-  for scan, remat in [(True, False), (True, True)]:
-    (l2, s2), g2 = run(scan, remat)
+  for scan, remat, policy in [(True, False, "recompute"), (True, True, "recompute"),
+                              (True, True, "save_gdn")]:
+    (l2, s2), g2 = run(scan, remat, policy)
     np.testing.assert_allclose(l2, logits, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(s2["group_sizes"], stats["group_sizes"])
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g2), jax.tree.leaves(grads)):
-      assert rel_rms(a, b) < 1e-5, (scan, remat, jax.tree_util.keystr(path))
+      assert rel_rms(a, b) < 1e-5, (scan, remat, policy, jax.tree_util.keystr(path))
 
 
 def test_xla_ops_match_reference_ops():

@@ -87,6 +87,15 @@ def test_training_halves_the_loss(short_run):
   print(f"{len(result.history)} steps, {result.start_loss:.3f} -> {end:.3f}, {seconds:.1f} s")
 
 
+def test_generated_recall_differs_only_after_wrong_answers(short_run):
+  """Recall with generated answers (same sequences as the teacher-forced
+  figure) can differ from it only at answers after a wrong one in the same
+  sequence: with 2 queries by at most the teacher-forced error rate."""
+  result, _ = short_run
+  assert result.generated_recall is not None
+  assert abs(result.generated_recall - result.recall_accuracy) <= 1 - result.recall_accuracy + 1e-6
+
+
 def test_profiled_split_adds_up(short_run):
   """The profiled step found GDN and gmm/tgmm instructions (the split is by
   the compiled step's instruction names) and its parts sum to the step."""

@@ -19,13 +19,13 @@ import sys
 from typing import Any
 
 from jax.extend import backend
-import tqdm
 from tokamax._src import benchmarking
 from tokamax._src import hlo_utils
 from tokamax._src.autotuning import api as autotuning_api
 from tokamax._src.autotuning import autotuner as autotuner_lib
 from tokamax._src.ops import op as op_lib
 
+from tokamax_gdn import progress as progress_lib
 from tokamax_gdn import registry
 from tokamax_gdn.ops.gated_delta_rule import workload
 
@@ -79,8 +79,8 @@ def tune(
   per_item: list[dict] = [{} for _ in items]
   # One compile at a time: compiles compete for the cores timings run on.
   tuner = autotuner_lib.Autotuner(compile_executor_fn=None)
-  bar = tqdm.tqdm(jobs, desc="Autotuning", unit=" config", disable=not progress,
-                  file=sys.stderr)
+  bar = progress_lib.bar(jobs, desc="Autotuning", unit=" config", disable=not progress,
+                         file=sys.stderr)
   for i, cfg in bar:
     label, ba = items[i]
     bar.set_postfix_str(f"{type(ba.op).__name__} {label} {config_str(cfg)}")

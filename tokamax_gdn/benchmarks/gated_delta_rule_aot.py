@@ -1,7 +1,8 @@
 """Static TPU report of the Pallas gated delta rule, compiled on CPU (`tokamax-gdn aot`).
 
 For one layer call (`ops.gated_delta_rule.workload`) and one TPU generation,
-per pass (forward, forward+backward):
+per pass (forward; forward+backward, the gradient of `workload.step_loss`,
+sum(out²), which keeps the forward kernel in the program as a training step does):
 - memory: temp / argument / output bytes;
 - cycles: the compiler's static estimate per Pallas kernel (names `gdn_*`), the
   XLA glue around them summed, and the total;
@@ -19,7 +20,7 @@ them (`tests/aot_test.py` checks this against a direct estimate), and the
 report gives the ratio of their totals. Memory comes from a compile at T
 itself, unless `full_length_memory=False`, which scales it too: temporaries
 do not grow linearly from short lengths, where XLA keeps more in VMEM
-(Qwen3-Next fwd+bwd on v6e: 18 MiB scaled from 512 vs 139 MiB at 4096). With
+(Qwen3-Next fwd+bwd on v6e: 18.5 MiB scaled from 512 vs 172 MiB at 4096). With
 `kda=True` tokamax's `kimi_delta_attention` (mosaic, the scalar gate broadcast
 over K, q/k repeated to Hv heads: it has no GVA) is compiled on the same
 shapes for comparison.
@@ -54,18 +55,32 @@ def _kda_fns(k_dim: int):
     return out
 
   def loss(*xs):
-    return jnp.sum(forward(*xs).astype(jnp.float32))
+    return workload.step_loss(forward(*xs))
 
   return forward, jax.grad(loss, argnums=tuple(range(5)))
 
 
+def remat_pass(policy: str) -> str:
+  """The pass name of fwd+bwd under `jax.checkpoint` with a remat policy."""
+  return f"fwd+bwd/{policy}"
+
+
+def _gdn_fn(pass_: str):
+  if pass_ == "fwd":
+    return workload.layer_fns("pallas_mosaic_tpu")[0]
+  policy = pass_.split("/", 1)[1] if "/" in pass_ else None
+  return workload.layer_fns("pallas_mosaic_tpu", policy)[1]
+
+
 def cases(mesh: Mesh, shape: dict[str, Any], kda: bool = False,
           passes: Sequence[str] = PASSES) -> list[aot.Case]:
-  """AOT cases "<impl>|<pass>" for `shape` (LayerShape fields; dtype by name)."""
+  """AOT cases "<impl>|<pass>" for `shape` (LayerShape fields; dtype by name).
+
+  Passes: "fwd", "fwd+bwd", and `remat_pass(policy)` (GDN only)."""
   s = workload.LayerShape(**shape)
   rep = NamedSharding(mesh, P())
-  gdn_fns = dict(zip(PASSES, workload.layer_fns("pallas_mosaic_tpu")))
-  out = [(f"{GDN}|{p}", gdn_fns[p], workload.abstract_inputs(s, rep)) for p in passes]
+  out = [(f"{GDN}|{p}", _gdn_fn(p), workload.abstract_inputs(s, rep)) for p in passes]
+  passes = [p for p in passes if p in PASSES]
   if kda:
     sds = lambda *dims: jax.ShapeDtypeStruct((s.hv, s.b, s.t) + dims, s.dtype, sharding=rep)
     kda_args = (sds(s.k), sds(s.k), sds(s.v), sds(), sds())
@@ -130,6 +145,7 @@ class PassReport:
   compiled: str                      # "ok" or the compile error
   memory_from: str = ""              # "T=<full>" or "T=<short> scaled"
   temp_bytes: int | None = None
+  host_temp_bytes: int | None = None  # offloaded to host (remat policies)
   argument_bytes: int | None = None
   output_bytes: int | None = None
   kernels: dict[str, int] = dataclasses.field(default_factory=dict)  # incl. GLUE
@@ -149,6 +165,7 @@ _CYCLE_BUILDER = "tokamax_gdn.benchmarks.gated_delta_rule_aot:cycle_cases"
 
 def report(target: str, s: workload.LayerShape, *, kda: bool = False,
            cycle_lengths: Sequence[int] = (512,), full_length_memory: bool = True,
+           remat_policies: Sequence[str] = (),
            timeout: float | None = 900) -> list[PassReport]:
   """Compiles and estimates every pass; see the module docstring.
 
@@ -157,12 +174,15 @@ def report(target: str, s: workload.LayerShape, *, kda: bool = False,
   T); cycles, and memory unless `full_length_memory`, are scaled from there
   to T (`extrapolate`). A pass whose child has no report (a libtpu abort) and
   every pass with `full_length_memory` get a compile at T in this process for
-  their memory. Empty `cycle_lengths`: memory at T only.
+  their memory. Empty `cycle_lengths`: memory at T only. `remat_policies`
+  add one fwd+bwd pass each under `jax.checkpoint` with that policy
+  (`workload.layer_fns`), with the bytes it offloads to host memory.
   """
   lengths = sorted({min(t, s.t) for t in cycle_lengths})
   shape = dict(dataclasses.asdict(s), dtype=jnp.dtype(s.dtype).name)
   mesh = aot.target_mesh(target)
-  labels = [label for label, _, _ in cases(mesh, shape, kda)]
+  passes = list(PASSES) + [remat_pass(p) for p in remat_policies]
+  labels = [label for label, _, _ in cases(mesh, shape, kda, passes)]
   estimates: dict[str, list[aot.ChildResult]] = {}
   if lengths:
     def in_child(label):
@@ -175,7 +195,7 @@ def report(target: str, s: workload.LayerShape, *, kda: bool = False,
         estimates[label] = [r for r in results if r.label.startswith(label + "|")]
   chunk = _chunk_size(s, mesh)
   reports = []
-  for label, fn, args in cases(mesh, shape, kda):
+  for label, fn, args in cases(mesh, shape, kda, passes):
     impl, pass_ = label.split("|")
     r = PassReport(impl, pass_, "ok")
     reports.append(r)
@@ -189,7 +209,7 @@ def report(target: str, s: workload.LayerShape, *, kda: bool = False,
       totals = [sum(x.values()) for x in split]
       r.scaling = totals[-1] / totals[0] if len(lengths) > 1 and totals[0] else None
       if not full_length_memory:
-        for field in ("temp_bytes", "argument_bytes", "output_bytes"):
+        for field in ("temp_bytes", "host_temp_bytes", "argument_bytes", "output_bytes"):
           values = [getattr(e.report, field) for e in est]
           setattr(r, field, round(extrapolate(values, lengths, s.t)))
         r.memory_from = f"T={lengths} scaled"
@@ -201,11 +221,12 @@ def report(target: str, s: workload.LayerShape, *, kda: bool = False,
         rep = aot.compile_for(target, fn, *args, mesh=mesh)
         r.temp_bytes, r.argument_bytes, r.output_bytes = (
             rep.temp_bytes, rep.argument_bytes, rep.output_bytes)
+        r.host_temp_bytes = rep.host_temp_bytes
         r.memory_from = f"T={s.t}"
       except Exception as e:  # pylint: disable=broad-exception-caught
         r.compiled = f"FAIL: {str(e).splitlines()[0][:160]}"
     if impl == GDN:
-      backward = pass_ == "fwd+bwd"
+      backward = pass_.startswith("fwd+bwd")
       r.flops = workload.essential_flops(s, chunk, backward=backward)
       r.hbm_bytes = workload.min_hbm_bytes(s, backward=backward)
       floor = aot.roofline_cycles(target, r.flops, r.hbm_bytes)
@@ -214,3 +235,92 @@ def report(target: str, s: workload.LayerShape, *, kda: bool = False,
       if r.total_cycles:
         r.total_over_floor = r.total_cycles / r.floor_cycles
   return reports
+
+
+# ------------------------------------------------------------ kernels alone
+def kernel_cases(mesh: Mesh, shape: dict[str, Any],
+                 vmem_limit_mib: int | None = None) -> list[aot.Case]:
+  """The three GDN kernels of a training step, each compiled alone ("gdn_fwd",
+  "gdn_fwd_states", "gdn_bwd" with its residuals as inputs), on the prepared
+  inputs of the layer's call, with the configs the op picks for `shape`.
+
+  For per-kernel cycles where the whole step's estimate does not compile:
+  with the cycle dump on, XLA reserves VMEM of its own next to the kernel
+  (`aot.enable_cycle_estimates`), and tpu7x's backward at its 21 MiB scoped
+  limit then overflows (65.3 of 63.9 MiB at T=512). `vmem_limit_mib` lowers
+  every kernel's scoped limit (19 fits there); it bounds the kernel's VMEM,
+  it does not change its code, so the estimate is the kernel's own.
+  """
+  from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu as pallas  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as kernel  # pylint: disable=g-import-not-at-top
+  s = workload.LayerShape(**shape)
+  args = workload.abstract_inputs(s)
+  op = registry.get("gated_delta_rule", "pallas_mosaic_tpu")
+  with aot.on_target(mesh):
+    ba = op.bind(*args[:5], a_log=args[5], dt_bias=args[6], use_qk_l2norm=True)
+    fwd_cfg = ba.default_config
+    bwd_cfg = pallas._heuristics(ba, backward=True)   # pylint: disable=protected-access
+    states_cfg = pallas._states_config(bwd_cfg, pallas._shapes(ba))   # pylint: disable=protected-access
+  sds = lambda dims, dtype: aot.spec(mesh, dims, dtype)
+  dtype, f32 = jnp.dtype(s.dtype), jnp.float32
+  q, v = sds((s.b, s.t, s.hk, s.k), dtype), sds((s.b, s.t, s.hv, s.v), dtype)
+  g, beta = sds((s.b, s.t, s.hv), f32), sds((s.b, s.t, s.hv), dtype)
+  c = bwd_cfg.chunk_size
+  nc = -(-s.t // c)
+  states = sds((s.b, nc, s.hv, s.k, s.v), dtype)
+  tmats = sds((s.b, nc, s.hv, c, c), dtype)
+  scale = s.k ** -0.5
+
+  def kwargs(cfg):
+    with aot.on_target(mesh):
+      out = pallas._kernel_args(cfg, q, v, False)   # pylint: disable=protected-access
+    if vmem_limit_mib:
+      out["vmem_limit_bytes"] = vmem_limit_mib << 20
+    return out
+
+  def fwd(q, k, v, g, beta):
+    return kernel.gdn_fwd(q, k, v, g, beta, scale=scale, **kwargs(fwd_cfg))[:2]
+
+  def states_pass(q, k, v, g, beta):
+    return kernel.gdn_fwd(q, k, v, g, beta, scale=scale, write_out=False,
+                          emit_residuals=True, **kwargs(states_cfg))[2]
+
+  def bwd(q, k, v, g, beta, d_out, states, tmats):
+    return kernel.gdn_bwd(q, k, v, g, beta, d_out, None, scale=scale,
+                          residuals=(states, tmats), **kwargs(bwd_cfg))
+
+  label = lambda name, cfg: f"{name} C={cfg.chunk_size} interleave={cfg.interleave}"
+  return [(label("gdn_fwd", fwd_cfg), fwd, [q, q, v, g, beta]),
+          (label("gdn_fwd_states", states_cfg), states_pass, [q, q, v, g, beta]),
+          (label("gdn_bwd", bwd_cfg), bwd, [q, q, v, g, beta, v, states, tmats])]
+
+
+# ------------------------------------------------------------ heads over devices
+def sharded_cases(mesh: Mesh, shape: dict[str, Any],
+                  passes: Sequence[str] = PASSES) -> list[aot.Case]:
+  """The layer's call with its heads split over `mesh`'s "x" devices by
+  `jax.shard_map` (each device: Hk/n key heads with their value heads), as a
+  user on one tpu7x chip runs it over the chip's two devices (JAX exposes
+  each TensorCore as a device; a "parallel" grid axis never splits across
+  them). The compiled program is one device's: its memory and cycles are
+  per device. fwd+bwd: value and gradients of `workload.step_loss`, the loss
+  summed over the devices."""
+  s = workload.LayerShape(**shape)
+  n = mesh.devices.size
+  if s.hk % n:
+    raise ValueError(f"{s.hk} key heads do not split over {n} devices")
+  heads, vec = P(None, None, "x"), P("x")
+  in_specs = (heads,) * 5 + (vec, vec)
+  forward, step = workload.layer_fns("pallas_mosaic_tpu")
+
+  def local_step(*xs):
+    loss, grads = step(*xs)
+    return jax.lax.psum(loss, "x"), grads
+
+  fns = {"fwd": jax.shard_map(forward, mesh=mesh, in_specs=in_specs, out_specs=heads,
+                              check_vma=False),
+         "fwd+bwd": jax.shard_map(local_step, mesh=mesh, in_specs=in_specs,
+                                  out_specs=(P(), in_specs), check_vma=False)}
+  args = [aot.spec(mesh, x.shape, x.dtype, spec)
+          for x, spec in zip(workload.abstract_inputs(s), in_specs)]
+  return [(f"{GDN}|{p}|{n} devices", fns[p], args) for p in passes]

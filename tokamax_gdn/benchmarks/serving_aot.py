@@ -16,6 +16,7 @@ number of times), so for `xla` the total is a lower bound; `loop_steps` says
 how many times each loop runs on the workload.
 """
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -65,11 +66,22 @@ def cases(mesh: Mesh, spec_name: str, implementation: str) -> list[aot.Case]:
     for i, x in zip(present, values):
       full[i] = x
     pos, kw = full[:len(rest)], dict(zip(names, full[len(rest):]))
-    return impl(*pos[:3], conv, rec, *pos[3:], **kw, **static)
+    with _cost_model(implementation):
+      return impl(*pos[:3], conv, rec, *pos[3:], **kw, **static)
 
   call.aot_donate_argnums = (0, 1)
   return [(f"{implementation}|{spec_name}", call,
            [args[3], args[4], *[flat[i] for i in present]])]
+
+
+def _cost_model(implementation: str):
+  """pallas_mosaic_tpu: its decode kernel without per-request branches, as if
+  every request ran (libtpu's estimate leaves data-dependent branch bodies
+  out; see `pallas_mosaic_tpu.full_decode_cost`)."""
+  if implementation == "pallas_mosaic_tpu":
+    from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu  # pylint: disable=g-import-not-at-top
+    return pallas_mosaic_tpu.full_decode_cost()
+  return contextlib.nullcontext()
 
 
 def hbm_bytes(spec) -> int:

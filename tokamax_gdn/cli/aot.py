@@ -1,6 +1,7 @@
 """Compiles the Pallas gated delta rule for a TPU generation on CPU and reports,
-per pass (fwd, fwd+bwd): memory, each Pallas kernel's static cycle estimate,
-the XLA glue (summed), the total, and the total over the roofline floor.
+per pass (fwd; fwd+bwd: the gradient of sum(out²), a real training step):
+memory, each Pallas kernel's static cycle estimate, the XLA glue (summed),
+the total, and the total over the roofline floor.
 
   tokamax-gdn aot --target v6e --model qwen3-next-80b-a3b --seq-len 4096 [--kda] [--json]
   tokamax-gdn aot --target v6e [--specs NAME,...]     # the GDN arg specs tagged 'aot'
@@ -14,10 +15,14 @@ and its cycles are scaled to --seq-len (two lengths extrapolate along the line
 through them, "T2/T1" being the ratio of their totals); memory comes from a
 compile at --seq-len (`--scaled-memory` scales it from the short length
 instead: faster, but it underestimates, since XLA keeps more in VMEM at short
-lengths: 18 vs 139 MiB of temporaries for the Qwen3-Next fwd+bwd on v6e). The roofline floor is max(essential FLOPs / peak FLOP per cycle, minimal HBM bytes
-/ bytes per cycle), both peaks measured with the same estimator
-(`tokamax_gdn.config.TpuGeneration`). `--kda` adds tokamax's
-kimi_delta_attention on the same shapes. See `tokamax_gdn.benchmarks.gated_delta_rule_aot`.
+lengths: 18.5 vs 172 MiB of temporaries for the Qwen3-Next fwd+bwd on v6e).
+`--remat-policies recompute,save_gdn,offload_gdn` adds a fwd+bwd pass per
+`jax.checkpoint` policy (`ops.gated_delta_rule.remat`), with the bytes it
+offloads to host. The roofline floor is max(essential FLOPs / peak FLOP per
+cycle, minimal HBM bytes / bytes per cycle), both peaks measured with the
+same estimator (`tokamax_gdn.config.TpuGeneration`). `--kda` adds tokamax's
+kimi_delta_attention on the same shapes. See
+`tokamax_gdn.benchmarks.gated_delta_rule_aot`.
 
 With --op causal_conv1d_gated_delta_rule: per workload (its arg specs tagged
 'aot', tokamax's Qwen3.5-397B TP8 set), the static cycles of one call of
@@ -50,6 +55,9 @@ def add_arguments(parser) -> None:
   parser.add_argument("--scaled-memory", action="store_true",
                       help="scale memory from the short compiles instead of compiling at"
                       " --seq-len (faster; underestimates temporaries)")
+  parser.add_argument("--remat-policies", default="",
+                      help="comma-separated remat policies (recompute, save_gdn, offload_gdn):"
+                      " each adds a fwd+bwd pass under jax.checkpoint with that policy")
   parser.add_argument("--json", action="store_true", help="print the report as JSON")
   _add_train_step_arguments(parser)
 
@@ -137,10 +145,15 @@ def run(args) -> int:
     return _run_train_step(args)
   from tokamax_gdn.benchmarks import gated_delta_rule_aot as report_lib  # pylint: disable=g-import-not-at-top
   lengths = [int(t) for t in args.cycle_lengths.split(",") if int(t) > 0]
+  from tokamax_gdn.ops.gated_delta_rule import remat  # pylint: disable=g-import-not-at-top
+  policies = [p for p in args.remat_policies.split(",") if p]
+  for p in policies:
+    remat.checkpoint_policy(p)   # a ValueError (exit code 2) for an unknown name
   results = []
   for shape in _shapes(args):
     passes = report_lib.report(args.target, shape, kda=args.kda, cycle_lengths=lengths,
-                               full_length_memory=not args.scaled_memory)
+                               full_length_memory=not args.scaled_memory,
+                               remat_policies=policies)
     results.append((shape, passes))
   ok = all(p.compiled == "ok" for _, passes in results for p in passes)
   if args.json:
@@ -152,13 +165,14 @@ def run(args) -> int:
     tokens = shape.b * shape.t
     common.print_table(
         [dict(impl=p.impl, pass_=p.pass_, compiled=p.compiled, memory=p.memory_from,
-              temp=_mib(p.temp_bytes),
+              temp=_mib(p.temp_bytes), host=_mib(p.host_temp_bytes),
               arg=_mib(p.argument_bytes), out=_mib(p.output_bytes), total=_m(p.total_cycles),
               per_token=p.total_cycles and f"{p.total_cycles / tokens:.0f}",
               mxu=_m(p.mxu_cycles), hbm=_m(p.hbm_cycles),
               ratio=p.total_over_floor and f"{p.total_over_floor:.2f}",
               scaling=p.scaling and f"{p.scaling:.2f}", note=p.note[:100]) for p in passes],
         dict(impl="impl", pass_="pass", compiled="compiled", memory="memory", temp="temp MiB",
+             host="host MiB",
              arg="arg MiB",
              out="out MiB", total="total Mcyc", per_token="cyc/token", mxu="MXU floor Mcyc",
              hbm="HBM floor Mcyc", ratio="total/floor", scaling="T2/T1", note="note"),

@@ -17,8 +17,17 @@ DEFAULT_MODEL = "qwen3.5-tiny"
 def load_model(spec: str):
   """A `GatedDeltaNetConfig` from a preset name (`qwen3.5-tiny`) or a preset .yml
   (`layers.presets.preset_file`)."""
-  from tokamax_gdn.layers import presets  # pylint: disable=g-import-not-at-top
-  return presets.load_preset(spec)
+  from tokamax_gdn import layers  # pylint: disable=g-import-not-at-top
+  return layers.load_preset(spec)
+
+
+def require_positive(args: argparse.Namespace, *names: str) -> None:
+  """ValueError (one line, exit code 2 through `main`) for any of the
+  options `names` (attribute names) given below 1."""
+  for name in names:
+    value = getattr(args, name)
+    if value is not None and value < 1:
+      raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
 
 
 def add_gdn_shape_args(parser: argparse.ArgumentParser, *, model_default: str | None,

@@ -27,6 +27,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
   from tokamax_gdn import validate  # pylint: disable=g-import-not-at-top
+  common.require_positive(args, "seq_len", "batch")
   cfg = common.load_model(args.model)
   start = time.perf_counter()
   rows = validate.run(cfg, seq_len=args.seq_len, batch=args.batch,

@@ -15,11 +15,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tokamax_gdn import layers
+from tokamax_gdn import registry
 from tokamax_gdn.models import blocks
 from tokamax_gdn.models import decoder
 from tokamax_gdn.models.config import ModelConfig
 
-_gmm_implementation = functools.partial(decoder.op_implementation, op_name="gmm")
+_gmm_implementation = functools.partial(registry.for_op, op_name="gmm")
 
 
 class _ParamDict(nnx.Module):

@@ -5,11 +5,12 @@ from tokamax_gdn.layers.gated_deltanet import (  # pylint: disable=g-multiple-im
     GatedDeltaNetConfig,
     gated_deltanet,
     gated_rmsnorm,
+    load_preset,
     init_params,
     param_shapes,
 )
 from tokamax_gdn.layers.hf import HF_NAMES, load_hf_layer, params_from_hf, params_to_hf  # pylint: disable=g-multiple-import
-from tokamax_gdn.layers.presets import list_presets, load_preset
+from tokamax_gdn.layers.presets import list_presets
 
 __all__ = [
     "GatedDeltaNetCache", "GatedDeltaNetConfig", "gated_deltanet", "gated_rmsnorm",

@@ -23,19 +23,28 @@ the activation dtype, multiply by the weight, then by silu(z) in float32.
 """
 
 import dataclasses
+import os
+import typing
 from typing import Any, NamedTuple
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
-import yaml
 
 from tokamax_gdn import registry
+from tokamax_gdn.layers import presets
 from tokamax_gdn.ops.causal_conv1d.api import causal_conv1d
+from tokamax_gdn.ops.gated_delta_rule import remat as gdn_remat
+from tokamax_gdn.ops.gated_delta_rule import xla as gdn_xla
 from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule
 
 VARIANTS = ("qwen3_next", "qwen3_5")
 Params = dict[str, jax.Array]
+
+
+# What `chunk_size` may pin: the xla GDN Config's own choices.
+CHUNK_SIZES = typing.get_args(typing.get_type_hints(gdn_xla.Config)["chunk_size"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +72,9 @@ class GatedDeltaNetConfig:
           f" `num_k_heads`={self.num_k_heads}.")
     if self.conv_kernel_size < 1:
       raise ValueError(f"`conv_kernel_size`={self.conv_kernel_size} must be >= 1.")
+    if self.chunk_size is not None and self.chunk_size not in CHUNK_SIZES:
+      raise ValueError(f"`chunk_size`={self.chunk_size!r}: the xla GDN's chunk sizes are"
+                       f" {CHUNK_SIZES} (or None for its tuned / heuristic choice).")
 
   @property
   def key_dim(self) -> int:
@@ -120,13 +132,26 @@ class GatedDeltaNetConfig:
     unknown = set(d) - names - {"name", "model"}
     if unknown:
       raise ValueError(f"Unknown GatedDeltaNetConfig keys {sorted(unknown)}; valid: {sorted(names)}.")
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.default is dataclasses.MISSING and f.name not in d]
+    if missing:
+      raise ValueError(f"GatedDeltaNetConfig fields {missing} are missing.")
     return cls(**{k: v for k, v in d.items() if k in names})
 
   @classmethod
   def from_yaml(cls, path) -> "GatedDeltaNetConfig":
-    """From a preset file (keys = field names, plus an optional `name`)."""
-    with open(path) as f:
-      return cls.from_dict(yaml.safe_load(f))
+    """From a preset file (keys = field names, plus an optional `name`);
+    a ValueError naming the file for a missing, malformed or incomplete one."""
+    return presets.read_preset(path, cls.from_dict)
+
+
+def load_preset(spec: str | os.PathLike[str], **overrides) -> GatedDeltaNetConfig:
+  """`load_preset("qwen3.5-tiny")` (a name or a .yml path, see `preset_file`);
+  keyword overrides replace fields."""
+  cfg = GatedDeltaNetConfig.from_yaml(presets.preset_file(spec))
+  if overrides:
+    cfg = dataclasses.replace(cfg, **overrides)
+  return cfg
 
 
 class GatedDeltaNetCache(NamedTuple):
@@ -187,8 +212,7 @@ def split_in_proj(w, cfg: GatedDeltaNetConfig):
 
 def _implementations(op_name: str, implementation, cfg: GatedDeltaNetConfig):
   """The `implementation=` for one op, from the layer's argument and config."""
-  if isinstance(implementation, dict):
-    implementation = implementation.get(op_name)
+  implementation = registry.for_op(implementation, op_name)
   if implementation is not None:
     names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
   else:
@@ -197,7 +221,9 @@ def _implementations(op_name: str, implementation, cfg: GatedDeltaNetConfig):
     names = tuple(n for n in wanted if n in available) or registry.default_order(op_name)
   if op_name == "gated_delta_rule" and cfg.chunk_size is not None:
     names = tuple(_with_chunk_size(n, cfg.chunk_size) for n in names)
-  return names
+  # One named implementation stays one (its own error if it cannot run, not
+  # an ExceptionGroup of one).
+  return names[0] if isinstance(implementation, str) else names
 
 
 def _with_chunk_size(impl, chunk_size: int):
@@ -207,14 +233,14 @@ def _with_chunk_size(impl, chunk_size: int):
   op = registry.get("gated_delta_rule", "xla")
   try:
     cfg = type(op).config_cls(chunk_size=chunk_size)
-  except Exception:  # pylint: disable=broad-except
+  except (TypeError, ValueError):   # pydantic's ValidationError is a ValueError
     return impl      # no such knob (or not this value): the op's own choice.
   kw = dict(config=cfg)
   vjp = getattr(op, "vjp", None)
   if vjp is not None:
     try:
       kw["vjp"] = vjp.replace(config=type(vjp).config_cls(chunk_size=chunk_size))
-    except Exception:  # pylint: disable=broad-except
+    except (TypeError, ValueError):
       pass
   return op.replace(**kw)
 
@@ -229,6 +255,28 @@ def gated_rmsnorm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> 
   return h.astype(dtype)
 
 
+def in_projection(params: Params, x: jax.Array, cfg: GatedDeltaNetConfig):
+  """x [..., hidden] -> (qkv, z, b, a), x's dtype: the conv input qkv
+  [..., 2*Hk*K + Hv*V] (head-major q | k | v, the serving op's `qkv` layout),
+  the output gate z [..., Hv*V] and the beta / decay gate inputs b, a [..., Hv]."""
+  proj = jnp.einsum("...h,hp->...p", x, params["in_proj"].astype(x.dtype),
+                    preferred_element_type=jnp.float32).astype(x.dtype)
+  return split_in_proj(proj, cfg)
+
+
+def out_projection(params: Params, o: jax.Array, z: jax.Array,
+                   cfg: GatedDeltaNetConfig) -> jax.Array:
+  """GDN output o [..., Hv, V] and gate z [..., Hv*V] -> y [..., hidden] in
+  z's dtype: the gated RMSNorm per value head, then `out_proj`."""
+  dtype = z.dtype
+  lead = z.shape[:-1]
+  o = gated_rmsnorm(o.astype(dtype), z.reshape(*lead, cfg.num_v_heads, cfg.head_v_dim),
+                    params["norm_weight"].astype(dtype), cfg.rms_norm_eps)
+  return jnp.einsum("...v,vh->...h", o.reshape(*lead, cfg.value_dim),
+                    params["out_proj"].astype(dtype),
+                    preferred_element_type=jnp.float32).astype(dtype)
+
+
 def gated_deltanet(
     params: Params,
     x: jax.Array,
@@ -239,6 +287,7 @@ def gated_deltanet(
     cache: GatedDeltaNetCache | None = None,
     return_cache: bool = False,
     context_parallel_axis: str | None = None,
+    named_residuals: bool = False,
 ):
   """The GatedDeltaNet block: x [B, T, hidden] -> y [B, T, hidden] (x's dtype).
 
@@ -260,6 +309,10 @@ def gated_deltanet(
       `gated_delta_rule`); the rest of the layer is per token. The returned
       cache is then the whole sequence's, on every device of the axis, and a
       given `cache` enters at the first token (pass it replicated).
+    named_residuals: passed to `gated_delta_rule`: its forward emits the
+      backward's residuals under `checkpoint_name`s for a `jax.checkpoint`
+      policy (`ops.gated_delta_rule.remat`). The conv output is always named
+      `gdn_conv_out`.
 
   Returns:
     y, or (y, cache) with `return_cache`.
@@ -270,9 +323,7 @@ def gated_deltanet(
   dtype = x.dtype
   hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
 
-  proj = jnp.einsum("bth,hp->btp", x, params["in_proj"].astype(dtype),
-                    preferred_element_type=jnp.float32).astype(dtype)
-  qkv, z, beta_logit, a = split_in_proj(proj, cfg)
+  qkv, z, beta_logit, a = in_projection(params, x, cfg)
 
   conv_state = None if cache is None else cache.conv_state.astype(dtype)
   qkv, new_conv_state = causal_conv1d(
@@ -284,6 +335,7 @@ def gated_deltanet(
       implementation=_implementations("causal_conv1d", implementation, cfg),
       context_parallel_axis=context_parallel_axis,
   )
+  qkv = checkpoint_name(qkv, gdn_remat.CONV_OUT)
   q = qkv[..., :cfg.key_dim].reshape(b, t, hk, dk)
   k = qkv[..., cfg.key_dim:2 * cfg.key_dim].reshape(b, t, hk, dk)
   v = qkv[..., 2 * cfg.key_dim:].reshape(b, t, hv, dv)
@@ -299,11 +351,9 @@ def gated_deltanet(
       segment_ids=segment_ids,
       implementation=_implementations("gated_delta_rule", implementation, cfg),
       context_parallel_axis=context_parallel_axis,
+      named_residuals=named_residuals,
   )
-  o = gated_rmsnorm(o.astype(dtype), z.reshape(b, t, hv, dv),
-                    params["norm_weight"].astype(dtype), cfg.rms_norm_eps)
-  y = jnp.einsum("btv,vh->bth", o.reshape(b, t, cfg.value_dim), params["out_proj"].astype(dtype),
-                 preferred_element_type=jnp.float32).astype(dtype)
+  y = out_projection(params, o, z, cfg)
   if return_cache:
     return y, GatedDeltaNetCache(new_conv_state, new_state)
   return y

@@ -1,14 +1,16 @@
-"""Model presets: `configs/models/<name>.yml` as `GatedDeltaNetConfig`s.
+"""Model presets: finding and reading `configs/models/<name>.yml` (the layer
+builds its `GatedDeltaNetConfig` from them: `gated_deltanet.load_preset`).
 
 Looked up in `$TOKAMAX_GDN_MODELS_DIR`, then the repository's `configs/models/`
 (editable installs), then `tokamax_gdn/data/models/` (wheels).
 """
 
-import dataclasses
 import os
 import pathlib
+from typing import Any, Callable
 
-from tokamax_gdn.layers.gated_deltanet import GatedDeltaNetConfig
+import yaml
+
 
 _PKG = pathlib.Path(__file__).resolve().parent.parent
 
@@ -31,23 +33,39 @@ def preset_file(spec: str | os.PathLike[str]) -> pathlib.Path:
 
   A path that is not a file but looks like one (`configs/models/<name>.yml`
   outside a checkout) names the preset shipped in the package. ValueError for
-  an unknown name.
+  an unknown name, or for a missing file that names no shipped preset.
   """
   path = pathlib.Path(spec)
   if path.is_file():
     return path
-  name = path.stem if path.suffix in (".yml", ".yaml") else str(spec)
+  looks_like_a_path = path.suffix in (".yml", ".yaml") or len(path.parts) > 1
+  name = path.stem if looks_like_a_path else str(spec)
   for d in _dirs():
     p = d / f"{name}.yml"
     if p.is_file():
       return p
+  if looks_like_a_path:
+    raise ValueError(f"model preset file {str(path)!r} does not exist (nor is {name!r} a"
+                     " shipped preset).")
   raise ValueError(f"Unknown model preset {name!r}; available: {', '.join(list_presets())}.")
 
 
-def load_preset(spec: str | os.PathLike[str], **overrides) -> GatedDeltaNetConfig:
-  """`load_preset("qwen3.5-tiny")` (a name or a .yml path, see `preset_file`);
-  keyword overrides replace fields."""
-  cfg = GatedDeltaNetConfig.from_yaml(preset_file(spec))
-  if overrides:
-    cfg = dataclasses.replace(cfg, **overrides)
-  return cfg
+def read_preset(path, build: Callable[[dict[str, Any]], Any]):
+  """build(the mapping in preset file `path`); every problem (a missing file,
+  invalid YAML, not a mapping, missing or unknown fields) is a one-line
+  ValueError naming the file."""
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise ValueError(f"model preset file {str(path)!r} does not exist.")
+  try:
+    d = yaml.safe_load(path.read_text())
+  except yaml.YAMLError as e:
+    problem = " ".join(str(e).split())
+    raise ValueError(f"{path}: not valid YAML: {problem}") from None
+  if not isinstance(d, dict):
+    raise ValueError(f"{path}: expected a mapping of config fields (`hidden_size: 128`, ...),"
+                     f" got {type(d).__name__}.")
+  try:
+    return build(d)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{path}: {e}") from None

@@ -62,7 +62,7 @@ def init_attention(key, hidden: int, heads: int, kv_heads: int, head_dim: int,
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
   """Rotary embedding on the last axis (halves rotated, as HF's `rotate_half`);
-  x [B, T, H, D], positions [T]."""
+  x [..., T, H, D], positions [T]."""
   half = x.shape[-1] // 2
   freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
   angle = positions.astype(jnp.float32)[:, None] * freq               # [T, D/2]
@@ -72,16 +72,26 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
   return out.astype(x.dtype)
 
 
+def attention_qkv(params: Params, x: jax.Array, positions: jax.Array, *, heads: int,
+                  kv_heads: int, head_dim: int, eps: float, rope_theta: float):
+  """x [..., T, hidden] at `positions` [T] -> q [..., T, heads, head_dim] and
+  k, v [..., T, kv_heads, head_dim]: projected, q and k normed and rotated
+  (what a KV cache stores)."""
+  lead = x.shape[:-1]
+  q = matmul(x, params["q_proj"]).reshape(*lead, heads, head_dim)
+  k = matmul(x, params["k_proj"]).reshape(*lead, kv_heads, head_dim)
+  v = matmul(x, params["v_proj"]).reshape(*lead, kv_heads, head_dim)
+  q = rope(rms_norm(q, params["q_norm"], eps), positions, rope_theta)
+  k = rope(rms_norm(k, params["k_norm"], eps), positions, rope_theta)
+  return q, k, v
+
+
 def attention(params: Params, x: jax.Array, *, heads: int, kv_heads: int, head_dim: int,
               eps: float, rope_theta: float) -> jax.Array:
   """Causal GQA softmax attention, x [B, T, hidden] -> [B, T, hidden]."""
   b, t, _ = x.shape
-  q = matmul(x, params["q_proj"]).reshape(b, t, heads, head_dim)
-  k = matmul(x, params["k_proj"]).reshape(b, t, kv_heads, head_dim)
-  v = matmul(x, params["v_proj"]).reshape(b, t, kv_heads, head_dim)
-  positions = jnp.arange(t)
-  q = rope(rms_norm(q, params["q_norm"], eps), positions, rope_theta)
-  k = rope(rms_norm(k, params["k_norm"], eps), positions, rope_theta)
+  q, k, v = attention_qkv(params, x, jnp.arange(t), heads=heads, kv_heads=kv_heads,
+                          head_dim=head_dim, eps=eps, rope_theta=rope_theta)
   q = q.reshape(b, t, kv_heads, heads // kv_heads, head_dim)
   s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
   s = s / math.sqrt(head_dim)

@@ -17,7 +17,6 @@ decoder around it under a `model:` section:
 import dataclasses
 from typing import Any
 
-import yaml
 
 from tokamax_gdn.layers import presets
 from tokamax_gdn.layers.gated_deltanet import GatedDeltaNetConfig
@@ -143,12 +142,16 @@ class ModelConfig:
     unknown = set(section) - names
     if unknown:
       raise ValueError(f"Unknown `{MODEL_SECTION}:` keys {sorted(unknown)}; valid: {sorted(names)}.")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name in names
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+               and f.name not in section]
+    if missing:
+      raise ValueError(f"`{MODEL_SECTION}:` fields {missing} are missing.")
     return cls(gdn=GatedDeltaNetConfig.from_dict(d), name=name, **section)
 
   @classmethod
   def load(cls, spec: str, **overrides) -> "ModelConfig":
     """A preset name (`qwen3.5-micro`) or a path to a preset .yml; `overrides`
     as in `replace`."""
-    with open(presets.preset_file(spec)) as f:
-      cfg = cls.from_dict(yaml.safe_load(f))
+    cfg = presets.read_preset(presets.preset_file(spec), cls.from_dict)
     return cfg.replace(**overrides) if overrides else cfg

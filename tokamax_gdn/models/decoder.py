@@ -19,7 +19,12 @@ exactly `tokamax_gdn.layers.init_params`'s dict, so HF weights load through
 blocks of a period under an inner `lax.scan`, so one GDN block and one
 attention block are compiled whatever the depth; `remat=True` wraps every
 block in `jax.checkpoint` (activations inside a block are recomputed in the
-backward; the GDN / gmm custom VJPs run inside the rematerialised region).
+backward; the GDN / gmm custom VJPs run inside the rematerialised region),
+with the policy `remat_policy` names (`ops.gated_delta_rule.remat`):
+"recompute" saves nothing; "save_gdn" / "offload_gdn" have the GDN op emit
+its backward's residuals (chunk-entry states, WY inverses, its output, the
+conv output) and keep them on device / in host memory, so the backward
+neither reruns the GDN forward nor its states pass.
 """
 
 import functools
@@ -29,19 +34,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from tokamax_gdn import layers
+from tokamax_gdn import registry
 from tokamax_gdn.models import blocks
 from tokamax_gdn.models import sharding
 from tokamax_gdn.models.config import ModelConfig
+from tokamax_gdn.ops.gated_delta_rule import remat as gdn_remat
 
 Params = dict
-
-
-def op_implementation(implementation, op_name: str):
-  """The model's `implementation=` (a name, a sequence, or {op name: that})
-  for one op."""
-  if isinstance(implementation, dict):
-    return implementation.get(op_name)
-  return implementation
 
 
 def init_dt_bias(key: jax.Array, num_heads: int, dt_min: float = 1e-3,
@@ -101,26 +100,33 @@ def init_params(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32) -> Params:
 
 
 def block(params: Params, x: jax.Array, cfg: ModelConfig, kind: str, *,
-          implementation=None, mesh: Mesh | None = None):
+          implementation=None, mesh: Mesh | None = None, named_residuals: bool = False):
   """One decoder block: x [B, T, hidden] -> (x, MoE stats)."""
   h = blocks.rms_norm(x, params["input_norm"], cfg.rms_norm_eps)
   if kind == "gdn":
-    h = sharding.gdn_mixer(params["gdn"], h, cfg.gdn, implementation=implementation, mesh=mesh)
+    h = sharding.gdn_mixer(params["gdn"], h, cfg.gdn, implementation=implementation, mesh=mesh,
+                           named_residuals=named_residuals)
   else:
     h = blocks.attention(params["attn"], h, heads=cfg.num_attention_heads,
                          kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                          eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta)
-  x = x + h
+  return mlp_residual(params, x + h, cfg, implementation=implementation, mesh=mesh)
+
+
+def mlp_residual(params: Params, x: jax.Array, cfg: ModelConfig, *, implementation=None,
+                 mesh: Mesh | None = None):
+  """A block's second half, after the mixer: x -> (x + moe(rms_norm(x)), MoE stats)."""
   h = blocks.rms_norm(x, params["post_norm"], cfg.rms_norm_eps)
   h, stats = sharding.moe_mixer(
       params["moe"], h, top_k=cfg.num_experts_per_tok, capacity_factor=cfg.capacity_factor,
       norm_topk_prob=cfg.norm_topk_prob,
-      implementation=op_implementation(implementation, "gmm"), mesh=mesh)
+      implementation=registry.for_op(implementation, "gmm"), mesh=mesh)
   return x + h, stats
 
 
 def forward(params: Params, tokens: jax.Array, cfg: ModelConfig, *, implementation=None,
-            dtype=None, remat: bool = True, scan: bool = True, mesh: Mesh | None = None):
+            dtype=None, remat: bool = True, scan: bool = True, mesh: Mesh | None = None,
+            remat_policy: gdn_remat.RematPolicy = gdn_remat.RECOMPUTE):
   """tokens [B, T] int -> (logits [B, T, V] float32, stats).
 
   Args:
@@ -129,6 +135,9 @@ def forward(params: Params, tokens: jax.Array, cfg: ModelConfig, *, implementati
     dtype: activation dtype (default: the embedding's). Params are cast to it
       at use; GDN states, norms, softmaxes and accumulations stay float32.
     remat: `jax.checkpoint` around every block.
+    remat_policy: with `remat`, what the blocks' checkpoints keep:
+      "recompute" (nothing), "save_gdn" (the GDN residuals, on device) or
+      "offload_gdn" (them, in pinned host memory); see the module docstring.
     scan: `lax.scan` over periods and over a period's GDN blocks instead of
       Python loops.
     mesh: a ("data", "model") mesh to shard over (see `models.sharding`).
@@ -138,14 +147,16 @@ def forward(params: Params, tokens: jax.Array, cfg: ModelConfig, *, implementati
     `group_sizes` [num_layers, E] (tokens per expert, summed over data shards)
     and `dropped` [num_layers] (assignments past capacity).
   """
+  policy = gdn_remat.checkpoint_policy(remat_policy)   # checks the name
   if tokens.ndim != 2:
     raise ValueError(f"`tokens` (shape {tuple(tokens.shape)}): expected [B, T].")
   dtype = jnp.dtype(dtype or params["embed"].dtype)
   x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)
 
   def make(kind):
-    fn = functools.partial(block, cfg=cfg, kind=kind, implementation=implementation, mesh=mesh)
-    fn = jax.checkpoint(fn) if remat else fn
+    fn = functools.partial(block, cfg=cfg, kind=kind, implementation=implementation, mesh=mesh,
+                           named_residuals=remat and remat_policy != gdn_remat.RECOMPUTE)
+    fn = jax.checkpoint(fn, policy=policy) if remat else fn
     return lambda x, p: fn(p, x)       # (carry, xs) order for lax.scan
 
   gdn_block, attention_block = make("gdn"), make("attention")

@@ -53,10 +53,12 @@ def _gdn_segments(cfg: GatedDeltaNetConfig) -> tuple[list[int], list[int]]:
 
 
 def gdn_mixer(params, x: jax.Array, cfg: GatedDeltaNetConfig, *, implementation=None,
-              mesh: Mesh | None = None) -> jax.Array:
+              mesh: Mesh | None = None, named_residuals: bool = False) -> jax.Array:
   """The GatedDeltaNet layer, heads split over "model" when `mesh` is given."""
+  layer = functools.partial(gated_deltanet, implementation=implementation,
+                            named_residuals=named_residuals)
   if mesh is None:
-    return gated_deltanet(params, x, cfg, implementation=implementation)
+    return layer(params, x, cfg)
   m = _model_size(mesh)
   _require_divisible("num_k_heads", cfg.num_k_heads, mesh, MODEL)
   _require_divisible("batch", x.shape[0], mesh, DATA)
@@ -70,7 +72,7 @@ def gdn_mixer(params, x: jax.Array, cfg: GatedDeltaNetConfig, *, implementation=
     p = dict(in_proj=jnp.concatenate(in_segs, axis=1),
              conv_weight=jnp.concatenate(conv_segs, axis=0),
              a_log=a_log, dt_bias=dt_bias, norm_weight=norm_weight, out_proj=out_proj)
-    return jax.lax.psum(gated_deltanet(p, x, local_cfg, implementation=implementation), MODEL)
+    return jax.lax.psum(layer(p, x, local_cfg), MODEL)
 
   col, row = P(None, MODEL), P(MODEL, None)
   fn = jax.shard_map(

@@ -55,7 +55,8 @@ def _abstract(mesh, shapes, specs):
 def compile_train_step(cfg: ModelConfig, *, target: str = "tpu7x", batch: int = 8,
                        seq_len: int = 2048, mesh_shape: tuple[int, int] = (2, 4),
                        implementation: str = "pallas_mosaic_tpu", dtype=jnp.bfloat16,
-                       param_dtype=jnp.float32, remat: bool = True) -> TrainStepReport:
+                       param_dtype=jnp.float32, remat: bool = True,
+                       remat_policy: str = "recompute") -> TrainStepReport:
   """Compiles one AdamW training step of `cfg` for `target`; raises on failure.
 
   Args:
@@ -63,12 +64,13 @@ def compile_train_step(cfg: ModelConfig, *, target: str = "tpu7x", batch: int = 
       target topology's devices (tpu7x 2x2x1: 8 TensorCores).
     implementation: the ops' implementation for every op.
     dtype: activation dtype; params (and AdamW moments) are `param_dtype`.
+    remat, remat_policy: `models.forward`'s.
   """
   n_data, n_model = mesh_shape
   mesh = aot.target_mesh(target, n_data * n_model, (sharding.DATA, sharding.MODEL), mesh_shape)
   optimizer = step_lib.make_optimizer(1e-3, 1000, warmup_steps=10)
   step_cfg = step_lib.StepConfig(implementation=implementation, dtype=dtype, remat=remat,
-                                 scan=True)
+                                 scan=True, remat_policy=remat_policy)
   param_shapes = jax.eval_shape(
       lambda: decoder.init_params(jax.random.key(0), cfg, param_dtype))
   params = _abstract(mesh, param_shapes, sharding.param_specs(param_shapes))

@@ -9,11 +9,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import tqdm
 
+from tokamax_gdn import progress as progress_lib
 from tokamax_gdn.models import decoder
 from tokamax_gdn.models.config import ModelConfig
 from tokamax_gdn.training import profile
+from tokamax_gdn.training import recall as recall_lib
 from tokamax_gdn.training import step as step_lib
 from tokamax_gdn.training.data import RecallTask
 
@@ -29,6 +30,8 @@ class TrainConfig:
     the step-time median.
   eval_sequences: fresh sequences for the final recall accuracy (rounded up
     to whole batches).
+  generated_recall: also measure recall with the answers generated token by
+    token (`training.recall`) on the same sequences.
   """
 
   steps: int = 300
@@ -40,6 +43,7 @@ class TrainConfig:
   param_dtype: Any = jnp.float32
   step: step_lib.StepConfig = step_lib.StepConfig()
   eval_sequences: int = 256
+  generated_recall: bool = True
   stop_at_accuracy: float | None = None
   window: int = 10
   profile_step: int | None = 1
@@ -55,7 +59,9 @@ class TrainConfig:
 @dataclasses.dataclass
 class TrainResult:
   """What a run measured. `history` has one dict per step (step, loss,
-  accuracy, grad_norm, aux_loss, seconds)."""
+  accuracy, grad_norm, aux_loss, seconds). `recall_accuracy` is
+  teacher-forced, `generated_recall` (None when not asked for) by
+  generation."""
 
   history: list[dict[str, float]]
   eval_loss: float
@@ -67,6 +73,7 @@ class TrainResult:
   split: dict[str, float] | None
   params: Any
   opt_state: Any
+  generated_recall: float | None = None
 
   @property
   def start_loss(self) -> float:
@@ -121,7 +128,8 @@ def train(cfg: ModelConfig, task: RecallTask, tcfg: TrainConfig = TrainConfig(),
 
   tokens = tcfg.batch_size * task.seq_len
   history, times, split = [], [], None
-  bar = tqdm.tqdm(total=tcfg.steps, disable=not progress, unit="step", dynamic_ncols=True)
+  bar = progress_lib.bar(total=tcfg.steps, desc="train", disable=not progress, unit="step",
+                         dynamic_ncols=True)
   try:
     for i in range(tcfg.steps):
       t0 = time.perf_counter()
@@ -149,11 +157,17 @@ def train(cfg: ModelConfig, task: RecallTask, tcfg: TrainConfig = TrainConfig(),
   finally:
     bar.close()
 
+  eval_batches = -(-tcfg.eval_sequences // tcfg.batch_size)
   eval_loss, recall = evaluate(compiled, params, opt_state, task, k_eval, tcfg.batch_size,
-                               -(-tcfg.eval_sequences // tcfg.batch_size))
+                               eval_batches)
+  generated = None
+  if tcfg.generated_recall:
+    generated = recall_lib.generated_recall(
+        params, cfg, task, k_eval, tcfg.batch_size, eval_batches,
+        implementation=tcfg.step.implementation, dtype=tcfg.step.dtype)
   step_seconds = statistics.median(times) if times else history[-1]["seconds"]
   return TrainResult(
       history=history, eval_loss=eval_loss, recall_accuracy=recall,
       compile_seconds=compile_seconds, step_seconds=step_seconds,
       tokens_per_second=tokens / step_seconds, total_seconds=time.perf_counter() - start,
-      split=split, params=params, opt_state=opt_state)
+      split=split, params=params, opt_state=opt_state, generated_recall=generated)

@@ -30,12 +30,15 @@ class StepConfig:
 
   implementation: for every op, as `models.forward` takes it.
   dtype: activation dtype; None: the params' dtype.
+  remat, remat_policy: `models.forward`'s (a `jax.checkpoint` per block, and
+    what it keeps).
   """
 
   implementation: Any = None
   dtype: Any = None
   remat: bool = False
   scan: bool = True
+  remat_policy: str = "recompute"
 
 
 def loss_fn(params, batch, cfg: ModelConfig, step_cfg: StepConfig = StepConfig(), mesh=None):
@@ -43,7 +46,7 @@ def loss_fn(params, batch, cfg: ModelConfig, step_cfg: StepConfig = StepConfig()
   tokens, targets, mask = batch
   logits, stats = decoder.forward(
       params, tokens, cfg, implementation=step_cfg.implementation, dtype=step_cfg.dtype,
-      remat=step_cfg.remat, scan=step_cfg.scan, mesh=mesh)
+      remat=step_cfg.remat, scan=step_cfg.scan, mesh=mesh, remat_policy=step_cfg.remat_policy)
   logp = jax.nn.log_softmax(logits, axis=-1)
   nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
   weight = mask.astype(jnp.float32)

@@ -7,8 +7,6 @@ import pytest
 
 import tokamax_gdn
 from tokamax_gdn import registry
-from tokamax_gdn.ops.gated_delta_rule import prologue
-from tokamax_gdn.ops.gated_delta_rule import segments
 from tokamax_gdn.ops.gated_delta_rule.arg_specs import random_inputs
 from tokamax_gdn.testing import conformance
 
@@ -72,14 +70,6 @@ def test_scale_defaults_to_inverse_sqrt_k():
   assert ba.arguments["scale"] == pytest.approx(8**-0.5)
 
 
-def test_prologue_gate_and_l2norm():
-  x = jnp.array([[3.0, 4.0]])
-  assert jnp.allclose(prologue.l2norm(x), x / jnp.sqrt(25.0 + 1e-6))
-  g = jnp.array([0.5]); a_log = jnp.array([0.2]); dt = jnp.array([-1.0])
-  expected = -jnp.exp(0.2) * jax.nn.softplus(-0.5)
-  assert jnp.allclose(prologue.gate_log_decay(g, a_log, dt), expected)
-
-
 # ------------------------------------------------------- per-segment states
 def _segment_states(n=3):
   args, kwargs = _inputs()
@@ -115,59 +105,6 @@ def test_per_segment_state_unsupported_raises_not_implemented_and_falls_back():
   out, final = tokamax_gdn.gated_delta_rule(
       *args, **kwargs, implementation=[NoSegmentStates(), "reference"])
   assert out.shape == (2, 6, 4, 4) and final.shape == (2, 3, 4, 8, 4)
-
-
-def _layout_cases():
-  # (segment ids of one row, N, C)
-  return [
-      ([0] * 5 + [1] * 3 + [2] * 9, 2, 4),     # segment 2 is past N: not aligned
-      ([7] * 4 + [3] * 4, 3, 4),               # already aligned; fewer segments than N
-      ([0, 1, 0, 1, 1, 1, 2], 5, 4),           # one-token segments; ids that come back
-      ([4] * 10, 1, 16),                       # one segment, shorter than a chunk
-  ]
-
-
-@pytest.mark.parametrize("ids,n,c", _layout_cases())
-def test_align_segments(ids, n, c):
-  seg_ids = jnp.array([ids, ids[::-1]], jnp.int32)
-  lay = segments.align_segments(seg_ids, n, c)
-  t = len(ids)
-  t_al = -(-(t + n * (c - 1)) // c) * c
-  assert lay.source.shape == (2, t_al) and lay.aligned_length == t_al
-  for row in range(2):
-    row_ids = [int(x) for x in seg_ids[row]]
-    seg = [0]
-    for a, b in zip(row_ids, row_ids[1:]):
-      seg.append(seg[-1] + (a != b))
-    assert int(lay.num_segments[row]) == seg[-1] + 1
-    pos = [int(p) for p in lay.position[row]]
-    assert pos == sorted(set(pos)) and pos[0] == 0 and pos[-1] < t_al
-    for tok, p in enumerate(pos):
-      assert int(lay.source[row, p]) == tok
-      assert int(lay.segment[row, p]) == seg[tok]
-      starts_segment = tok == 0 or seg[tok] != seg[tok - 1]
-      if starts_segment and seg[tok] <= n:       # segments 0..N start chunks
-        assert p % c == 0, (row, tok, p)
-        assert bool(lay.chunk_reset[row, p // c])
-        assert int(lay.chunk_segment[row, p // c]) == seg[tok]
-      if starts_segment and seg[tok] > n:        # later ones follow without padding
-        assert p == pos[tok - 1] + 1
-    assert int(jnp.sum(lay.source[row] < t)) == t    # every other position is a pad
-    kept_resets = lay.chunk_reset[row] & (lay.chunk_segment[row] <= n)
-    assert int(jnp.sum(kept_resets)) == min(seg[-1] + 1, n + 1)
-    # The last chunk of each segment: just before the next reset, or the end.
-    resets = [int(i) for i in jnp.nonzero(lay.chunk_reset[row])[0]]
-    lasts = [int(i) for i in jnp.nonzero(lay.chunk_last[row])[0]]
-    assert lasts == [r - 1 for r in resets[1:]] + [t_al // c - 1]
-  x = jax.random.normal(jax.random.key(0), (2, t, 3))
-  x_al = lay.to_aligned(x)
-  np.testing.assert_array_equal(lay.from_aligned(x_al), x)
-  np.testing.assert_array_equal(jnp.where((lay.source < t)[..., None], 0.0, x_al), 0.0)
-  # Differentiable both ways: the two maps are each other's transpose.
-  ct = jax.random.normal(jax.random.key(1), x_al.shape)
-  grad = jax.grad(lambda x: jnp.sum(lay.to_aligned(x) * ct))(x)
-  np.testing.assert_array_equal(grad, lay.from_aligned(ct))
-  assert not bool(jnp.any(lay.in_chunk_starts() & (lay.segment <= n)))
 
 
 # ------------------------------------------------------------- float64, jvp

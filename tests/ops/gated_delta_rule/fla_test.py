@@ -65,9 +65,8 @@ def test_cu_seqlens_equals_separate_runs(impl):
   op = registry.get("gated_delta_rule", impl)
   d = _inputs()
   if not type(op).supports_segment_states:
-    with pytest.raises(ExceptionGroup) as e:
+    with pytest.raises(NotImplementedError):
       _fla(d, impl, cu_seqlens=jnp.asarray(CU))
-    assert e.group_contains(NotImplementedError)
     return
 
   def packed(d):
@@ -158,3 +157,126 @@ def test_bad_cu_seqlens(bad, match):
         d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=h0,
         output_final_state=True, cu_seqlens=jnp.asarray(bad["cu_seqlens"]),
         implementation="reference")
+
+
+# ------------------------------------------- FLA's whole signature (keywords)
+# The keywords are argument plumbing in front of the op, the same for every
+# implementation: checked on the reference (the cheapest compile here).
+KW_IMPL = "reference"
+
+
+def _plain(d, impl=KW_IMPL, **kw):
+  """tokamax_gdn.gated_delta_rule on B rows: the form each FLA keyword must equal."""
+  return tokamax_gdn.gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"],
+                                      initial_state=d["initial_state"], output_final_state=True,
+                                      use_qk_l2norm=True, implementation=impl, **kw)
+
+
+def _b2():
+  d = _inputs(b=2)
+  cts = (jax.random.normal(jax.random.key(5), d["v"].shape),
+         jax.random.normal(jax.random.key(6), d["initial_state"].shape))
+  return d, cts
+
+
+def _compare(fla_fn, plain_fn, d, cts):
+  got = jax.jit(functools.partial(_fwd_bwd, fla_fn))(d, cts)
+  want = jax.jit(functools.partial(_fwd_bwd, plain_fn))(d, cts)
+  _assert_close(got, want)
+
+
+def _call(d, *args, **kw):
+  return tokamax_gdn.chunk_gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"], *args,
+                                            implementation=KW_IMPL, **kw)
+
+
+def test_fla_positional_order():
+  """scale, initial_state, output_final_state, use_qk_l2norm_in_kernel (slot
+  8) and cu_seqlens (slot 12) by position, as FLA's callers pass them."""
+  d, cts = _b2()
+  _compare(lambda d: _call(d, None, d["initial_state"], True, True), _plain, d, cts)
+  one = _inputs()
+  del one["initial_state"]
+  got, _ = jax.jit(lambda d: _call(d, None, None, False, True, False, False, False,
+                                   jnp.asarray(CU)))(one)
+  want, _ = jax.jit(_fla_plain_segments)(one)
+  assert rel_rms(got, want) <= tolerance(jnp.float32, grad=False)
+
+
+def _fla_plain_segments(d):
+  ids = jnp.asarray(np.searchsorted(np.asarray(CU[1:-1]), np.arange(T), side="right"))[None]
+  return tokamax_gdn.gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"],
+                                      segment_ids=ids, use_qk_l2norm=True, implementation=KW_IMPL)
+
+
+def test_fla_use_gate_in_kernel():
+  d, cts = _b2()
+  d["a_log"] = jnp.log(jnp.linspace(0.5, 4.0, HV))
+  d["dt_bias"] = jnp.linspace(-0.5, 0.5, HV)
+  d["g"] = jax.random.normal(jax.random.key(8), d["g"].shape)     # the raw gate
+  fla = lambda d: _call(d, initial_state=d["initial_state"], output_final_state=True,
+                        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                        A_log=d["a_log"], dt_bias=d["dt_bias"])
+  _compare(fla, lambda d: _plain(d, a_log=d["a_log"], dt_bias=d["dt_bias"]), d, cts)
+
+
+@pytest.mark.parametrize("neg", [False, True])
+def test_fla_beta_logits_and_negative_eigenvalues(neg):
+  """beta as logits: sigmoid inside (2 sigmoid with allow_neg_eigval, beta in
+  (0, 2)); gradients reach the logits as through the explicit form."""
+  d, cts = _b2()
+  d["beta"] = 3.0 * jax.random.normal(jax.random.key(9), d["beta"].shape)
+  act = lambda b: (2.0 if neg else 1.0) * jax.nn.sigmoid(b)
+  fla = lambda d: _call(d, initial_state=d["initial_state"], output_final_state=True,
+                        use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                        allow_neg_eigval=neg)
+  _compare(fla, lambda d: _plain(dict(d, beta=act(d["beta"]))), d, cts)
+
+
+def test_negative_eigenvalues_stay_accurate():
+  """beta in (0, 2) with unit keys (the transition's eigenvalues in (-1, 1]):
+  xla against the per-token reference within the float32 contract, finite."""
+  d, cts = _b2()
+  d["beta"] = 2.0 * jax.nn.sigmoid(3.0 * jax.random.normal(jax.random.key(9), d["beta"].shape))
+  _compare(functools.partial(_plain, impl="xla"), _plain, d, cts)
+
+
+@pytest.mark.parametrize("name", ["state_v_first", "transpose_state_layout"])
+def test_fla_state_v_first(name):
+  """States [N, Hv, V, K] in and out (FLA's V-first layout; its old name too)."""
+  d, cts = _b2()
+  swap = lambda x: jnp.swapaxes(x, -1, -2)
+  d["initial_state"] = swap(d["initial_state"])
+  cts = (cts[0], swap(cts[1]))
+  fla = lambda d: _call(d, initial_state=d["initial_state"], output_final_state=True,
+                        use_qk_l2norm_in_kernel=True, **{name: True})
+
+  def plain(d):
+    out, final = _plain(dict(d, initial_state=swap(d["initial_state"])))
+    return out, swap(final)
+
+  _compare(fla, plain, d, cts)
+
+
+def test_fla_chunk_size():
+  d, _ = _b2()
+  kw = dict(initial_state=d["initial_state"], output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
+  got = jax.jit(lambda d: _call(d, chunk_size=32, **kw))(d)
+  want = jax.jit(_plain)(d)
+  for a, b in zip(got, want):
+    assert rel_rms(a, b) <= tolerance(jnp.float32, grad=False)
+  with pytest.raises(ValueError, match=r"\(16, 32, 64\)"):
+    _call(d, chunk_size=48, **kw)
+
+
+def test_fla_unknown_keyword_is_a_type_error_naming_it():
+  d, _ = _b2()
+  with pytest.raises(TypeError, match="use_kernel_gate"):
+    _call(d, use_kernel_gate=True)
+  with pytest.raises(NotImplementedError, match="context_parallel_axis"):
+    _call(d, cp_context=object())
+  with pytest.raises(ValueError, match="use_gate_in_kernel"):
+    _call(d, A_log=jnp.zeros(HV))
+  with pytest.raises(ValueError, match="use_beta_sigmoid_in_kernel"):
+    _call(d, allow_neg_eigval=True)

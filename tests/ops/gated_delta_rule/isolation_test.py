@@ -142,10 +142,22 @@ def test_bad_value_stays_in_its_segment(impl, chunk, name, value):
   else:
     _all_nonfinite(out[0, BAD_TOKEN:s1, 1], "out from the bad token on")
     _assert_same(out[0, s0:BAD_TOKEN], c_out[0, s0:BAD_TOKEN], "outputs before it")
-  for n in ("value", "g", "beta"):
-    _all_nonfinite(grads[n][0, poisoned, 1], f"d{n} of the poisoned segment")
-  for n in ("query", "key"):
-    _all_nonfinite(grads[n][0, poisoned, 0], f"d{n} of the poisoned segment")
+  # Gradients: NaN from the first bad input on, at and before a bad
+  # cotangent; never before a bad input (NaN does not flow backwards).
+  if name == "initial_state":
+    nan_grads, finite_grads = poisoned, slice(0, 0)
+  elif name == "d_out":
+    nan_grads, finite_grads = slice(s0, BAD_TOKEN + 1), slice(BAD_TOKEN + 1, s1)
+  elif name == "query":
+    nan_grads, finite_grads = slice(BAD_TOKEN, BAD_TOKEN + 1), slice(s0, BAD_TOKEN)
+  else:
+    nan_grads, finite_grads = slice(BAD_TOKEN, s1), slice(s0, BAD_TOKEN)
+  for n, head in (("value", 1), ("g", 1), ("beta", 1), ("query", 0), ("key", 0)):
+    _all_nonfinite(grads[n][0, nan_grads, head], f"d{n} of the poisoned tokens")
+    h.assert_finite(grads[n][0, finite_grads], f"d{n} before the bad token")
+  if name == "d_out":       # later tokens do not read the bad cotangent
+    for n in h.POSITIONAL:
+      _assert_same(grads[n][0, finite_grads], c_grads[n][0, finite_grads], f"d{n} after")
   if name == "initial_state":
     _all_nonfinite(grads["initial_state"][0, 1], "d_initial_state")
 
@@ -203,3 +215,45 @@ def test_overflowing_segment_does_not_reach_the_next_chunk(impl, chunk):
   for n in h.POSITIONAL:
     np.testing.assert_allclose(grads[n][:, cut:], want_grads[n], rtol=1e-3, atol=1e-5,
                                err_msg=n)
+
+
+def _in_time_problem():
+  diff, static = h.inputs(6, b=2, t=T_TIME, hk=HV // GROUP, hv=HV, dk=8, dv=8, gate=True)
+  static.update(use_qk_l2norm=True)
+  return diff, static, h.cotangents(diff, static, seed=7)
+
+
+T_TIME = 40       # the bad token (BAD_TIME) in xla's second chunk of 16
+BAD_TIME = 20
+TIME_CASES = [("value", np.nan), ("key", np.inf), ("g", np.nan), ("d_out_after", np.nan)]
+
+
+@pytest.mark.parametrize(
+    "impl,chunk,name,value",
+    [p for p in _params(TIME_CASES) if "pallas" not in p.id]
+    + [pytest.param("pallas_mosaic_tpu", 64, "value", np.nan, id="pallas_mosaic_tpu-C64-value")])
+def test_nan_does_not_flow_backwards_in_time(impl, chunk, name, value):
+  """No segment_ids: a NaN / inf at token 20 leaves the outputs before it as
+  in the clean run and their gradients finite ("d_out_after": the NaN
+  cotangents a `where`-masked loss gets from outputs that are NaN already)."""
+  op = _op(impl, chunk)
+  diff, static, cts = _in_time_problem()
+  c_out, _, _ = _run(op, diff, static, cts)
+  diff, cts = dict(diff), list(cts)
+  if name == "d_out_after":
+    diff["value"] = diff["value"].at[0, BAD_TIME, 1, 2].set(np.nan)
+    cts[0] = cts[0].at[0, BAD_TIME:, 1].set(value)
+  elif name in ("key", "value"):      # key head 0 is read by value heads 0 and 1
+    diff[name] = diff[name].at[0, BAD_TIME, 1 if name == "value" else 0, 2].set(value)
+  else:
+    diff[name] = diff[name].at[0, BAD_TIME, 1].set(value)
+  out, final, grads = _run(op, diff, static, tuple(cts))
+  _assert_same(out[:, :BAD_TIME], c_out[:, :BAD_TIME], "outputs before the bad token")
+  _assert_same(out[1], c_out[1], "row 1")
+  _all_nonfinite(out[0, BAD_TIME:, 1], "outputs from the bad token on")
+  _all_nonfinite(final[0, 1], "final state")
+  for n in h.POSITIONAL:
+    h.assert_finite(grads[n][:, :BAD_TIME], f"d{n} before the bad token")
+    h.assert_finite(grads[n][1], f"row 1 d{n}")
+  _all_nonfinite(grads["beta"][0, BAD_TIME:, 1], "dbeta from the bad token on")
+  h.assert_finite(grads["initial_state"], "d_initial_state")

@@ -46,12 +46,16 @@ CASES = [
 SMALL = {c.name: c for c in CASES}
 
 
-def inputs(case: Case, seed: int = 0):
+def inputs(case: Case, seed: int = 0, nan_tail: bool = True):
+  """Random lhs/rhs; with `nan_tail`, lhs rows past sum(group_sizes) hold NaN
+  (a floating lhs): gmm gives zeros there and its backward ignores them."""
   rng = np.random.default_rng(seed)
   rhs_dtype = case.rhs_dtype or case.lhs_dtype
   lhs = rng.standard_normal((case.m, case.k)).astype(np.float32)
   if jnp.issubdtype(case.lhs_dtype, jnp.integer):
     lhs = np.clip(np.round(lhs * 40), -127, 127)
+  elif nan_tail:
+    lhs[sum(case.group_sizes):] = np.nan
   g = len(case.group_sizes)
   shape = (g, case.n, case.k) if case.transpose_rhs else (g, case.k, case.n)
   rhs = rng.standard_normal(shape).astype(np.float32) * case.k**-0.5
@@ -60,11 +64,14 @@ def inputs(case: Case, seed: int = 0):
 
 
 def expected(lhs, rhs, gs, transpose_rhs):
-  """`jax.lax.ragged_dot` in float32 at HIGHEST precision."""
+  """`jax.lax.ragged_dot` in float32 at HIGHEST precision, on the rows inside
+  the groups (the others zeroed: ragged_dot's own contract for them)."""
   rhs32 = rhs.astype(F32)
   if transpose_rhs:
     rhs32 = jnp.swapaxes(rhs32, 1, 2)
-  return jax.lax.ragged_dot(lhs.astype(F32), rhs32, gs, precision=jax.lax.Precision.HIGHEST)
+  keep = (jnp.arange(lhs.shape[0]) < jnp.sum(gs))[:, None]
+  return jax.lax.ragged_dot(jnp.where(keep, lhs.astype(F32), 0.0), rhs32, gs,
+                            precision=jax.lax.Precision.HIGHEST)
 
 
 def _tol(case: Case, grad: bool) -> float:
@@ -103,8 +110,11 @@ def check_vjp(implementation, case: Case):
   got = jax.jit(jax.grad(functools_partial(loss, ours), argnums=tuple(float_args)))(lhs, rhs)
   want = jax.jit(jax.grad(functools_partial(loss, theirs), argnums=tuple(float_args)))(
       lhs.astype(F32) if 0 in float_args else lhs, rhs.astype(F32))
+  total = sum(case.group_sizes)
   for i, g, w in zip(float_args, got, want):
     assert g.dtype == (lhs, rhs)[i].dtype
+    if i == 0:
+      assert np.all(np.asarray(g[total:], np.float32) == 0), "dlhs past sum(group_sizes) not zero"
     if g.dtype.itemsize == 1:  # an fp8 gradient: compare at fp8 resolution.
       w = w.astype(g.dtype)
     err = rel_rms(g, w)

@@ -6,6 +6,7 @@ import jax
 
 from tokamax_gdn import registry
 from tokamax_gdn.ops.gated_delta_rule import context_parallel
+from tokamax_gdn.ops.gated_delta_rule import remat
 
 
 def gated_delta_rule(
@@ -24,6 +25,7 @@ def gated_delta_rule(
     segment_ids: jax.Array | None = None,
     implementation: str | Sequence[str] | None = None,
     context_parallel_axis: str | None = None,
+    named_residuals: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Gated delta rule (Yang et al., ICLR 2025), as in Qwen3-Next / Qwen3.5.
 
@@ -62,6 +64,13 @@ def gated_delta_rule(
       state of the whole sequence on every device of the axis. Pass
       `initial_state`, `a_log`, `dt_bias` replicated over the axis. T must
       divide evenly over the axis. See `context_parallel.py` for the method.
+    named_residuals: the forward emits what the backward would recompute
+      (chunk-entry states `gdn_chunk_states`, WY inverses `gdn_tmat`, and the
+      output `gdn_out`) under those `checkpoint_name`s, for a
+      `jax.checkpoint` policy to save, offload or recompute
+      (`tokamax_gdn.ops.gated_delta_rule.remat`). Without `jax.checkpoint`
+      they are kept from forward to backward (more memory, less compute).
+      Not with `context_parallel_axis`.
 
   Returns:
     (out [B, T, Hv, V] in value's dtype, final_state float32 or None):
@@ -77,6 +86,12 @@ def gated_delta_rule(
   kwargs = dict(scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
                 a_log=a_log, dt_bias=dt_bias, segment_ids=segment_ids)
+  if named_residuals:
+    if context_parallel_axis is not None:
+      raise ValueError("named_residuals is not supported with context_parallel_axis")
+    return registry.call_each(
+        "gated_delta_rule", implementation,
+        lambda op: remat.call(op, query, key, value, g, beta, **kwargs))
   if context_parallel_axis is not None:
     return context_parallel.gated_delta_rule(
         query, key, value, g, beta, axis_name=context_parallel_axis,

@@ -29,8 +29,9 @@ Split of work (one module per concept):
   q, k (input dtype, normalised), v, log-decay (float32) and beta.
 - `segments`: segment starts, the state each segment starts from, the aligned
   layout of per-segment states.
-- `isolation`: with `segment_ids`, `SegmentGuard` wraps the core (forward and
-  backward) for every backend, so a NaN / inf stays in its packed segment.
+- `isolation`: `SegmentGuard` wraps the core (forward and backward) for every
+  backend, so a NaN / inf stays in its packed segment and never flows
+  backwards in time (without `segment_ids` the row is one segment).
 - B = 0 or T = 0 never reach the core (empty results, the state passes through).
 
 The chunked algorithm both chunked backends implement is in `math.md`.
@@ -50,6 +51,7 @@ from tokamax_gdn.ops import autodiff
 from tokamax_gdn.ops import checks
 from tokamax_gdn.ops.gated_delta_rule import isolation
 from tokamax_gdn.ops.gated_delta_rule import prologue
+from tokamax_gdn.ops.gated_delta_rule import segments
 
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
 Output: TypeAlias = tuple[jax.Array, jax.Array | None]
@@ -245,9 +247,6 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
       out = jnp.zeros(value.shape, value.dtype)
       final_state = empty_final_state(query, value, initial_state)
       residuals = None
-    elif segment_ids is None:
-      out, final_state, residuals = core(q, k, value, log_decay, beta,
-                                         initial_state=initial_state)
     else:
       guard = isolation.guard_segments(q, k, value, beta, initial_state, segment_ids,
                                        g=g, a_log=a_log, dt_bias=dt_bias)
@@ -265,17 +264,14 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
 
   def _core_fwd(
       self,
-      q: jax.Array,
-      k: jax.Array,
-      v: jax.Array,
-      log_decay: jax.Array,
-      beta: jax.Array,
+      q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"], v: Float[Array, "B T Hv V"],
+      log_decay: Float[Array, "B T Hv"], beta: Float[Array, "B T Hv"],
       *,
       scale: float,
-      initial_state: jax.Array | None,
-      segment_ids: jax.Array | None,
+      initial_state: segments.State | None,
+      segment_ids: Int[Array, "B T"] | None,
       config: C,
-  ) -> tuple[jax.Array, jax.Array, Residuals | None]:
+  ) -> tuple[Float[Array, "B T Hv V"], segments.State, Residuals | None]:
     """Returns (out [B,T,Hv,V], final_state f32, residuals).
 
     final_state is [B, Hv, K, V], or [B, N, Hv, K, V] for per-segment states
@@ -342,18 +338,14 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
     else:
       core_bwd = functools.partial(self._core_bwd, residuals, scale=scale,
                                    segment_ids=segment_ids, config=config)
-      if segment_ids is None:
-        dq, dk, dv, d_log_decay, dbeta, d_initial = core_bwd(
-            q, k, value, log_decay, beta, d_out, d_final, initial_state=initial_state)
-      else:
-        guard = isolation.guard_segments(q, k, value, beta, initial_state, segment_ids,
-                                         g=g, a_log=a_log, dt_bias=dt_bias)
-        poison = guard.gradient_poison(d_out, d_final)
-        *clean, clean_state = guard.sanitize(q, k, value, log_decay, beta, initial_state)
-        grads = core_bwd(*clean, isolation.zero_nonfinite(d_out),
-                         isolation.zero_nonfinite(d_final),
-                         initial_state=clean_state)
-        dq, dk, dv, d_log_decay, dbeta, d_initial = guard.poison_gradients(poison, *grads)
+      guard = isolation.guard_segments(q, k, value, beta, initial_state, segment_ids,
+                                       g=g, a_log=a_log, dt_bias=dt_bias)
+      poison = guard.gradient_poison(d_out, d_final)
+      *clean, clean_state = guard.sanitize(q, k, value, log_decay, beta, initial_state)
+      grads = core_bwd(*clean, isolation.zero_nonfinite(d_out),
+                       isolation.zero_nonfinite(d_final),
+                       initial_state=clean_state)
+      dq, dk, dv, d_log_decay, dbeta, d_initial = guard.poison_gradients(poison, *grads)
     dquery, dkey, dg, da_log, ddt_bias = pro_vjp(
         (dq.astype(q.dtype), dk.astype(k.dtype), d_log_decay.astype(jnp.float32))
     )
@@ -375,17 +367,14 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
   def _core_bwd(
       self,
       residuals: Residuals | None,
-      q: jax.Array,
-      k: jax.Array,
-      v: jax.Array,
-      log_decay: jax.Array,
-      beta: jax.Array,
-      d_out: jax.Array,
-      d_final: jax.Array | None,
+      q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"], v: Float[Array, "B T Hv V"],
+      log_decay: Float[Array, "B T Hv"], beta: Float[Array, "B T Hv"],
+      d_out: Float[Array, "B T Hv V"],
+      d_final: segments.State | None,
       *,
       scale: float,
-      initial_state: jax.Array | None,
-      segment_ids: jax.Array | None,
+      initial_state: segments.State | None,
+      segment_ids: Int[Array, "B T"] | None,
       config: C,
   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Returns (dq, dk, dv, d_log_decay, dbeta, d_initial_state f32).

@@ -13,7 +13,9 @@ Two passes over the local tokens, each made of calls of THE OP ITSELF
   - the fold: a call with zero values [B, T, Hv, K] and initial state I_K
     gives A (its final state); the plain call from a zero state gives B (its
     final state). A segment starting inside the device resets the state, so A
-    is 0 from there on: the chain is cut exactly as the unsharded op cuts it.
+    is 0 from there on: the chain is cut exactly as the unsharded op cuts it
+    (and the composition selects B there rather than multiplying the
+    entering state by that 0: a NaN before the cut stays before it).
   - one all_gather brings every device's (A, B) to every device, each device
     composes the P maps in sequence order (a scan of P small K x K @ K x V
     matmuls) and takes the state entering it: the caller's `initial_state`
@@ -71,24 +73,35 @@ from tokamax_gdn.ops.gated_delta_rule import segments
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _compose(a_all, b_all, resets, entry):
+def _compose(a_all, b_all, resets, cuts, entry):
   """States entering each device [P, B, Hv, K, V] and the state after the last one.
 
   a_all [P, B, Hv, K, K], b_all [P, B, Hv, K, V]: every device's map
   S -> A S + B, in sequence order. resets [P, B] (or [P, 1]): a segment starts
   at device j's first token (always at j = 0); the state entering it is then
-  entry(j) [B, Hv, K, V] instead of the previous device's output.
+  entry(j) [B, Hv, K, V] instead of the previous device's output. cuts [P, B]
+  (or [P, 1]): a segment starts inside device j, so A = 0 there and its output
+  is B alone.
+
+  Both are selects, never products with a zero A: an entering state that is
+  NaN or inf (a poisoned segment before the cut) would give 0 * NaN = NaN in
+  the next segment, forwards, and in the backward the gradient of that zero A
+  (cotangent x entering state) would be NaN too; the entering state is zeroed
+  where it is cut off, so neither direction multiplies it.
   """
 
   def step(s, xs):
-    j, a, b, reset = xs
+    j, a, b, reset, cut = xs
     s_in = jnp.where(reset[:, None, None, None], entry(j), s)
-    return jnp.einsum("bhij,bhjv->bhiv", a, s_in, precision=_HIGHEST) + b, s_in
+    cut = cut[:, None, None, None]
+    carried = jnp.einsum("bhij,bhjv->bhiv", a, jnp.where(cut, 0.0, s_in),
+                         precision=_HIGHEST)
+    return jnp.where(cut, b, carried + b), s_in
 
   size = a_all.shape[0]
   final, entering = jax.lax.scan(
       step, jnp.zeros(b_all.shape[1:], jnp.float32),
-      (jnp.arange(size), a_all, b_all, resets))
+      (jnp.arange(size), a_all, b_all, resets, cuts))
   return entering, final
 
 
@@ -208,7 +221,7 @@ def gated_delta_rule(
           else initial_state.astype(jnp.float32))
     entry = lambda j: jnp.where(j == 0, s0, 0.0)
   a_all, b_all = cp.gather((a_map, b_map), axis_name)
-  entering, final = _compose(a_all, b_all, bounds.resets, entry)
+  entering, final = _compose(a_all, b_all, bounds.resets, bounds.last_run > 0, entry)
   s_in = entering[index]
   # The replay: the op on the local tokens from the state entering them.
   if per_segment:

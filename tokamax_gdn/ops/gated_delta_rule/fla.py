@@ -8,6 +8,7 @@ sequence) and become `segment_ids` plus [1, N, Hv, K, V] states here.
 """
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,12 @@ import numpy as np
 
 from tokamax_gdn.ops import checks
 from tokamax_gdn.ops.gated_delta_rule import api
+
+
+# FLA's keyword-only extras (its **kwargs) that are accepted here.
+_FLA_KWARGS = ("use_gate_in_kernel", "A_log", "dt_bias", "chunk_size", "transpose_state_layout")
+# FLA's gated delta rule chunk sizes (it refuses others).
+FLA_CHUNK_SIZES = (16, 32, 64)
 
 
 def chunk_gated_delta_rule(
@@ -26,46 +33,133 @@ def chunk_gated_delta_rule(
     scale: float | None = None,
     initial_state: jax.Array | None = None,
     output_final_state: bool = False,
-    cu_seqlens: jax.Array | Sequence[int] | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: jax.Array | Sequence[int] | None = None,
+    cu_seqlens_cpu: jax.Array | Sequence[int] | None = None,
+    chunk_indices: Any = None,
+    cp_context: Any = None,
+    *,
     implementation: str | Sequence[str] | None = None,
+    **kwargs,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Gated delta rule with FLA's interface (`fla.ops.gated_delta_rule.chunk_gated_delta_rule`).
 
   S_t = exp(g_t) S_{t-1};  S_t += beta_t k_t (v_t - k_t^T S_t)^T;  o_t = scale S_t^T q_t,
   per value head h, reading key head h // (Hv // H) (FLA's GVA convention).
 
+  The positional order is FLA's (0.6), so ported calls that pass
+  `use_qk_l2norm_in_kernel` or `cu_seqlens` by position mean the same here.
+
   Args:
     q, k: [B, T, H, K] queries and keys.
     v: [B, T, Hv, V] values; Hv a multiple of H.
-    g: [B, T, Hv] forget gate in log space (log-decay, <= 0), as FLA's `g`.
-    beta: [B, T, Hv] write strengths.
+    g: [B, T, Hv] forget gate in log space (log-decay, <= 0), as FLA's `g`;
+      with `use_gate_in_kernel`, the raw gate (see there).
+    beta: [B, T, Hv] write strengths (logits with `use_beta_sigmoid_in_kernel`).
     scale: default K ** -0.5, as FLA.
-    initial_state: [N, Hv, K, V] float state per input sequence: N = B
-      without `cu_seqlens`, else N = len(cu_seqlens) - 1.
-    output_final_state: also return the final state [N, Hv, K, V] (float32).
+    initial_state: [N, Hv, K, V] float state per input sequence ([N, Hv, V, K]
+      with `state_v_first`): N = B without `cu_seqlens`, else
+      N = len(cu_seqlens) - 1.
+    output_final_state: also return the final state [N, Hv, K, V] (float32;
+      [N, Hv, V, K] with `state_v_first`).
+    use_qk_l2norm_in_kernel: L2-normalise q and k first (x / sqrt(sum x^2 +
+      1e-6), forward and backward).
+    use_beta_sigmoid_in_kernel: `beta` holds logits; the op uses
+      sigmoid(beta) (gradients flow to the logits).
+    allow_neg_eigval: with `use_beta_sigmoid_in_kernel` (FLA requires it),
+      beta = 2 sigmoid(logits) in (0, 2): the transition I - beta k k^T may
+      have a negative eigenvalue (down to -1 with unit keys, e.g. with
+      `use_qk_l2norm_in_kernel`), so the state stays bounded and every
+      implementation computes it within the usual contract.
+    state_v_first: states in FLA's V-first layout [N, Hv, V, K] (the
+      transpose of ours), in and out.
     cu_seqlens: [N + 1] int cumulative sequence lengths (0 first, T last,
       non-decreasing), FlashAttention-style: sequence i is tokens
       cu_seqlens[i]:cu_seqlens[i+1] of the one row (B must be 1). N is static;
       the values may be traced (then they are not checked). An empty sequence
       returns its initial state (or zeros) as its final state, as FLA does.
-    use_qk_l2norm_in_kernel: L2-normalise q and k first (x / sqrt(sum x^2 +
-      1e-6), forward and backward).
-    implementation: as `tokamax_gdn.gated_delta_rule` (not in FLA). With
-      `cu_seqlens` it needs per-segment states; implementations without them
-      raise NotImplementedError and `None` falls through to one that has them.
+    cu_seqlens_cpu, chunk_indices: FLA's precomputed host copies of
+      `cu_seqlens` and chunk indices; accepted for its positional order and
+      not needed here (everything is derived from `cu_seqlens`).
+    cp_context: FLA's torch.distributed context parallelism; not supported
+      (NotImplementedError): call `tokamax_gdn.gated_delta_rule(...,
+      context_parallel_axis=...)` inside `jax.shard_map` instead.
+    implementation: keyword only, as `tokamax_gdn.gated_delta_rule` (not in
+      FLA). With `cu_seqlens` it needs per-segment states; implementations
+      without them raise NotImplementedError and `None` falls through to one
+      that has them.
+    **kwargs: FLA's keyword-only extras: `use_gate_in_kernel=True` with
+      `A_log` [Hv] (and optionally `dt_bias` [Hv]): `g` is the raw gate and
+      the log-decay is -exp(A_log) softplus(g + dt_bias), computed inside with
+      gradients for all three (our `a_log` / `dt_bias`); `chunk_size` in
+      (16, 32, 64) as FLA allows (a tiling choice: each implementation keeps
+      its own tuned chunk, the results are the same within the contract);
+      `transpose_state_layout`, FLA's deprecated name of `state_v_first`. Any
+      other keyword is a TypeError naming it.
 
   Returns:
     (o [B, T, Hv, V] in q's dtype (FLA's), final_state [N, Hv, K, V] float32
     or None). Gradients flow to q, k, v, g, beta and initial_state.
   """
+  unknown = sorted(set(kwargs) - set(_FLA_KWARGS))
+  if unknown:
+    raise TypeError(f"chunk_gated_delta_rule() got unexpected keyword argument(s) {unknown};"
+                    f" FLA's keyword-only extras accepted here: {list(_FLA_KWARGS)}.")
+  if cp_context is not None:
+    raise NotImplementedError(
+        "`cp_context` (FLA's torch.distributed context parallelism) is not supported: call"
+        " tokamax_gdn.gated_delta_rule(..., context_parallel_axis=AXIS) inside jax.shard_map"
+        " with T sharded over AXIS.")
+  del cu_seqlens_cpu, chunk_indices
+  if "transpose_state_layout" in kwargs:
+    if state_v_first:
+      raise ValueError("Pass `state_v_first` or the deprecated `transpose_state_layout`,"
+                       " not both.")
+    state_v_first = bool(kwargs["transpose_state_layout"])
+  chunk_size = kwargs.get("chunk_size", 64)
+  if chunk_size not in FLA_CHUNK_SIZES:
+    raise ValueError(f"`chunk_size`={chunk_size!r}: FLA's gated delta rule allows"
+                     f" {FLA_CHUNK_SIZES}.")
+  a_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
+  if kwargs.get("use_gate_in_kernel", False):
+    if a_log is None:
+      raise ValueError("`use_gate_in_kernel=True` needs `A_log` (as in FLA).")
+  elif a_log is not None or dt_bias is not None:
+    raise ValueError("`A_log` / `dt_bias` are used only with `use_gate_in_kernel=True`"
+                     " (FLA ignores them otherwise); pass that too, or drop them.")
+  if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+    raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`"
+                     " (as in FLA).")
+  if use_beta_sigmoid_in_kernel:
+    beta = jax.nn.sigmoid(beta.astype(jnp.float32)).astype(beta.dtype)
+    if allow_neg_eigval:
+      beta = 2 * beta
+  if state_v_first and initial_state is not None:
+    initial_state = jnp.swapaxes(initial_state, -1, -2)
+  out, final = _chunk_gated_delta_rule(
+      q, k, v, g, beta, scale=scale, initial_state=initial_state,
+      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, a_log=a_log, dt_bias=dt_bias,
+      implementation=implementation)
+  if state_v_first and final is not None:
+    final = jnp.swapaxes(final, -1, -2)
+  return out, final
+
+
+def _chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state,
+                            cu_seqlens, use_qk_l2norm_in_kernel, a_log, dt_bias,
+                            implementation):
+  """`chunk_gated_delta_rule` in our layouts (states [N, Hv, K, V])."""
   if cu_seqlens is None or (initial_state is None and not output_final_state):
     # No per-sequence state to carry: plain segments (every implementation).
     segment_ids = None if cu_seqlens is None else _segment_ids(q, cu_seqlens)[0]
     out, final = api.gated_delta_rule(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids,
         output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm_in_kernel,
-        implementation=implementation)
+        a_log=a_log, dt_bias=dt_bias, implementation=implementation)
     return out.astype(q.dtype), final
 
   segment_ids, cu = _segment_ids(q, cu_seqlens)
@@ -88,7 +182,7 @@ def chunk_gated_delta_rule(
   out, final = api.gated_delta_rule(
       q, k, v, g, beta, scale=scale, initial_state=run_states[None],
       output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm_in_kernel,
-      segment_ids=segment_ids, implementation=implementation)
+      a_log=a_log, dt_bias=dt_bias, segment_ids=segment_ids, implementation=implementation)
   if final is not None:
     final = jnp.where(nonempty[:, None, None, None],
                       final[0, jnp.clip(run_of_seq, 0, n - 1)], states)

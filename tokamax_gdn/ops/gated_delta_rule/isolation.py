@@ -1,11 +1,13 @@
-"""Packed sequences: a non-finite value stays in its segment.
+"""Packed sequences: a non-finite value stays in its segment, and in time.
 
-With `segment_ids`, `SegmentGuard` wraps the core of every backend (forward
-and backward): a NaN / inf in one packed segment's inputs or cotangents makes
-that segment's results NaN and leaves the others exactly as with finite
-values. `base.GatedDeltaRule` applies it (`guarded_autodiff` for cores
-differentiated by autodiff); `base.GatedDeltaRuleVjp` applies it around an
-analytical `_core_bwd`. Without `segment_ids` it costs nothing.
+`SegmentGuard` wraps the core of every backend (forward and backward): a
+NaN / inf in one packed segment's inputs makes that segment's results NaN
+from that token on and leaves the other segments, and the earlier tokens of
+its own, exactly as with finite values (without `segment_ids` the row is one
+segment: garbage in a right padding never reaches the real tokens).
+`base.GatedDeltaRule` applies it (`guarded_autodiff` for cores differentiated
+by autodiff); `base.GatedDeltaRuleVjp` applies it around an analytical
+`_core_bwd`.
 """
 
 import dataclasses
@@ -51,8 +53,9 @@ class SegmentGuard:
   computes every other segment exactly as with finite values, and NaN is put
   back afterwards where the true result is not finite: in the outputs from
   the first bad token of a segment on (plus a token's own output for a bad
-  query), in the final state of a poisoned segment, and in the gradients of a
-  segment's inputs when its inputs or its cotangents held a NaN / inf.
+  query), in the final state of a poisoned segment, and in the gradients of
+  the tokens from the first bad input on and at and before a non-finite
+  cotangent (`gradient_poison`): NaN never flows backwards in time.
 
   Built by `guard_segments`; all masks per token and value head [B, T, Hv]
   (key-side values are per key head and count for the value heads reading
@@ -87,6 +90,11 @@ class SegmentGuard:
     before_segment = self._take(count - bad, self.first)
     return count > before_segment
 
+  def running_back(self, bad: jax.Array) -> jax.Array:
+    """[B, T, Hv]: a bad token at or after this one, in its segment."""
+    count = jnp.cumsum(bad, axis=1, dtype=jnp.int32)
+    return self._take(count, self.last) > count - bad
+
   def anywhere(self, bad: jax.Array) -> jax.Array:
     """[B, T, Hv]: a bad token anywhere in this token's segment."""
     count = jnp.cumsum(bad, axis=1, dtype=jnp.int32)
@@ -109,6 +117,12 @@ class SegmentGuard:
       return is_first & (self.seg == 0)[..., None] & per_state[:, None]
     return is_first & segments.state_of_segment(per_state, self.seg)
 
+  def at_segment_ends(self, per_state: jax.Array) -> jax.Array:
+    """[B, N, Hv] segment flags -> [B, T, Hv] at the last token of those
+    segments."""
+    is_last = (self.last == jnp.arange(self.seg.shape[1]))[..., None]
+    return is_last & segments.state_of_segment(per_state, self.seg)
+
   def sanitize(self, q, k, v, log_decay, beta, initial_state):
     """The inputs with every non-finite value replaced by 0."""
     return (zero_nonfinite(q), zero_nonfinite(k), zero_nonfinite(v),
@@ -126,19 +140,28 @@ class SegmentGuard:
     return out, _nan_where(poisoned[..., None, None], final_state)
 
   def gradient_poison(self, d_out, d_final) -> jax.Array:
-    """[B, T, Hv]: the segments whose input gradients are not finite: a bad
-    input, a bad output cotangent, or a bad final-state cotangent."""
-    bad = self.bad | self.bad_q | _nonfinite_tokens(d_out, 1)
+    """[B, T, Hv]: the tokens whose input gradients are not finite.
+
+    From a segment's first bad input on (as its outputs), and at and before
+    a non-finite cotangent of a finite output (or of a finite final state),
+    which reaches every earlier token of its segment. A non-finite cotangent
+    of an output the bad inputs already made NaN is what autodiff makes of
+    that NaN downstream (0 * NaN, e.g. a loss that masks padding with
+    `where`); it is taken as zero, so it does not flow backwards in time.
+    """
+    forward = self.running(self.bad)
+    bad_ct = _nonfinite_tokens(d_out, 1) & ~(forward | self.bad_q)
     if d_final is not None:
       bad_final = _nonfinite_tokens(d_final, 2)
-      if bad_final.ndim == 2:        # belongs to the last segment
-        bad = bad.at[:, -1].set(bad[:, -1] | bad_final)
-      else:
-        bad = bad | self.at_segment_starts(bad_final)
-    return self.anywhere(bad)
+      if bad_final.ndim == 2:        # the state after the row's last token
+        bad_ct = bad_ct.at[:, -1].set(bad_ct[:, -1] | (bad_final & ~forward[:, -1]))
+      else:                          # segment n's: at its last token
+        bad_final = bad_final & ~self.per_segment(self.anywhere(self.bad), bad_final.shape[1])
+        bad_ct = bad_ct | self.at_segment_ends(bad_final)
+    return forward | self.bad_q | self.running_back(bad_ct)
 
   def poison_gradients(self, poison, dq, dk, dv, d_log_decay, dbeta, d_initial):
-    """NaN in the gradients of the poisoned segments' inputs."""
+    """NaN in the gradients of the poisoned tokens' inputs."""
     b, t, hv = poison.shape
     key_poison = jnp.any(poison.reshape(b, t, hv // self.group, self.group), axis=-1)
     dq = _nan_where(key_poison[..., None], dq)
@@ -147,10 +170,12 @@ class SegmentGuard:
     d_log_decay = _nan_where(poison, d_log_decay)
     dbeta = _nan_where(poison, dbeta)
     if d_initial is not None:
+      # A segment's initial state counts as its first token's input.
       if d_initial.ndim == 4:
         state_poison = poison[:, 0]
       else:
-        state_poison = self.per_segment(poison, d_initial.shape[1])
+        is_first = (self.first == jnp.arange(self.seg.shape[1]))[..., None]
+        state_poison = self.per_segment(poison & is_first, d_initial.shape[1])
       d_initial = _nan_where(state_poison[..., None, None], d_initial)
     return dq, dk, dv, d_log_decay, dbeta, d_initial
 
@@ -158,12 +183,14 @@ class SegmentGuard:
 def guard_segments(q, k, v, beta, initial_state, segment_ids, *, g, a_log,
                    dt_bias) -> SegmentGuard:
   """The `SegmentGuard` of the prologue's q, k (and v, beta, initial_state,
-  segment_ids) and the raw gate inputs g, a_log, dt_bias; B, T >= 1."""
+  segment_ids: None is one segment) and the raw gate inputs g, a_log,
+  dt_bias; B, T >= 1."""
   b, t, hk, _ = q.shape
   hv = v.shape[2]
   group = hv // hk
   per_value_head = lambda x: jnp.repeat(x, group, axis=2)
-  starts = segments.segment_starts(segment_ids)
+  starts = (jnp.zeros((b, t), bool) if segment_ids is None
+            else segments.segment_starts(segment_ids))
   pos = jnp.arange(t, dtype=jnp.int32)
   seg = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
   first = segments.segment_first(starts)

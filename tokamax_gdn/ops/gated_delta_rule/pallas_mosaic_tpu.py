@@ -76,7 +76,8 @@ def _shapes(ba: op.BoundArguments) -> _Shapes:
 
 
 # What the backward's scoped VMEM grows by past T = _LONG_BWD_FROM (see
-# `vmem_estimate`): 1.07 MiB measured at T = 131072, with a quarter MiB to spare.
+# `vmem_estimate`): the growth measured up to T = 131072 (README.md, "VMEM
+# model"), with a quarter MiB to spare.
 _LONG_BWD_FROM, _LONG_BWD_HEADROOM = 4096, 5 * _MIB // 4
 
 
@@ -90,23 +91,20 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
   The kernel's f32 scratch (the state or dS, the head-major copies of the
   blocks, the gate rows), exactly; plus what Mosaic allocates itself: a part
   proportional to one chunk of q, k, v in f32 (2× in the forward kernels,
-  2.25× in the backward) and the C×C / C×D f32 tiles live per interleaved head (6 in
-  the forward kernels, 10 in the backward). Fitted to the compiler's own
-  numbers (libtpu 0.0.50, tpu7x, B=1 Hk=16 Hv=32 K=V=128 C=128 bf16, scoped
-  allocation reported at a too-small limit): forward 20.9 MiB with 16 heads
-  interleaved, 26.7 MiB with 32 (this estimate: 22.1 / 28.1); states pass
-  19.5 MiB with 16 (20.1); backward 22.9 / 25.5 MiB with 4 / 8 (23.6 / 26.1).
-  At long sequences Mosaic also keeps about one more copy of the token
-  blocks (input dtype) in the scoped allocation: the backward with 4 heads
-  needed 20.1 / 20.2 / 24.2 / 27.2 MiB at T = 256 / 1024 / 2048 / 4096, the
-  forward with 16 heads 23.0 MiB at T = 4096; the estimate adds the blocks
-  (half of them in the forward kernels) at every length. v5e/v6e need more
-  for the backward (16 heads: over 32 MiB), which their larger `vmem_cap`
-  leaves room for. Past T = 4096 (`length`, 0 if unknown) the backward's
-  scoped allocation grows by up to another MiB (tpu7x, C=64, 8 heads: 20.72 /
-  21.22 / 21.34 / 21.45 MiB at T = 4096 / 8192 / 32768 / 131072, over the
-  21 MiB cap from 8192 on; 4 heads: 17.44 / 17.31 MiB at 4096 / 131072), so
-  the backward estimate then adds `_LONG_BWD_HEADROOM`.
+  2.25× in the backward), the C×C / C×D f32 tiles live per interleaved head
+  (6 in the forward kernels, 10 in the backward), and about one more copy of
+  the token blocks (input dtype; half of them in the forward kernels), which
+  Mosaic keeps at long sequences and the estimate adds at every length. Past
+  T = 4096 (`length`, 0 if unknown) the backward's scoped allocation grows
+  by up to another MiB, so the backward estimate then adds
+  `_LONG_BWD_HEADROOM`. v5e/v6e need more for the backward, which their
+  larger `vmem_cap` leaves room for.
+
+  The coefficients are fitted to the compiler's own scoped allocation, which
+  Mosaic reports when a kernel is compiled (`tokamax_gdn.aot`, as
+  `tokamax-gdn aot` does) with a `vmem_limit_bytes` too small for it; the
+  measured points and this estimate beside them are in README.md, "VMEM
+  model".
   """
   dim_k, dim_v = round_up(dim_k, 128), round_up(dim_v, 128)
   state = hv * dim_k * dim_v * 4
@@ -132,12 +130,10 @@ def vmem_cap(gen: gdn_config.TpuGeneration) -> int:
   may estimate to need: (VMEM - 22 MiB) / 2 (53 MiB on v5e/v6e, 21 on tpu7x).
 
   The compiled program's VMEM is about the scoped limit, plus what the kernel
-  uses of it, plus XLA's own, which grows with T (measured, B=1 Hk=16 Hv=32
-  K=V=128: 4.4 MiB on v6e and 12.4 on tpu7x at T=256, ~21 on tpu7x at
-  T=4096). So a larger limit can fail where a smaller one compiles: v6e's
-  backward at a 112 MiB limit (40 MiB used) did; tpu7x's backward at T=4096,
-  C=64, 8 heads interleaved, fails at 25 MiB (70.7 of 64 MiB used) and at
-  20 (scoped 20.7 MiB), and compiles at 21.
+  uses of it, plus XLA's own, which grows with T. So a larger limit can fail
+  where a smaller one compiles; the compiles that set 22 MiB (`tokamax-gdn
+  aot --target v6e|tpu7x`, memory at --seq-len) are in README.md, "VMEM
+  model".
   """
   return (gen.vmem_bytes - 22 * _MIB) // 2
 
@@ -181,13 +177,12 @@ def _kind(backward: bool) -> str:
 def _heuristics(ba: op.BoundArguments, backward: bool) -> Config:
   """C = 128 and up to 16 heads interleaved, as many as VMEM allows.
 
-  Static cycle estimates at B=1 T=256 Hk=16 Hv=32 K=V=128 bf16, C=128:
-  forward kernel, v6e, 8 / 16 / 32 heads interleaved: 51.7 k / 41.2 k /
-  42.9 k cycles; tpu7x (24 MiB limit) 4 / 8 / 16: 85.4 k / 52.2 k / 38.4 k.
-  Backward kernel, tpu7x, 4 heads: 58.9 k at C=128, 117 k at C=64: C=128
-  with fewer heads first, C=64 only where C=128 does not fit with one GVA
-  group (tpu7x's backward at T=4096: 27 MiB scoped with 4 heads at C=128,
-  over its 25 MiB cap).
+  In libtpu's static cycle estimate more heads interleaved are faster up to
+  16 (not past it), and the backward at C=128 takes half the cycles of C=64:
+  so C=128 with fewer heads first, C=64 only where C=128 does not fit with
+  one GVA group (tpu7x's backward at T=4096). The numbers (per-kernel cycles
+  of `tokamax-gdn aot` with the config fixed) are in README.md, "Heuristics'
+  measurements".
   """
   sh, kind = _shapes(ba), _kind(backward)
   cfg = _most_interleaved(128, sh, kind)
@@ -257,30 +252,37 @@ def _per_shard(body, out_labels, hk: int, hv: int, arrays: dict):
                                      key_heads=hk, group=hv // hk)
 
 
-@dataclasses.dataclass(frozen=True)
-class PallasMosaicTpuGatedDeltaRule(base.GatedDeltaRule[Config, None]):
-  """Chunked gated delta rule in Pallas Mosaic TPU (forward + analytical VJP)."""
+class _KernelConfigs:
+  """What the forward Op and its VJP share: the Config, its choice for the
+  kernel each runs (`_backward`), the log-decay floor, the devices."""
 
   config_cls: ClassVar[type[Config]] = Config
-  max_head_dim: ClassVar[int | None] = 256
   log_decay_floor: ClassVar[float | None] = prologue.CHUNKED_LOG_DECAY_FLOOR
+  _backward: ClassVar[bool] = False
+
+  @override
+  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
+    return _heuristics(ba, backward=self._backward)
+
+  @override
+  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
+    return _autotuning_configs(ba, backward=self._backward)
+
+  @override
+  def supported_on(self, device: jax.Device) -> bool:
+    return gdn_config.pallas_tpu_supported(device)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasMosaicTpuGatedDeltaRule(_KernelConfigs, base.GatedDeltaRule[Config, None]):
+  """Chunked gated delta rule in Pallas Mosaic TPU (forward + analytical VJP)."""
+
+  max_head_dim: ClassVar[int | None] = 256
   supports_segment_states: ClassVar[bool] = True
 
   def __post_init__(self):
     if self.vjp is None:
       object.__setattr__(self, "vjp", PallasMosaicTpuGatedDeltaRuleVjp())
-
-  @override
-  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
-    return _heuristics(ba, backward=False)
-
-  @override
-  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
-    return _autotuning_configs(ba, backward=False)
-
-  @override
-  def supported_on(self, device: jax.Device) -> bool:
-    return gdn_config.pallas_tpu_supported(device)
 
   def _core_fwd(self, q, k, v, log_decay, beta, *, scale, initial_state,
                 segment_ids, config: Config):
@@ -306,23 +308,10 @@ class PallasMosaicTpuGatedDeltaRule(base.GatedDeltaRule[Config, None]):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PallasMosaicTpuGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, None]):
+class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Config, None]):
   """Reverse-chunk analytical backward of the Mosaic TPU GDN kernels."""
 
-  config_cls: ClassVar[type[Config]] = Config
-  log_decay_floor: ClassVar[float | None] = prologue.CHUNKED_LOG_DECAY_FLOOR
-
-  @override
-  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
-    return _heuristics(ba, backward=True)
-
-  @override
-  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
-    return _autotuning_configs(ba, backward=True)
-
-  @override
-  def supported_on(self, device: jax.Device) -> bool:
-    return gdn_config.pallas_tpu_supported(device)
+  _backward: ClassVar[bool] = True
 
   def _core_bwd(self, residuals: base.Residuals | None, q, k, v, log_decay, beta, d_out, d_final, *,
                 scale, initial_state, segment_ids, config: Config):

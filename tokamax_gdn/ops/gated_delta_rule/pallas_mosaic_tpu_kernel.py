@@ -68,13 +68,16 @@ cumsum in-kernel).
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
+from jaxtyping import Array, Float, Int  # pylint: disable=g-multiple-import,g-importing-member
 
+from tokamax_gdn.ops import numerics
 from tokamax_gdn.ops.gated_delta_rule import segments
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -127,12 +130,6 @@ def mxu(a, b, *, passes, tb=False):
 # ----------------------------------------------------------------------------
 
 
-def _two_sum(a, b):
-  s = a + b
-  bb = s - a
-  return s, (a - (s - bb)) + (b - bb)
-
-
 def chunk_cumsum(x, starts, *, reverse=False):
   """Segment-local inclusive prefix sums along lanes, compensated.
 
@@ -162,7 +159,7 @@ def chunk_cumsum(x, starts, *, reverse=False):
     if flag is not None:
       ok = ok & (flag == 0.0)
       other_flag = take(flag)
-    new_hi, err = _two_sum(take(hi), hi)
+    new_hi, err = numerics.two_sum(take(hi), hi)
     lo = jnp.where(ok, lo + take(lo) + err, lo)
     hi = jnp.where(ok, new_hi, hi)
     if flag is not None:
@@ -344,6 +341,39 @@ class _Static:
     return self.t_len % self.chunk != 0
 
 
+class _Refs:
+  """A kernel's refs by name: the scalar-prefetched chunk codes, then the
+  inputs, outputs and scratch buffers as `_call` passes them.
+
+  `_call` names every operand where it builds the operand lists (`_Operand`),
+  and the kernel reads them back here by those names, so the order of the
+  refs is stated once and cannot drift from the builder. A name the call
+  did not pass reads as None (an optional operand: `starts` without
+  segments, `h0` without an initial state, ...).
+  """
+
+  def __init__(self, names: tuple[str, ...], refs):
+    assert len(names) == len(refs), (names, len(refs))
+    self._refs = dict(zip(names, refs))
+
+  def __getattr__(self, name):
+    if name.startswith("_"):
+      raise AttributeError(name)
+    return self._refs.get(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Operand:
+  """One named operand of `_call`: an input (`array`, `block`), an output
+  (`block`, `shape`: a ShapeDtypeStruct) or a scratch buffer (`shape`: its
+  VMEM type)."""
+
+  name: str
+  array: Any = None
+  block: Any = None
+  shape: Any = None
+
+
 def _heads(ref):
   """A (C, H, D) block as H head-major (C, D) f32 tiles (one relayout)."""
   return pltpu.einshape("chd->hcd", ref[...].astype(F32))
@@ -393,18 +423,12 @@ def _group_heads(st: _Static, gi):
           {ku: gi * kpg + ku for ku in range(kpg)})
 
 
-def _fwd_kernel(*refs, st: _Static, write_out: bool, emit: bool):
-  refs = list(refs)
-  code_ref = refs.pop(0) if st.n_states else None
-  q_ref, k_ref, v_ref, g_ref, b_ref = (refs.pop(0) for _ in range(5))
-  st_ref = refs.pop(0) if st.has_seg else None
-  h0_ref = refs.pop(0) if st.has_h0 else None
-  o_ref = refs.pop(0) if write_out else None
-  ht_ref = refs.pop(0)
-  states_ref, tm_ref = (refs.pop(0), refs.pop(0)) if emit else (None, None)
-  s_scr, rows_scr, qh_scr, kh_scr, vh_scr = (refs.pop(0) for _ in range(5))
-  out_scr = refs.pop(0) if write_out else None
-  assert not refs
+def _fwd_kernel(*refs, names: tuple[str, ...], st: _Static, write_out: bool, emit: bool):
+  r = _Refs(names, refs)
+  code_ref, q_ref, k_ref, v_ref, g_ref, b_ref = r.code, r.q, r.k, r.v, r.log_decay, r.beta
+  st_ref, h0_ref, o_ref, ht_ref = r.starts, r.h0, r.out, r.final
+  states_ref, tm_ref = r.states, r.tmats
+  s_scr, rows_scr, qh_scr, kh_scr, vh_scr, out_scr = r.s, r.rows, r.qh, r.kh, r.vh, r.out_heads
   c, c_idx = st.chunk, pl.program_id(1)
   dim_k, mm, passes = st.dim_k, st.mm, st.passes
 
@@ -469,15 +493,15 @@ def _fwd_kernel(*refs, st: _Static, write_out: bool, emit: bool):
     ht_ref[...] = s_scr[...]
 
 
-def _bwd_kernel(*refs, st: _Static):
-  refs = list(refs)
-  code_ref = refs.pop(0) if st.n_states else None
-  q_ref, k_ref, v_ref, g_ref, b_ref = (refs.pop(0) for _ in range(5))
-  st_ref = refs.pop(0) if st.has_seg else None
-  states_ref, tm_ref, do_ref, dht_ref = (refs.pop(0) for _ in range(4))
-  dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref = (refs.pop(0) for _ in range(6))
-  (ds_scr, rows_scr, qh_scr, kh_scr, vh_scr, doh_scr, dq_scr, dk_scr, dv_scr,
-   dgr_scr, dbr_scr) = refs
+def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
+  r = _Refs(names, refs)
+  code_ref, q_ref, k_ref, v_ref, g_ref, b_ref = r.code, r.q, r.k, r.v, r.log_decay, r.beta
+  st_ref, states_ref, tm_ref, do_ref, dht_ref = r.starts, r.states, r.tmats, r.d_out, r.d_final
+  dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref = (
+      r.dq, r.dk, r.dv, r.d_log_decay, r.dbeta, r.d_h0)
+  ds_scr, rows_scr, qh_scr, kh_scr, vh_scr, doh_scr = r.ds, r.rows, r.qh, r.kh, r.vh, r.doh
+  dq_scr, dk_scr, dv_scr = r.dq_heads, r.dk_heads, r.dv_heads
+  dgr_scr, dbr_scr = r.dg_rows, r.db_rows
   c, c_idx = st.chunk, pl.num_programs(1) - 1 - pl.program_id(1)
   dim_k, mm, passes = st.dim_k, st.mm, st.passes
 
@@ -688,32 +712,36 @@ def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states
                  has_seg=has_seg, has_h0=has_h0, n_states=n_states)
 
 
-def _head_scratch(st: _Static, *, values: int):
-  """Row scratch and head-major f32 copies: q, k, then `values` (Hv, C, V) arrays."""
-  return ([pltpu.VMEM((_N_ROWS, st.hv, st.chunk), F32),
-           pltpu.VMEM((st.hk, st.chunk, st.dim_k), F32),
-           pltpu.VMEM((st.hk, st.chunk, st.dim_k), F32)]
-          + [pltpu.VMEM((st.hv, st.chunk, st.dim_v), F32)] * values)
+def _head_scratch(st: _Static, values: tuple[str, ...]) -> list[_Operand]:
+  """Row scratch and head-major f32 copies: q, k, then the (Hv, C, V) arrays
+  named in `values`."""
+  return ([_Operand("rows", shape=pltpu.VMEM((_N_ROWS, st.hv, st.chunk), F32)),
+           _Operand("qh", shape=pltpu.VMEM((st.hk, st.chunk, st.dim_k), F32)),
+           _Operand("kh", shape=pltpu.VMEM((st.hk, st.chunk, st.dim_k), F32))]
+          + [_Operand(n, shape=pltpu.VMEM((st.hv, st.chunk, st.dim_v), F32)) for n in values])
 
 
-def _common_inputs(q, k, v, log_decay, beta, starts, st: _Static, chunk_of):
-  """(arrays, BlockSpecs) of the inputs both kernels read per chunk.
+def _token_block(st: _Static, chunk_of, *dims: int) -> pl.BlockSpec:
+  """The BlockSpec of one chunk of a [B, T, *dims] array: chunk `chunk_of(i)`
+  at grid step (b, i). Index maps take (b, i, *scalar_prefetch_refs)."""
+  return pl.BlockSpec((None, st.chunk, *dims),
+                      lambda b, i, *_: (b, chunk_of(i)) + (0,) * len(dims))
 
-  Index maps take (b, i, *scalar_prefetch_refs)."""
+
+def _common_inputs(q, k, v, log_decay, beta, starts, st: _Static, chunk_of) -> list[_Operand]:
+  """The inputs both kernels read per chunk (array and BlockSpec each)."""
   hk, hv = q.shape[2], v.shape[2]
-  c = st.chunk
-  args = [q, k, v, log_decay, beta]
-  specs = [
-      pl.BlockSpec((None, c, hk, st.dim_k), lambda b, i, *_: (b, chunk_of(i), 0, 0)),
-      pl.BlockSpec((None, c, hk, st.dim_k), lambda b, i, *_: (b, chunk_of(i), 0, 0)),
-      pl.BlockSpec((None, c, hv, st.dim_v), lambda b, i, *_: (b, chunk_of(i), 0, 0)),
-      pl.BlockSpec((None, c, hv), lambda b, i, *_: (b, chunk_of(i), 0)),
-      pl.BlockSpec((None, c, hv), lambda b, i, *_: (b, chunk_of(i), 0)),
+  ops = [
+      _Operand("q", q, block=_token_block(st, chunk_of, hk, st.dim_k)),
+      _Operand("k", k, block=_token_block(st, chunk_of, hk, st.dim_k)),
+      _Operand("v", v, block=_token_block(st, chunk_of, hv, st.dim_v)),
+      _Operand("log_decay", log_decay, block=_token_block(st, chunk_of, hv)),
+      _Operand("beta", beta, block=_token_block(st, chunk_of, hv)),
   ]
   if st.has_seg:
-    args.append(starts)
-    specs.append(pl.BlockSpec((None, 1, c), lambda b, i, *_: (b, 0, chunk_of(i))))
-  return args, specs
+    ops.append(_Operand("starts", starts, block=pl.BlockSpec(
+        (None, 1, st.chunk), lambda b, i, *_: (b, 0, chunk_of(i)))))
+  return ops
 
 
 def _state_spec(st: _Static, chunk_of):
@@ -734,23 +762,35 @@ def _state_shape(st: _Static, b: int) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct((*lead, st.hv, st.dim_k, st.dim_v), F32)
 
 
-def _call(kernel, st: _Static, seg: "_Segments | None", *, grid, in_specs, out_specs,
-          out_shape, scratch_shapes, vmem_limit_bytes, interpret, name, args):
-  """pallas_call with the per-segment chunk codes as scalar prefetch when
-  `seg` is given."""
+def _call(kernel, st: _Static, seg: "_Segments | None", *, grid, inputs: list[_Operand],
+          outputs: list[_Operand], scratch: list[_Operand], vmem_limit_bytes, interpret,
+          name) -> dict[str, jax.Array]:
+  """pallas_call of `kernel` on named operands; returns the outputs by name.
+
+  The kernel gets its refs' names (`_Refs`); with
+  `seg`, the per-segment chunk codes come first, as scalar prefetch ("code").
+  """
   params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                 vmem_limit_bytes=vmem_limit_bytes)
+  names = (("code",) if seg is not None else ()) + tuple(
+      o.name for o in (*inputs, *outputs, *scratch))
+  body = functools.partial(kernel, names=names, st=st)
+  in_specs, args = [o.block for o in inputs], [o.array for o in inputs]
+  out_specs, out_shape = [o.block for o in outputs], [o.shape for o in outputs]
+  scratch_shapes = [o.shape for o in scratch]
   if seg is None:
-    return pl.pallas_call(
-        functools.partial(kernel, st=st), grid=grid, in_specs=in_specs,
-        out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch_shapes,
-        compiler_params=params, interpret=interpret, name=name)(*args)
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=1, grid=grid, in_specs=in_specs, out_specs=out_specs,
-      scratch_shapes=scratch_shapes)
-  return pl.pallas_call(
-      functools.partial(kernel, st=st), grid_spec=grid_spec, out_shape=out_shape,
-      compiler_params=params, interpret=interpret, name=name)(seg.code, *args)
+    res = pl.pallas_call(
+        body, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        scratch_shapes=scratch_shapes, compiler_params=params, interpret=interpret,
+        name=name)(*args)
+  else:
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        scratch_shapes=scratch_shapes)
+    res = pl.pallas_call(
+        body, grid_spec=grid_spec, out_shape=out_shape, compiler_params=params,
+        interpret=interpret, name=name)(seg.code, *args)
+  return dict(zip((o.name for o in outputs), res))
 
 
 def _prepare(q, k, v, log_decay, beta, *, initial_state, segment_ids, chunk, scale,
@@ -772,9 +812,13 @@ def _prepare(q, k, v, log_decay, beta, *, initial_state, segment_ids, chunk, sca
   return xs, h0, starts, seg, st, -(-xs[0].shape[1] // chunk)
 
 
-def gdn_fwd(q, k, v, log_decay, beta, *, scale, initial_state=None, segment_ids=None,
-            chunk=128, interleave=16, newton=None, write_out=True, emit_residuals=False,
-            interpret=False, vmem_limit_bytes=None):
+def gdn_fwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
+            v: Float[Array, "B T Hv V"], log_decay: Float[Array, "B T Hv"],
+            beta: Float[Array, "B T Hv"], *, scale: float,
+            initial_state: segments.State | None = None,
+            segment_ids: Int[Array, "B T"] | None = None, chunk=128, interleave=16,
+            newton=None, write_out=True, emit_residuals=False, interpret=False,
+            vmem_limit_bytes=None):
   """Chunked GDN forward on prepared inputs (after `prologue.prologue`).
 
   Returns (out [B, T, Hv, V] in v.dtype or None without `write_out`,
@@ -791,45 +835,45 @@ def gdn_fwd(q, k, v, log_decay, beta, *, scale, initial_state=None, segment_ids=
       q, k, v, log_decay, beta, initial_state=initial_state, segment_ids=segment_ids,
       chunk=chunk, scale=scale, interleave=interleave, newton=newton)
   b, t = q.shape[:2]
-  args, in_specs = _common_inputs(q, k, v, log_decay, beta, starts, st, lambda i: i)
+  inputs = _common_inputs(q, k, v, log_decay, beta, starts, st, lambda i: i)
   state_spec = _state_spec(st, lambda i: i)
   if st.has_h0:
-    args.append(h0.astype(F32))
-    in_specs.append(state_spec)
-  out_specs, out_shape = [], []
+    inputs.append(_Operand("h0", h0.astype(F32), block=state_spec))
+  outputs = []
   if write_out:
-    out_specs.append(pl.BlockSpec((None, chunk, st.hv, st.dim_v),
-                                  lambda b, i, *_: (b, i, 0, 0)))
-    out_shape.append(jax.ShapeDtypeStruct((b, t, st.hv, st.dim_v), v.dtype))
-  out_specs.append(state_spec)
-  out_shape.append(_state_shape(st, b))
+    outputs.append(_Operand("out", block=_token_block(st, lambda i: i, st.hv, st.dim_v),
+                            shape=jax.ShapeDtypeStruct((b, t, st.hv, st.dim_v), v.dtype)))
+  outputs.append(_Operand("final", block=state_spec, shape=_state_shape(st, b)))
   if emit_residuals:
-    out_specs += [
-        pl.BlockSpec((None, None, st.hv, st.dim_k, st.dim_v),
-                     lambda b, i, *_: (b, i, 0, 0, 0)),
-        pl.BlockSpec((None, None, st.hv, chunk, chunk), lambda b, i, *_: (b, i, 0, 0, 0))]
-    out_shape += [jax.ShapeDtypeStruct((b, nc, st.hv, st.dim_k, st.dim_v), st.mm),
-                  jax.ShapeDtypeStruct((b, nc, st.hv, chunk, chunk), st.mm)]
+    outputs += [
+        _Operand("states", block=pl.BlockSpec((None, None, st.hv, st.dim_k, st.dim_v),
+                                              lambda b, i, *_: (b, i, 0, 0, 0)),
+                 shape=jax.ShapeDtypeStruct((b, nc, st.hv, st.dim_k, st.dim_v), st.mm)),
+        _Operand("tmats", block=pl.BlockSpec((None, None, st.hv, chunk, chunk),
+                                             lambda b, i, *_: (b, i, 0, 0, 0)),
+                 shape=jax.ShapeDtypeStruct((b, nc, st.hv, chunk, chunk), st.mm))]
+  scratch = ([_Operand("s", shape=pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32))]
+             + _head_scratch(st, ("vh", "out_heads") if write_out else ("vh",)))
   res = _call(
       functools.partial(_fwd_kernel, write_out=write_out, emit=emit_residuals), st, seg,
-      grid=(b, nc), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      scratch_shapes=[pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32)]
-      + _head_scratch(st, values=2 if write_out else 1),
+      grid=(b, nc), inputs=inputs, outputs=outputs, scratch=scratch,
       vmem_limit_bytes=vmem_limit_bytes, interpret=interpret,
-      name="gdn_fwd" if write_out else "gdn_fwd_states", args=args)
-  res = list(res)
-  out = res.pop(0) if write_out else None
-  final = res.pop(0)
+      name="gdn_fwd" if write_out else "gdn_fwd_states")
+  out, final = res.get("out"), res["final"]
   if seg is not None:
     out = None if out is None else seg.layout.from_aligned(out)
     final = seg.per_segment(final)
-  residuals = tuple(res) if emit_residuals else None
+  residuals = (res["states"], res["tmats"]) if emit_residuals else None
   return out, final, residuals
 
 
-def gdn_bwd(q, k, v, log_decay, beta, d_out, d_final, *, scale, initial_state=None,
-            segment_ids=None, residuals=None, chunk=128, interleave=16, newton=None,
-            interpret=False, vmem_limit_bytes=None):
+def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
+            v: Float[Array, "B T Hv V"], log_decay: Float[Array, "B T Hv"],
+            beta: Float[Array, "B T Hv"], d_out: Float[Array, "B T Hv V"],
+            d_final: segments.State | None, *, scale: float,
+            initial_state: segments.State | None = None,
+            segment_ids: Int[Array, "B T"] | None = None, residuals=None, chunk=128,
+            interleave=16, newton=None, interpret=False, vmem_limit_bytes=None):
   """Chunked GDN backward: (dq, dk, dv, d_log_decay, dbeta, d_initial_state f32).
 
   `residuals`: `gdn_fwd(emit_residuals=True)`'s (same `initial_state`,
@@ -852,7 +896,7 @@ def gdn_bwd(q, k, v, log_decay, beta, d_out, d_final, *, scale, initial_state=No
   if states.shape[1] != nc:
     raise ValueError(f"residuals for {states.shape[1]} chunks; this call has {nc}.")
   rev = lambda i: nc - 1 - i
-  args, in_specs = _common_inputs(q, k, v, log_decay, beta, starts, st, rev)
+  inputs = _common_inputs(q, k, v, log_decay, beta, starts, st, rev)
   state_spec = _state_spec(st, rev)
   if d_final is None:
     d_final = jnp.zeros(_state_shape(st, b).shape, F32)
@@ -860,42 +904,42 @@ def gdn_bwd(q, k, v, log_decay, beta, d_out, d_final, *, scale, initial_state=No
     d_final = seg.with_zero_slot(d_final)
   if seg is not None:
     d_out = seg.layout.to_aligned(d_out)
-  args += [states, tmats, d_out, d_final.astype(F32)]
-  in_specs += [
-      pl.BlockSpec((None, None, st.hv, st.dim_k, st.dim_v),
-                   lambda b, i, *_: (b, rev(i), 0, 0, 0)),
-      pl.BlockSpec((None, None, st.hv, chunk, chunk), lambda b, i, *_: (b, rev(i), 0, 0, 0)),
-      pl.BlockSpec((None, chunk, st.hv, st.dim_v), lambda b, i, *_: (b, rev(i), 0, 0)),
-      state_spec,
+  inputs += [
+      _Operand("states", states, block=pl.BlockSpec((None, None, st.hv, st.dim_k, st.dim_v),
+                                                    lambda b, i, *_: (b, rev(i), 0, 0, 0))),
+      _Operand("tmats", tmats, block=pl.BlockSpec((None, None, st.hv, chunk, chunk),
+                                                  lambda b, i, *_: (b, rev(i), 0, 0, 0))),
+      _Operand("d_out", d_out, block=_token_block(st, rev, st.hv, st.dim_v)),
+      _Operand("d_final", d_final.astype(F32), block=state_spec),
   ]
   hk = q.shape[2]
-  out_specs = [
-      pl.BlockSpec((None, chunk, hk, st.dim_k), lambda b, i, *_: (b, rev(i), 0, 0)),
-      pl.BlockSpec((None, chunk, hk, st.dim_k), lambda b, i, *_: (b, rev(i), 0, 0)),
-      pl.BlockSpec((None, chunk, st.hv, st.dim_v), lambda b, i, *_: (b, rev(i), 0, 0)),
-      pl.BlockSpec((None, chunk, st.hv), lambda b, i, *_: (b, rev(i), 0)),
-      pl.BlockSpec((None, chunk, st.hv), lambda b, i, *_: (b, rev(i), 0)),
-      state_spec,
+  grad_names = ("dq", "dk", "dv", "d_log_decay", "dbeta", "d_h0")
+  outputs = [
+      _Operand("dq", block=_token_block(st, rev, hk, st.dim_k),
+               shape=jax.ShapeDtypeStruct(q.shape, q.dtype)),
+      _Operand("dk", block=_token_block(st, rev, hk, st.dim_k),
+               shape=jax.ShapeDtypeStruct(k.shape, k.dtype)),
+      _Operand("dv", block=_token_block(st, rev, st.hv, st.dim_v),
+               shape=jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      _Operand("d_log_decay", block=_token_block(st, rev, st.hv),
+               shape=jax.ShapeDtypeStruct((b, t, st.hv), F32)),
+      _Operand("dbeta", block=_token_block(st, rev, st.hv),
+               shape=jax.ShapeDtypeStruct((b, t, st.hv), F32)),
+      _Operand("d_h0", block=state_spec, shape=_state_shape(st, b)),
   ]
-  out_shape = [
-      jax.ShapeDtypeStruct(q.shape, q.dtype),
-      jax.ShapeDtypeStruct(k.shape, k.dtype),
-      jax.ShapeDtypeStruct(v.shape, v.dtype),
-      jax.ShapeDtypeStruct((b, t, st.hv), F32),
-      jax.ShapeDtypeStruct((b, t, st.hv), F32),
-      _state_shape(st, b),
-  ]
-  grads = _call(
-      _bwd_kernel, st, seg,
-      grid=(b, nc), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      scratch_shapes=[pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32)]
-      + _head_scratch(st, values=2)
-      + [pltpu.VMEM((st.hk, chunk, st.dim_k), F32)] * 2
-      + [pltpu.VMEM((st.hv, chunk, st.dim_v), F32)]
-      + [pltpu.VMEM((st.hv, chunk), F32)] * 2,
-      vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, name="gdn_bwd", args=args)
+  scratch = ([_Operand("ds", shape=pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32))]
+             + _head_scratch(st, ("vh", "doh"))
+             + [_Operand("dq_heads", shape=pltpu.VMEM((st.hk, chunk, st.dim_k), F32)),
+                _Operand("dk_heads", shape=pltpu.VMEM((st.hk, chunk, st.dim_k), F32)),
+                _Operand("dv_heads", shape=pltpu.VMEM((st.hv, chunk, st.dim_v), F32)),
+                _Operand("dg_rows", shape=pltpu.VMEM((st.hv, chunk), F32)),
+                _Operand("db_rows", shape=pltpu.VMEM((st.hv, chunk), F32))])
+  res = _call(
+      _bwd_kernel, st, seg, grid=(b, nc), inputs=inputs, outputs=outputs, scratch=scratch,
+      vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, name="gdn_bwd")
+  grads = tuple(res[n] for n in grad_names)
   if seg is None:
-    return tuple(grads)
+    return grads
   *per_token, d_h0 = grads
   per_token = [seg.layout.from_aligned(x) for x in per_token]
   assert per_token[0].shape[1] == t_in

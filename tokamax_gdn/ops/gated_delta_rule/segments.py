@@ -17,10 +17,16 @@ parallelism and causal_conv1d's windows read them from here.
 import dataclasses
 import functools
 
+from typing import TypeAlias
+
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float  # pylint: disable=g-multiple-import,g-importing-member
 
 from tokamax_gdn.ops import tiling
+
+# A recurrent state operand: [B, Hv, K, V], or per-segment states [B, N, Hv, K, V].
+State: TypeAlias = Float[Array, "B Hv K V"] | Float[Array, "B N Hv K V"]
 
 
 def segment_starts(segment_ids: jax.Array | None) -> jax.Array | None:

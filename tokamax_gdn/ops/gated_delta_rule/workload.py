@@ -60,21 +60,48 @@ def abstract_inputs(s: LayerShape, sharding=None) -> tuple[jax.ShapeDtypeStruct,
   )
 
 
-def layer_fns(implementation):
+def step_loss(out: jax.Array) -> jax.Array:
+  """The loss a training step is measured with: sum(out²) in float32.
+
+  It must use the outputs' values, as a model's loss does: under a plain
+  sum(out) the cotangent is constant, the outputs are dead in the grad
+  program and XLA removes the forward kernel (the Pallas "step" then ran only
+  the backward's states pass and backward kernel: 204 k instead of 279 k
+  estimated cycles at the Qwen3-Next shape, T=512, v6e).
+  """
+  return jnp.sum(jnp.square(out.astype(jnp.float32)))
+
+
+def layer_fns(implementation, remat_policy: str | None = None):
   """(forward, forward+backward) of the layer's call on `abstract_inputs`' arguments.
 
-  The backward is `jax.grad` of sum(out) with respect to all seven inputs.
+  forward+backward is `jax.value_and_grad` of `step_loss(out)` with respect
+  to all seven inputs, as a training step takes them (the loss is reported):
+  the forward kernel, and everything the backward runs. With a
+  `remat_policy` ("recompute", "save_gdn", "offload_gdn"; see
+  `ops.gated_delta_rule.remat`) the call and the loss's square run under
+  `jax.checkpoint` with that policy, as a model's block runs (its output is
+  then internal to the region, and the square's VJP needs it, as the
+  layer's gated norm does), with named residuals unless "recompute".
   """
+  from tokamax_gdn.ops.gated_delta_rule import remat  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule  # pylint: disable=g-import-not-at-top
+  named = remat_policy not in (None, remat.RECOMPUTE)
 
   def forward(q, k, v, g, beta, a_log, dt_bias):
     return gated_delta_rule(q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias,
-                            use_qk_l2norm=True, implementation=implementation)[0]
+                            use_qk_l2norm=True, implementation=implementation,
+                            named_residuals=named)[0]
 
   def loss(*xs):
-    return jnp.sum(forward(*xs).astype(jnp.float32))
+    return step_loss(forward(*xs))
 
-  return forward, jax.grad(loss, argnums=tuple(range(7)))
+  if remat_policy is not None:
+    squares = jax.checkpoint(lambda *xs: jnp.square(forward(*xs).astype(jnp.float32)),
+                             policy=remat.checkpoint_policy(remat_policy))
+    loss = lambda *xs: jnp.sum(squares(*xs))
+
+  return forward, jax.value_and_grad(loss, argnums=tuple(range(7)))
 
 
 def essential_flops(s: LayerShape, chunk: int, *, backward: bool) -> int:

@@ -43,10 +43,11 @@ def _heuristics(t: int) -> Config:
   """C=64 (16/32 for shorter sequences); blocks of 512 tokens on CPU, 2048
   elsewhere.
 
-  On the 2-core CPU (f32, K=V=128, fwd+bwd) blocks of 512 tokens kept the
-  per-block temporaries in cache: T=8192 Hv=4: 333 ms vs 429 ms at 2048;
-  T=4096 Hv=16: 578 ms vs 755 ms. Accelerators get longer blocks, since
-  each block is a sequential step and its chunks are the parallel width.
+  On CPU, blocks of 512 tokens keep the per-block temporaries in cache and
+  beat 2048 (`tokamax-gdn autotune --impl xla` times every block size;
+  README.md, "Heuristics' measurements"). Accelerators get longer blocks,
+  since each block is a sequential step and its chunks are the parallel
+  width.
   """
   block = 512 if jax.default_backend() == "cpu" else _DEFAULT_BLOCK
   for c in (16, 32):

@@ -51,7 +51,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float, Int  # pylint: disable=g-multiple-import,g-importing-member
 
+from tokamax_gdn.ops import numerics
 from tokamax_gdn.ops import tiling
 from tokamax_gdn.ops.gated_delta_rule import segments
 
@@ -160,14 +162,6 @@ class ChunkGate:
   resets: Resets | None   # None without segment starts
 
 
-def _two_sum(a, b):
-  """(s, e) with s = fl(a + b) and a + b = s + e exactly (Knuth's TwoSum)."""
-  s = a + b
-  b_virtual = s - a
-  e = (a - (s - b_virtual)) + (b - b_virtual)
-  return s, e
-
-
 def compensated_cumsum(g: jax.Array, restart: jax.Array | None):
   """In-chunk cumsum of g [..., C] as an (hi, lo) pair, restarted where
   `restart` (bool, broadcastable) is set: math.md, "The compensated cumsum".
@@ -181,7 +175,7 @@ def compensated_cumsum(g: jax.Array, restart: jax.Array | None):
   def combine(x, y):
     h1, l1, f1 = x
     h2, l2, f2 = y
-    h, e = _two_sum(h1, h2)
+    h, e = numerics.two_sum(h1, h2)
     return (jnp.where(f2, h2, h), jnp.where(f2, l2, l1 + l2 + e), f1 | f2)
 
   hi, lo, _ = jax.lax.associative_scan(combine, (g, jnp.zeros_like(g), restart),
@@ -701,8 +695,12 @@ def _first_block(blocks):
   return tuple(jax.tree.map(lambda a: a[0], x) for x in blocks)
 
 
-def chunked_forward(q, k, v, log_decay, beta, *, scale, initial_state,
-                    segment_ids, chunk_size, block_size=2048):
+def chunked_forward(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
+                    v: Float[Array, "B T Hv V"], log_decay: Float[Array, "B T Hv"],
+                    beta: Float[Array, "B T Hv"], *, scale: float,
+                    initial_state: segments.State | None,
+                    segment_ids: Int[Array, "B T"] | None, chunk_size: int,
+                    block_size: int = 2048):
   """Chunked forward: (out [B, T, Hv, V] f32, final_state f32, the f32 state
   entering each block [B, Hv, NB, K, V] or None for one block).
 
@@ -732,9 +730,13 @@ def chunked_forward(q, k, v, log_decay, beta, *, scale, initial_state,
   return st.layout.from_aligned(out), finals, block_entries
 
 
-def chunked_backward(q, k, v, log_decay, beta, d_out, d_final, *, scale,
-                     initial_state, segment_ids, chunk_size, block_size=2048,
-                     block_entries=None):
+def chunked_backward(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
+                     v: Float[Array, "B T Hv V"], log_decay: Float[Array, "B T Hv"],
+                     beta: Float[Array, "B T Hv"], d_out: Float[Array, "B T Hv V"],
+                     d_final: segments.State | None, *, scale: float,
+                     initial_state: segments.State | None,
+                     segment_ids: Int[Array, "B T"] | None, chunk_size: int,
+                     block_size: int = 2048, block_entries=None):
   """Analytical VJP of `chunked_forward`: (dq, dk, dv, d_log_decay, dbeta,
   d_initial_state).
 

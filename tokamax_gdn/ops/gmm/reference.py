@@ -32,6 +32,10 @@ class ReferenceGmm(base.Gmm[Any, Any]):
     if transpose_rhs:
       rhs32 = jnp.swapaxes(rhs32, 1, 2)
     masks = group_masks(group_sizes, lhs.shape[0])
+    # Rows past sum(group_sizes) are ignored: selected out before the
+    # matmuls, so that their NaN / inf reaches neither the output nor (as
+    # 0 * NaN in lhs^T @ d_out) the rhs gradient.
+    lhs32 = jnp.where(jnp.any(masks, axis=0)[:, None], lhs32, 0.0)
     out = jnp.zeros((lhs.shape[0], rhs32.shape[2]), jnp.float32)
     for g in range(rhs.shape[0]):
       prod = jnp.dot(lhs32, rhs32[g], precision=jax.lax.Precision.HIGHEST)

@@ -1,6 +1,6 @@
 """Reference tgmm: one masked dense matmul per group, float32.
 
-  out[g] = (where(row in group g, lhs, 0))^T @ rhs
+  out[g] = (where(row in group g, lhs, 0))^T @ where(row in a group, rhs, 0)
 
 The oracle for the other implementations; differentiated by autodiff.
 """
@@ -22,6 +22,9 @@ class ReferenceTgmm(base.Tgmm[Any, Any]):
     lhs32 = lhs.astype(jnp.float32)
     rhs32 = rhs.astype(jnp.float32)
     masks = group_masks(group_sizes, lhs.shape[0])
+    # Rows past sum(group_sizes) are ignored: both operands selected out
+    # (a masked lhs row times a NaN rhs row would still be 0 * NaN).
+    rhs32 = jnp.where(jnp.any(masks, axis=0)[:, None], rhs32, 0.0)
     outs = []
     for g in range(group_sizes.shape[0]):
       masked = jnp.where(masks[g][:, None], lhs32, 0.0)

@@ -1,0 +1,322 @@
+"""Pallas Mosaic TPU serving GDN: Op wrapper (config, heuristics, VMEM, routing).
+
+Every valid request runs in exactly one of two paths, chosen per request from
+its length inside the call (no `lax.cond` on the batch composition: both
+paths are in the program whenever the shapes allow them, so nothing
+recompiles when the composition changes):
+
+1. The decode kernel (`pallas_mosaic_tpu_decode.py`): decode requests (one
+   token, or a verify window of up to num_spec_tokens + 1) and every other
+   request shorter than `min_chunked_tokens`. Its states move by DMA between
+   the pools (aliased in place) and VMEM; conv window and GDN step fused.
+   Tokens past the first `window` of a short prefill run one by one (row
+   DMAs): correct, but ~a state pass per token, so `min_chunked_tokens`
+   trades that against the chunked path's padding (below).
+2. The chunked path, requests of at least `min_chunked_tokens` tokens (so at
+   most N = tokens // min_chunked_tokens of them, a static bound): our
+   `causal_conv1d` Pallas op over the packed tokens (segment ids stop windows
+   at request starts; the taps that reach into a request's conv state are
+   added afterwards) and the chunked GDN forward kernel
+   (`gated_delta_rule/pallas_mosaic_tpu_kernel.gdn_fwd`) with per-segment
+   states: each request's state is gathered from its read slot and its final
+   state scattered to its slot. Tokens of other requests enter it masked
+   (selects: zeros, so a NaN there cannot reach a chunked request). Its
+   static cost is that of T + N (C - 1) tokens (`base.align_segments`).
+
+When T < min_chunked_tokens (every decode batch with the heuristic) the
+chunked path is not compiled at all.
+"""
+
+import contextlib
+import dataclasses
+from typing import Annotated, ClassVar, Literal
+
+import jax
+import jax.numpy as jnp
+import pydantic
+from tokamax._src.ops import op
+from typing_extensions import override
+
+from tokamax_gdn import config as gdn_config
+from tokamax_gdn.ops.causal_conv1d import api as conv_api
+from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import base
+from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu_decode as decode_kernel
+from tokamax_gdn.ops.gated_delta_rule import prologue as gdn_prologue
+from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu as gdn_pallas
+from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as gdn_kernel
+from tokamax_gdn.ops.tiling import round_up
+
+_F32 = jnp.float32
+_MIB = 1 << 20
+_all_run = False
+
+
+@contextlib.contextmanager
+def full_decode_cost():
+  """Compiles the decode kernel as if every request ran one token with an
+  initial state (`DecodeStatic.all_run`): for static cycle estimates only.
+
+  libtpu's estimate leaves out the bodies of data-dependent branches, which
+  is where the kernel's per-request work sits; this variant has none, so its
+  estimate is the cost of a full decode batch. Its results are meaningless
+  (it ignores the request metadata).
+  """
+  global _all_run
+  old, _all_run = _all_run, True
+  try:
+    yield
+  finally:
+    _all_run = old
+
+
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+  """Tiling of the two paths.
+
+  decode_tile: requests per grid step of the decode kernel (their states are
+    in VMEM together: in and `window` checkpoints each).
+  chunk_size: C of the chunked GDN kernel.
+  min_chunked_tokens: requests at least this long take the chunked path (see
+    the module doc); shorter ones the decode kernel.
+  """
+
+  decode_tile: Annotated[int, pydantic.Field(gt=0, multiple_of=8)] = 16
+  chunk_size: Literal[64, 128] = 128
+  min_chunked_tokens: Annotated[int, pydantic.Field(ge=2)] = 128
+
+
+def _heuristics(ba: op.BoundArguments) -> Config:
+  """Decode tiles of 16 requests (32 where VMEM allows does no better on the
+  estimate), C = 128, and the chunked path from C tokens on."""
+  args = ba.arguments
+  window = args["num_spec_tokens"] + 1
+  tile = 16
+  while tile > 8 and _decode_vmem(args, tile, window) > _vmem_cap():
+    tile //= 2
+  return Config(decode_tile=tile, chunk_size=128, min_chunked_tokens=128)
+
+
+def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
+  args = ba.arguments
+  window = args["num_spec_tokens"] + 1
+  out = {_heuristics(ba)}
+  for tile in (8, 16, 32):
+    if _decode_vmem(args, tile, window) > _vmem_cap():
+      continue
+    for chunk in (64, 128):
+      for min_tokens in (chunk, 4 * chunk):
+        out.add(Config(decode_tile=tile, chunk_size=chunk, min_chunked_tokens=min_tokens))
+  return out
+
+
+def _vmem_cap() -> int:
+  return gdn_pallas.vmem_cap(gdn_config.target_generation())
+
+
+def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool) -> decode_kernel.DecodeStatic:
+  return decode_kernel.DecodeStatic(n_kq=dims.n_kq, n_v=dims.n_v, d_k=dims.d_k, d_v=dims.d_v,
+                                    kernel_size=dims.kernel_size, window=window, tile=tile,
+                                    mid_tokens=mid, all_run=_all_run)
+
+
+def _decode_vmem(args, tile: int, window: int) -> int:
+  rec = args["recurrent_state"]
+  dims = base.Dims(args["n_kq"], args["n_v"], args["d_k"], args["d_v"], args["kernel_size"])
+  return decode_kernel.vmem_bytes(_decode_static(dims, window, tile, True),
+                                  jnp.dtype(rec.dtype).itemsize,
+                                  jnp.dtype(args["qkv"].dtype).itemsize)
+
+
+def _decode_path(qkv, b, a, conv_pool, rec_pool, taps, bias, gate, reqs: base.Requests,
+                 runs: jax.Array, dims: base.Dims, cfg: Config, mid: bool, interpret: bool):
+  """The decode kernel over the requests where `runs`; returns (out [T, Hv V]
+  with their tokens' rows (zeros elsewhere), conv_pool, rec_pool)."""
+  t_len = qkv.shape[0]
+  n_req, window = reqs.start.shape[0], reqs.window
+  tile = min(cfg.decode_tile, round_up(n_req, 8))
+  r_pad = round_up(n_req, tile)
+  length = jnp.where(runs, reqs.length, 0)
+  meta = jnp.stack([reqs.start, length, reqs.has_init.astype(jnp.int32), reqs.read_slot,
+                    reqs.write_slot, reqs.num_checkpoints]).astype(jnp.int32)
+  meta = jnp.pad(meta, ((0, 0), (0, r_pad - n_req)))
+  pos = jnp.arange(window)
+  tok = jnp.clip(meta[decode_kernel.START][:, None] + pos[None, :], 0, t_len - 1).reshape(-1)
+  st = _decode_static(dims, window, tile, mid)
+  out_rows, out_mid, conv_pool, rec_pool = decode_kernel.decode(
+      meta, qkv[tok], b[tok], a[tok], taps, bias, gate, conv_pool, rec_pool,
+      *((qkv, b, a) if mid else ()), st=st, interpret=interpret,
+      vmem_limit_bytes=min(_vmem_cap(), decode_kernel.vmem_bytes(
+          st, jnp.dtype(rec_pool.dtype).itemsize, jnp.dtype(qkv.dtype).itemsize)))
+  # Token -> the kernel's output row (a row gather: XLA's row scatters cost
+  # several times more on the estimate); `none` for tokens it did not run,
+  # `mid` for tokens past a short request's window (they are in `out_mid`).
+  live = pos[None, :] < length[:, None]                                    # [R, window]
+  rows = jnp.where(live, tok[:n_req * window].reshape(n_req, window), t_len).reshape(-1)
+  none, mid_row = r_pad * window, r_pad * window + 1
+  row_of = jnp.full((t_len,), none, jnp.int32)
+  if mid:
+    first = jnp.where(length > window, reqs.start + window, t_len)
+    last = jnp.where(length > window, reqs.start + length, t_len)
+    marks = (jnp.zeros((t_len + 1,), jnp.int32).at[first].add(1)
+             .at[last].add(-1))[:t_len]
+    row_of = jnp.where(jnp.cumsum(marks) > 0, mid_row, row_of)
+  row_of = row_of.at[rows].set(jnp.arange(n_req * window, dtype=jnp.int32), mode="drop")
+  out = jnp.take(out_rows, row_of, axis=0, mode="fill", fill_value=0)
+  if mid:
+    out = jnp.where((row_of == mid_row)[:, None], out_mid, out)
+  return out, conv_pool, rec_pool
+
+
+def _chunked_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, dt_bias,
+                  reqs: base.Requests, chunked: jax.Array, n_max: int, dims: base.Dims,
+                  cfg: Config, interpret: bool):
+  """The chunked path over the (at most `n_max`) requests where `chunked`;
+  returns (out [T, Hv V] on their tokens (zeros elsewhere), pools)."""
+  t_len, dim = qkv.shape
+  n_req, kw1 = reqs.start.shape[0], dims.kernel_size - 1
+  token = jnp.arange(t_len, dtype=jnp.int32)
+  rank = jnp.cumsum(chunked.astype(jnp.int32)) - 1
+  req = jnp.zeros((n_max,), jnp.int32).at[jnp.where(chunked, rank, n_max)].set(
+      jnp.arange(n_req, dtype=jnp.int32), mode="drop")
+  used = jnp.arange(n_max) < jnp.sum(chunked)
+  start = jnp.where(used, reqs.start[req], t_len)
+  length = jnp.where(used, reqs.length[req], 0)
+  init = used & reqs.has_init[req]
+  read = reqs.read_slot[req]
+  # Token labels: n + 1 from the start of chunked request n on (0 before the
+  # first); tokens between requests keep the previous label and are masked.
+  label = jnp.cumsum(jnp.zeros((t_len,), jnp.int32).at[start].add(1, mode="drop"))
+  n_of = jnp.clip(label - 1, 0, n_max - 1)
+  mine = (label > 0) & (token < start[n_of] + length[n_of])
+  # align_segments numbers segments by label changes: request n is segment
+  # n + lead, lead = 1 when tokens before the first request form segment 0.
+  lead = (label[0] == 0).astype(jnp.int32)
+  seg_ids = label[None]
+
+  conv0 = jnp.where(init[:, None, None], conv_pool[read].astype(_F32), 0.0)    # [N, W-1, D]
+  x = jnp.where(mine[:, None], qkv, jnp.zeros((), qkv.dtype))
+  taps = base.conv_weight_taps(conv_weight)                                   # [W, D]
+  pre = conv_api.causal_conv1d(x[None], conv_weight[:, 0, :], conv_bias, activation=None,
+                               segment_ids=seg_ids,
+                               implementation="pallas_mosaic_tpu")[0][0].astype(_F32)
+  # The taps that reach back into a request's conv state (its first W-1 tokens).
+  fix_rows, fix = [], []
+  for i in range(kw1):
+    f = sum(taps[k] * conv0[:, i + k] for k in range(kw1 - i))
+    fix_rows.append(jnp.where(used & (i < length), start + i, t_len))
+    fix.append(f)
+  pre = pre.at[jnp.concatenate(fix_rows)].add(jnp.concatenate(fix), mode="drop")
+  act = jax.nn.silu(pre)
+  # New conv states: the last W-1 inputs of [conv state; tokens].
+  m = jnp.arange(kw1)
+  src = start[:, None] + length[:, None] - kw1 + m[None, :]                    # [N, W-1]
+  from_state = src < start[:, None]
+  state_rows = jnp.take_along_axis(conv0, jnp.clip(length[:, None] + m[None, :], 0, kw1 - 1)
+                                   [..., None], axis=1)
+  conv_new = jnp.where(from_state[..., None], state_rows,
+                       qkv[jnp.clip(src, 0, t_len - 1)].astype(_F32))
+
+  q, k, v = base.split_heads(act, dims)
+  keep = mine[:, None, None]
+  q = jnp.where(keep, gdn_prologue.l2norm(q), 0.0).astype(qkv.dtype)
+  k = jnp.where(keep, gdn_prologue.l2norm(k), 0.0).astype(qkv.dtype)
+  v = jnp.where(keep, v, 0.0).astype(qkv.dtype)
+  beta, g = base.gates(b, a, a_log, dt_bias)
+  g = jnp.where(mine[:, None], jnp.maximum(g, gdn_prologue.CHUNKED_LOG_DECAY_FLOOR), 0.0)
+  beta = jnp.where(mine[:, None], beta, 0.0)
+  hv = dims.n_v
+  interleave = gdn_kernel.normalize_interleave(16, hv, hv // dims.n_kq)
+  # The GDN op's own VMEM model for this kernel, with a quarter to spare: a
+  # limit no larger than needed leaves room for XLA's own VMEM (with the
+  # cycle dump on, the full cap overflows at T = 4096).
+  need = gdn_pallas.vmem_estimate(chunk=cfg.chunk_size, hv=hv, hk=dims.n_kq, dim_k=dims.d_k,
+                                  dim_v=dims.d_v, itemsize=jnp.dtype(qkv.dtype).itemsize,
+                                  interleave=interleave, kernel="fwd")
+  kernel_args = dict(scale=dims.scale, chunk=cfg.chunk_size, interleave=interleave,
+                     interpret=interpret, vmem_limit_bytes=min(_vmem_cap(), need * 5 // 4))
+  if n_max == 1:
+    # One request: no segments needed. The masked tokens around it pass the
+    # state through unchanged, so a plain row with its initial state gives
+    # its final state (and no chunk-aligned layout, no padding).
+    h0 = jnp.where(init[0], rec_pool[read[0]].astype(_F32), 0.0)
+    out, final, _ = gdn_kernel.gdn_fwd(q[None], k[None], v[None], g[None], beta[None],
+                                       initial_state=h0[None], **kernel_args)
+    slot_of_seg = jnp.where(used, reqs.write_slot[req], rec_pool.shape[0])
+    finals = final                                                          # [1, Hv, K, V]
+  else:
+    n_states = n_max + 1
+    seg = jnp.arange(n_states) - lead                                       # request of segment
+    seg_ok = (seg >= 0) & (seg < n_max)
+    seg_req = jnp.clip(seg, 0, n_max - 1)
+    h0 = rec_pool[read[seg_req]].astype(_F32)
+    h0 = jnp.where((seg_ok & init[seg_req])[:, None, None, None], h0, 0.0)
+    out, final, _ = gdn_kernel.gdn_fwd(q[None], k[None], v[None], g[None], beta[None],
+                                       initial_state=h0[None], segment_ids=seg_ids,
+                                       **kernel_args)
+    slot_of_seg = jnp.where(seg_ok & used[seg_req], reqs.write_slot[req[seg_req]],
+                            rec_pool.shape[0])
+    finals = final[0]                                                       # [N + 1, ...]
+  rec_pool = rec_pool.at[slot_of_seg].set(finals.astype(rec_pool.dtype), mode="drop")
+  conv_pool = conv_pool.at[jnp.where(used, reqs.write_slot[req], conv_pool.shape[0])].set(
+      conv_new.astype(conv_pool.dtype), mode="drop")
+  out = jnp.where(mine[:, None], out[0].reshape(t_len, -1), 0).astype(qkv.dtype)
+  return out, conv_pool, rec_pool
+
+
+def _check_supported(qkv: jax.Array, dims: base.Dims) -> bool:
+  """Returns interpret mode; raises NotImplementedError where the kernels can't run."""
+  interpret = gdn_config.require_pallas_tpu("causal_conv1d_gated_delta_rule pallas_mosaic_tpu")
+  if qkv.dtype not in (jnp.float32, jnp.bfloat16):
+    raise NotImplementedError(f"pallas_mosaic_tpu supports float32/bfloat16 qkv; got {qkv.dtype}.")
+  if not interpret and (dims.d_k % 128 or dims.d_v % 128):
+    raise NotImplementedError(
+        f"pallas_mosaic_tpu needs d_k and d_v multiples of 128 (lanes); got {dims.d_k},"
+        f" {dims.d_v}.")
+  return interpret
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasMosaicTpuCausalConv1dGatedDeltaRule(base.CausalConv1dGatedDeltaRule[Config, None]):
+  """Decode kernel + chunked GDN kernel on state pools (see the module doc)."""
+
+  config_cls: ClassVar[type[Config]] = Config
+
+  @override
+  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
+    return _heuristics(ba)
+
+  @override
+  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
+    return _autotuning_configs(ba)
+
+  @override
+  def supported_on(self, device: jax.Device) -> bool:
+    return gdn_config.pallas_tpu_supported(device)
+
+  def _serve(self, qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log,
+             dt_bias, reqs, *, dims, config: Config):
+    interpret = _check_supported(qkv, dims)
+    t_len = qkv.shape[0]
+    window = reqs.window
+    min_chunked = max(config.min_chunked_tokens, window + 1)
+    n_chunked = min(reqs.start.shape[0], t_len // min_chunked)     # static bound
+    chunked = (reqs.valid & ~reqs.decode & (reqs.length >= min_chunked)
+               if n_chunked else jnp.zeros_like(reqs.valid))
+    runs = reqs.valid & ~chunked
+    mid = min(min_chunked - 1, t_len) > window      # short prefills longer than a window
+    taps = base.conv_weight_taps(conv_weight)
+    bias = (jnp.zeros((dims.dim,), _F32) if conv_bias is None
+            else conv_bias.astype(_F32))[None]
+    gate = jnp.stack([a_log.astype(_F32), dt_bias.astype(_F32)])
+    out, conv_pool, rec_pool = _decode_path(
+        qkv, b, a, conv_state, recurrent_state, taps, bias, gate, reqs, runs, dims, config,
+        mid, interpret)
+    if n_chunked:
+      out_c, conv_pool, rec_pool = _chunked_path(
+          qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, dt_bias, reqs,
+          chunked, n_chunked, dims, config, interpret)
+      out = out + out_c          # disjoint rows: each token is zero in one of them
+    return (conv_pool, rec_pool), out
+
+
+IMPLEMENTATION = PallasMosaicTpuCausalConv1dGatedDeltaRule()

@@ -1,0 +1,518 @@
+"""Pallas Mosaic TPU decode kernel of the serving GDN: conv window + GDN step, fused.
+
+One grid step takes a tile of `tile` requests. Each request's states live in
+the pools (HBM, `memory_space=ANY`, aliased in place): the step starts one DMA
+per request and state (recurrent [Hv, K, V], conv [W-1, D]) from the read slot
+(scalar-prefetched), computes the requests one after another as their DMAs
+land, and starts each request's write-back DMAs as soon as its states are
+final; it waits for the write-backs at its end. So inside a step the reads of
+later requests and the writes of earlier ones overlap the compute; requests
+that do not run here (invalid, padding, or chunked-path requests) start no
+DMA at all, which keeps every slot they name bit-identical.
+
+Why every DMA is started and waited in the same grid step: libtpu's static
+cycle estimator aborts ("No DMA issue node found for sync flag") on a wait
+whose DMA was issued in an earlier grid step or loop iteration, and each
+kernel must stay estimable. One semaphore per DMA (a shared one measured 2x
+slower on the estimate: the waits serialise).
+
+Per token (positions t < `window` from the gathered activation block; longer
+short requests continue token by token from aligned row blocks, `mid_tokens`):
+
+  pre = bias + sum_w taps[w] * [conv window; x_t][w];  x = silu(pre)
+  q, k L2-normalised (q also scaled by d_k^-1/2), beta = sigmoid(b),
+  g = -exp(a_log) softplus(a + dt_bias)
+  [q; k] S on the MXU (one (8, K) x (K, V) product per value head; the
+  float32 operands as bf16 hi + lo rows, so the products keep ~2^-16),
+  v_new = beta (v - e^g kS),  o = e^g qS + (q.k) v_new,
+  S' = e^g S + k v_new^T (an MXU product contracting a padded row axis, the
+  same hi/lo split), stored in the pool's dtype.
+
+Heads of one GVA group share their q/k rows. Everything is float32 between
+products; the state is read in the pool's dtype and converted once.
+"""
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+import jax.numpy as jnp
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+_L2_EPS = 1e-6
+_ROWS = 8   # MXU row operand height (one f32 sublane tile)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStatic:
+  """Compile-time facts of the decode kernel."""
+
+  n_kq: int
+  n_v: int
+  d_k: int
+  d_v: int
+  kernel_size: int
+  window: int        # token positions per request held in the activation block
+  tile: int          # requests per grid step
+  mid_tokens: bool   # requests may hold more than `window` tokens (block DMAs)
+  # Cost model only: compile as if every request ran with one token and an
+  # initial state (no per-request branches). libtpu's static estimate skips
+  # the bodies of data-dependent branches, so this is how the cost of a full
+  # decode batch is measured (`all_run=False` in the op).
+  all_run: bool = False
+
+  @property
+  def dim(self) -> int:
+    return 2 * self.n_kq * self.d_k + self.n_v * self.d_v
+
+  @property
+  def group(self) -> int:
+    return self.n_v // self.n_kq
+
+  @property
+  def scale(self) -> float:
+    return self.d_k ** -0.5
+
+
+# Rows of the int32 metadata (scalar prefetch, [_META, R_padded]).
+START, LENGTH, HAS_INIT, READ_SLOT, WRITE_SLOT, CHECKPOINTS = range(6)
+_META = 6
+
+
+def _split(x):
+  """float32 -> (hi, lo) bfloat16 with hi + lo = x to ~2^-16 relative."""
+  hi = x.astype(BF16)
+  return hi, (x - hi.astype(F32)).astype(BF16)
+
+
+def _rows(parts, width):
+  """(k, width) pieces stacked and zero-padded to (_ROWS, width)."""
+  x = jnp.concatenate(parts, axis=0)
+  pad = _ROWS - x.shape[0]
+  return jnp.concatenate([x, jnp.zeros((pad, width), x.dtype)], axis=0) if pad else x
+
+
+def _dot(a, b):
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+
+
+def _dot_ta(a, b):
+  """aᵀ b contracting the (padded) row axis: a sum of outer products."""
+  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=F32)
+
+
+def _l2norm(x):
+  return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2_EPS)
+
+
+class _Prepared:
+  """The per-token values every head needs, for n tokens at once (rows)."""
+
+  def __init__(self, st: DecodeStatic, x, windows, b, a, w_ref, bias_ref, gate_ref, act_scr):
+    """x (n, D), b / a (n, Hv) float32; windows: W-1 arrays (n, D), the conv
+    window's rows oldest first."""
+    kw = st.kernel_size
+    pre = bias_ref[...] + w_ref[kw - 1:kw, :] * x
+    for w in range(kw - 1):
+      pre = pre + w_ref[w:w + 1, :] * windows[w]
+    # Through VMEM: libtpu's estimator rejects a loaded value that reaches an
+    # MXU operand through elementwise float32 math without a store between.
+    act_scr[...] = pre * jax.nn.sigmoid(pre)
+    self.act = act_scr[...]
+    self.beta = jax.nn.sigmoid(b)
+    g = -jnp.exp(gate_ref[0:1, :]) * jax.nn.softplus(a + gate_ref[1:2, :])
+    self.decay = jnp.exp(g)                                              # (n, Hv)
+    dk, kd = st.d_k, st.n_kq * st.d_k
+    self.q, self.k, self.qk, self.q_cols, self.k_cols = [], [], [], [], []
+    for i in range(st.n_kq):
+      q = _l2norm(self.act[:, i * dk:(i + 1) * dk]) * st.scale
+      k = _l2norm(self.act[:, kd + i * dk:kd + (i + 1) * dk])
+      self.q.append(q)
+      self.k.append(k)
+      self.qk.append(jnp.sum(q * k, axis=-1, keepdims=True))            # (n, 1)
+      self.q_cols.append(_pad_rows(q).T)                                 # (K, >= n)
+      self.k_cols.append(_pad_rows(k).T)
+
+
+def _pad_rows(x):
+  """(n, L) -> (round_up(n, 8), L), zero rows below."""
+  pad = -x.shape[0] % _ROWS
+  return jnp.concatenate([x, jnp.zeros((pad, x.shape[1]), x.dtype)], axis=0) if pad else x
+
+
+def _heads(st: DecodeStatic, p: _Prepared, row: int, bcast_scr, s_read, s_write):
+  """The GDN step of every value head for token `row` of `p`: returns its
+  output row (1, Hv V) float32. `s_read(h)` gives head h's state (K, V)
+  (float32, or the bf16 pool's values as read), `s_write(h, s)` stores the
+  new one (float32)."""
+  dk, dv, kd = st.d_k, st.d_v, st.n_kq * st.d_k
+  one = lambda x: x[row:row + 1]
+  beta, decay = one(p.beta), one(p.decay)
+  outs = []
+  for i in range(st.n_kq):
+    q, k, qk = one(p.q[i]), one(p.k[i]), one(p.qk[i])
+    # Lane broadcasts run on the XLU, the scarce unit here: once per key
+    # head into VMEM, then every head of the GVA group loads them.
+    bcast_scr[0] = jnp.broadcast_to(p.q_cols[i][:, row:row + 1], (dk, dv))
+    bcast_scr[1] = jnp.broadcast_to(p.k_cols[i][:, row:row + 1], (dk, dv))
+    q_hi, q_lo = _split(q)
+    k_hi, k_lo = _split(k)
+    lhs = _rows([q_hi, q_lo, k_hi, k_lo], dk)
+    for h in range(i * st.group, (i + 1) * st.group):
+      s = s_read(h)
+      e = decay[:, h:h + 1]
+      k_col = bcast_scr[1]
+      if s.dtype == BF16:
+        # A bf16 pool's state is an exact MXU operand: [q; k] S in one
+        # product (q, k as bf16 hi + lo rows), beside the VPU's update.
+        r = _dot(lhs, s)
+        q_s, k_s = r[0:1] + r[1:2], r[2:3] + r[3:4]
+        s = s.astype(F32)
+      else:
+        s = s.astype(F32)
+        q_s = jnp.sum(bcast_scr[0] * s, axis=0, keepdims=True)         # (1, V)
+        k_s = jnp.sum(k_col * s, axis=0, keepdims=True)
+      v = p.act[row:row + 1, 2 * kd + h * dv:2 * kd + (h + 1) * dv]
+      v_new = beta[:, h:h + 1] * (v - e * k_s)                          # (1, V)
+      outs.append(e * q_s + qk * v_new)
+      s_write(h, e * s + k_col * v_new)
+  return jnp.concatenate(outs, axis=1)
+
+
+def _token(st: DecodeStatic, x_row, b_row, a_row, w_ref, bias_ref, gate_ref, win_scr,
+           act_scr, bcast_scr, s_read, s_write):
+  """One token of one request (rows (1, ...) float32); advances the conv
+  window in `win_scr` (W-1, D) f32; returns the output row (1, Hv V)."""
+  kw = st.kernel_size
+  win = win_scr[...]
+  p = _Prepared(st, x_row, [win[w:w + 1] for w in range(kw - 1)], b_row, a_row, w_ref,
+                bias_ref, gate_ref, act_scr)
+  win_scr[...] = jnp.concatenate([win[1:], x_row], axis=0) if kw > 2 else x_row
+  return _heads(st, p, 0, bcast_scr, s_read, s_write)
+
+
+_BLOCK = 16   # rows of the aligned blocks mid tokens move in (a bf16 tile)
+
+
+def _pick_row(block, r):
+  """Row r (traced) of a (_BLOCK, L) float32 block, as (1, L), by a masked sum
+  (a dynamic sublane offset is not a vector load Mosaic has for every dtype)."""
+  rows = lax.broadcasted_iota(jnp.int32, block.shape, 0)
+  return jnp.sum(jnp.where(rows == r, block, 0.0), axis=0, keepdims=True)
+
+
+def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st: DecodeStatic):
+  refs = list(refs)
+  if st.mid_tokens:
+    qkv_any, b_any, a_any = refs.pop(0), refs.pop(0), refs.pop(0)
+  conv_in, rec_in = refs.pop(0), refs.pop(0)
+  o_ref = refs.pop(0)
+  o_mid = refs.pop(0) if st.mid_tokens else None
+  conv_out, rec_out = refs.pop(0), refs.pop(0)
+  (conv_ibuf, rec_ibuf, conv_obuf, rec_obuf, win_scr, act_scr, bcast_scr, s_scr, sem_in,
+   sem_out) = refs[:10]
+  blk_bufs = refs[10:]
+  base = pl.program_id(0) * st.tile
+  del conv_out, rec_out     # aliased with conv_in / rec_in: the DMAs write those
+  n_w = st.window
+  kw1 = st.kernel_size - 1
+
+  def meta(field, j):
+    return meta_ref[field, base + j]
+
+  def read_conv(j):
+    return pltpu.make_async_copy(conv_in.at[meta(READ_SLOT, j)], conv_ibuf.at[j], sem_in.at[0, j])
+
+  def read_rec(j):
+    return pltpu.make_async_copy(rec_in.at[meta(READ_SLOT, j)], rec_ibuf.at[j], sem_in.at[1, j])
+
+  def writes(j, c):
+    slot = meta(WRITE_SLOT, j) + c
+    return (pltpu.make_async_copy(conv_obuf.at[j, c], conv_in.at[slot], sem_out.at[0, j, c]),
+            pltpu.make_async_copy(rec_obuf.at[j, c], rec_in.at[slot], sem_out.at[1, j, c]))
+
+  def when(cond):
+    """pl.when, or static: unconditional / nothing (`all_run`'s conditions)."""
+    if isinstance(cond, bool):
+      return (lambda f: f()) if cond else (lambda f: None)
+    return pl.when(cond)
+
+  def runs(j):
+    return True if st.all_run else meta(LENGTH, j) > 0
+
+  def init_of(j):
+    return True if st.all_run else meta(HAS_INIT, j) > 0
+
+  def loads(j):
+    return True if st.all_run else jnp.logical_and(runs(j), init_of(j))
+
+  def writes_ckpt(j, c):
+    if st.all_run:
+      return c == 0
+    return jnp.logical_and(runs(j), c < meta(CHECKPOINTS, j))
+
+  def length_of(j):
+    return 1 if st.all_run else meta(LENGTH, j)
+
+  def zero_unread(j):
+    if not st.all_run:
+      @pl.when(jnp.logical_not(init_of(j)))
+      def _():
+        rec_ibuf[j] = jnp.zeros(rec_ibuf.shape[1:], rec_ibuf.dtype)
+
+  def first_read(j):
+    # The first token reads the state as loaded (a bf16 pool's values are
+    # exact bf16 MXU operands).
+    return lambda h: rec_ibuf[j, h].astype(F32) if pool_f32 else rec_ibuf[j, h]
+
+  def later_read(h):
+    return s_scr[h]
+
+  def scr_write(h, s):
+    s_scr[h] = s
+
+  def mid_tokens(j, store):
+    """Tokens n_w.. of request j (a short prefill): one by one, from aligned
+    _BLOCK-row blocks of the padded [T, ...] arrays; each output row is
+    merged into its block of `o_mid` (read, modify, write: tokens run in
+    order, so no two writes of a block overlap)."""
+    x_blk, b_blk, a_blk, o_blk, sem_blk = blk_bufs
+    start = meta(START, j)
+
+    def body(t, carry):
+      pos = start + t
+      blk = pl.multiple_of((pos // _BLOCK) * _BLOCK, _BLOCK)
+      r = pos - blk
+      rows = pl.ds(blk, _BLOCK)
+      cps = [pltpu.make_async_copy(src.at[rows], dst, sem_blk.at[i])
+             for i, (src, dst) in enumerate(((qkv_any, x_blk), (b_any, b_blk), (a_any, a_blk),
+                                             (o_mid, o_blk)))]
+      for cp in cps:
+        cp.start()
+      for cp in cps:
+        cp.wait()
+      out = _token(st, _pick_row(x_blk[...].astype(F32), r), _pick_row(b_blk[...].astype(F32), r),
+                   _pick_row(a_blk[...].astype(F32), r), w_ref, bias_ref, gate_ref, win_scr,
+                   act_scr.at[0:1], bcast_scr, later_read, scr_write)
+      sel = lax.broadcasted_iota(jnp.int32, o_blk.shape, 0) == r
+      o_blk[...] = jnp.where(sel, out, o_blk[...].astype(F32)).astype(o_blk.dtype)
+      cp = pltpu.make_async_copy(o_blk, o_mid.at[rows], sem_blk.at[4])
+      cp.start()
+      cp.wait()
+      store(t)
+      return carry
+
+    lax.fori_loop(n_w, jnp.maximum(meta(LENGTH, j), n_w), body, 0)
+
+  for j in range(st.tile):
+    @when(loads(j))
+    def _():
+      read_conv(j).start()
+      read_rec(j).start()
+
+  o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+  pool_f32 = rec_ibuf.dtype == F32
+
+  if n_w == 1:
+    # One token per request (plain decode): the conv, gates and q/k of the
+    # whole tile run vectorised over its requests (rows), and each new state
+    # goes straight to its checkpoint buffer.
+    wins = []
+    for j in range(st.tile):
+      @when(loads(j))
+      def _():
+        read_conv(j).wait()
+      init = init_of(j)
+      conv = conv_ibuf[j].astype(F32)
+      wins.append(conv if init is True else jnp.where(init, conv, 0.0))
+    x = x_ref[...].astype(F32)
+    prep = _Prepared(st, x, [jnp.concatenate([w[r:r + 1] for w in wins], axis=0)
+                             for r in range(kw1)],
+                     b_ref[...].astype(F32), a_ref[...].astype(F32), w_ref, bias_ref,
+                     gate_ref, act_scr)
+    for j in range(st.tile):
+      @when(runs(j))
+      def _():
+        @when(loads(j))
+        def _():
+          read_rec(j).wait()
+        zero_unread(j)
+        window = jnp.concatenate([wins[j][1:], x[j:j + 1]], axis=0)
+        conv_obuf[j, 0] = window.astype(conv_obuf.dtype)
+        more = None if st.all_run or not st.mid_tokens else meta(LENGTH, j) > 1
+
+        def s_write(h, s):
+          rec_obuf[j, 0, h] = s.astype(rec_obuf.dtype)
+          if more is not None:
+            @pl.when(more)
+            def _():
+              s_scr[h] = s
+
+        o_ref[j:j + 1, :] = _heads(st, prep, j, bcast_scr, first_read(j), s_write).astype(
+            o_ref.dtype)
+        if more is not None:
+          @pl.when(more)
+          def _():
+            win_scr[...] = window
+
+            def store(t):
+              del t   # short prefills keep only their final state
+
+            mid_tokens(j, store)
+            conv_obuf[j, 0] = win_scr[...].astype(conv_obuf.dtype)
+            rec_obuf[j, 0] = s_scr[...].astype(rec_obuf.dtype)
+
+        for cp in writes(j, 0):
+          cp.start()
+
+  for j in range(st.tile if n_w > 1 else 0):
+    @when(runs(j))
+    def _():
+      length = length_of(j)
+      ckpts = 1 if st.all_run else meta(CHECKPOINTS, j)
+      init = init_of(j)
+
+      @when(init)
+      def _():
+        read_conv(j).wait()
+        read_rec(j).wait()
+        win_scr[...] = conv_ibuf[j].astype(F32)
+
+      if not st.all_run:
+        @pl.when(jnp.logical_not(init))
+        def _():
+          win_scr[...] = jnp.zeros(win_scr.shape, F32)
+      zero_unread(j)
+
+      def store(t):
+        """Checkpoint after token t: slot c = t - (length - ckpts), if c >= 0."""
+        c = t - (length - ckpts)
+
+        @when(True if st.all_run else c >= 0)
+        def _():
+          conv_obuf[j, c] = win_scr[...].astype(conv_obuf.dtype)
+          rec_obuf[j, c] = s_scr[...].astype(rec_obuf.dtype)
+
+      for t in range(n_w):
+        @when(True if st.all_run else t < length)
+        def _():
+          row = j * n_w + t
+          out = _token(st, x_ref[row:row + 1, :].astype(F32),
+                       b_ref[row:row + 1, :].astype(F32), a_ref[row:row + 1, :].astype(F32),
+                       w_ref, bias_ref, gate_ref, win_scr, act_scr, bcast_scr,
+                       first_read(j) if t == 0 else later_read, scr_write)
+          o_ref[row:row + 1, :] = out.astype(o_ref.dtype)
+          store(t)
+
+      if st.mid_tokens and not st.all_run:
+        mid_tokens(j, store)
+
+      for c in range(n_w):
+        @when(writes_ckpt(j, c))
+        def _():
+          for cp in writes(j, c):
+            cp.start()
+
+  for j in range(st.tile):
+    for c in range(n_w):
+      @when(writes_ckpt(j, c))
+      def _():
+        for cp in writes(j, c):
+          cp.wait()
+
+
+def decode(meta, xs, bs, as_, taps, bias, gate, conv_pool, rec_pool, qkv=None, b=None, a=None,
+           *, st: DecodeStatic, interpret=False, vmem_limit_bytes=None):
+  """Runs the decode kernel over R_padded = meta.shape[1] requests.
+
+  meta: int32 [_META, R_padded] (rows START..CHECKPOINTS; LENGTH 0 = the
+    request does not run here). xs [R_padded * window, D], bs / as_
+    [R_padded * window, Hv]: each request's first `window` tokens (row
+    r * window + t). taps
+    [W, D] f32, bias [1, D] f32, gate [2, Hv] f32 (a_log; dt_bias). With
+    `st.mid_tokens`, qkv / b / a are the whole [T, ...] arrays (rows past the
+    window are read from there).
+
+  Returns (out [R_padded * window, Hv V] in xs.dtype, out_mid [T, Hv V] or
+  None (rows of tokens past a request's window; others undefined),
+  conv_pool, rec_pool) with the pools updated in place.
+  """
+  r_pad = meta.shape[1]
+  assert r_pad % st.tile == 0
+  tile, n_w, dim, hv = st.tile, st.window, st.dim, st.n_v
+  block = lambda width: pl.BlockSpec((tile * n_w, width), lambda i, m: (i, 0))
+  full = lambda *shape: pl.BlockSpec(shape, lambda i, m: (0,) * len(shape))
+  anyspace = pl.BlockSpec(memory_space=pl.ANY)
+  in_specs = [block(dim), block(hv), block(hv), full(*taps.shape),
+              full(*bias.shape), full(*gate.shape)]
+  args = [xs, bs, as_, taps, bias, gate]
+  t_len = 0 if qkv is None else qkv.shape[0]
+  t_pad = -(-t_len // _BLOCK) * _BLOCK
+  if st.mid_tokens:
+    # Padded to whole _BLOCK-row blocks (the mid tokens' aligned DMAs).
+    in_specs += [anyspace] * 3
+    args += [x if t_pad == t_len else jnp.pad(x, ((0, t_pad - t_len), (0, 0)))
+             for x in (qkv, b, a)]
+  in_specs += [anyspace, anyspace]
+  args += [conv_pool, rec_pool]
+  out_dtype = xs.dtype
+  out_specs = [block(hv * st.d_v)]
+  out_shape = [jax.ShapeDtypeStruct((r_pad * n_w, hv * st.d_v), out_dtype)]
+  if st.mid_tokens:
+    out_specs.append(anyspace)
+    out_shape.append(jax.ShapeDtypeStruct((t_pad, hv * st.d_v), out_dtype))
+  out_specs += [anyspace, anyspace]
+  out_shape += [jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
+                jax.ShapeDtypeStruct(rec_pool.shape, rec_pool.dtype)]
+  n_in = 1 + len(args)            # + the scalar-prefetch operand
+  aliases = {n_in - 2: len(out_shape) - 2, n_in - 1: len(out_shape) - 1}
+  kw1 = st.kernel_size - 1
+  scratch = [
+      pltpu.VMEM((tile, kw1, dim), conv_pool.dtype),
+      pltpu.VMEM((tile, hv, st.d_k, st.d_v), rec_pool.dtype),
+      pltpu.VMEM((tile, n_w, kw1, dim), conv_pool.dtype),
+      pltpu.VMEM((tile, n_w, hv, st.d_k, st.d_v), rec_pool.dtype),
+      pltpu.VMEM((kw1, dim), F32),
+      pltpu.VMEM((tile if n_w == 1 else 1, dim), F32),
+      pltpu.VMEM((2, st.d_k, st.d_v), F32),
+      pltpu.VMEM((hv, st.d_k, st.d_v), F32),
+      pltpu.SemaphoreType.DMA((2, tile)),
+      pltpu.SemaphoreType.DMA((2, tile, n_w)),
+  ]
+  if st.mid_tokens:
+    scratch += [pltpu.VMEM((_BLOCK, dim), qkv.dtype), pltpu.VMEM((_BLOCK, hv), b.dtype),
+                pltpu.VMEM((_BLOCK, hv), a.dtype), pltpu.VMEM((_BLOCK, hv * st.d_v), out_dtype),
+                pltpu.SemaphoreType.DMA((5,))]
+  res = pl.pallas_call(
+      functools.partial(_kernel, st=st),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(r_pad // tile,), in_specs=in_specs,
+          out_specs=out_specs, scratch_shapes=scratch),
+      out_shape=out_shape,
+      input_output_aliases=aliases,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                           vmem_limit_bytes=vmem_limit_bytes),
+      interpret=interpret,
+      name="gdn_serve_decode",
+  )(meta, *args)
+  if st.mid_tokens:
+    out, out_mid, conv_pool, rec_pool = res
+    out_mid = out_mid if t_pad == t_len else out_mid[:t_len]
+  else:
+    (out, conv_pool, rec_pool), out_mid = res, None
+  return out, out_mid, conv_pool, rec_pool
+
+
+def vmem_bytes(st: DecodeStatic, pool_itemsize: int, act_itemsize: int) -> int:
+  """Scoped VMEM of one grid step: the state buffers (in + `window` out per
+  request), the double-buffered activation blocks, f32 scratch; plus a
+  margin for Mosaic's temporaries (one f32 state and the conv rows)."""
+  state = st.n_v * st.d_k * st.d_v
+  conv = (st.kernel_size - 1) * st.dim
+  bufs = st.tile * (1 + st.window) * (state + conv) * pool_itemsize
+  acts = 2 * 2 * st.tile * st.window * (st.dim + 2 * st.n_v + st.n_v * st.d_v) * act_itemsize
+  scratch = 4 * (state + conv + st.dim)
+  return bufs + acts + scratch + 2 * 4 * state + (4 << 20)
