@@ -26,6 +26,7 @@ tests.ops.causal_conv1d_gated_delta_rule.differential_test N` runs N seeds by
 hand.
 """
 
+import contextlib
 import dataclasses
 import sys
 
@@ -40,6 +41,7 @@ tokamax_tests = pytest.importorskip(
     "tokamax._src.ops.causal_conv1d_gated_delta_rule.gdn_attention_test")
 from tokamax._src.ops.causal_conv1d_gated_delta_rule import reference as tokamax_reference  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from tokamax_gdn import config  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import api  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tokamax_gdn.testing.specs import rel_rms, tolerance  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -253,16 +255,20 @@ def test_random_batches_against_tokamax(impl, seed):
 
 
 if __name__ == "__main__":
-  # Hand run: python -m tests.ops.causal_conv1d_gated_delta_rule.differential_test N [impl..]
+  # Hand run: python -m tests.ops.causal_conv1d_gated_delta_rule.differential_test
+  # N [FIRST_SEED [impl..]]
   n = int(sys.argv[1]) if len(sys.argv) > 1 else 20
-  impls = sys.argv[2:] or ["xla", "reference"]
+  first = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+  impls = sys.argv[3:] or ["xla", "reference"]
   failures = 0
-  for seed in range(n):
+  for seed in range(first, first + n):
     b = random_batch(seed)
     orc = tokamax_oracle(b)
     for name in impls:
       try:
-        check(b, name, orc)
+        # Pallas kernels run in interpret mode off TPU.
+        with (config.interpret_mode() if name.startswith("pallas") else contextlib.nullcontext()):
+          check(b, name, orc)
       except Exception as e:  # pylint: disable=broad-except
         failures += 1
         print(f"seed {seed} {name}: {type(e).__name__}: {str(e)[:400]}")
