@@ -4,8 +4,8 @@ Random ragged batches (`random_batch`): decode requests (1 token, or verify
 windows of 1..s+1 tokens with random read offsets), prefills and
 continuations of random lengths (1, and not multiples of the xla path's
 chunk or tile sizes), empty requests, padding requests past mixed_end (null
-slot 0 or unused slots, garbage query_start_loc entries), tokens past the
-last request, seq_lens above / equal to / below the token counts, requests
+slot 0 or unused slots, garbage query_start_loc entries), tokens before the
+first and past the last request, seq_lens above / equal to / below the token counts, requests
 reading a slot other than the one they write, kernel_size 2..4, n_kq == n_v
 and GVA 1:2 / 1:4, d_k != d_v, bf16 / f32 activations and pools (each pool
 its own dtype), conv_bias or None.
@@ -79,7 +79,8 @@ def random_batch(seed: int) -> Batch:
   lengths = dec_len + pre_len
   n_valid = len(lengths)
   r = n_valid + n_pad
-  qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+  lead = 2 if rng.random() < 0.1 else 0          # tokens before the first request
+  qsl = (lead + np.concatenate([[0], np.cumsum(lengths)])).astype(np.int32)
   extra = int(rng.choice([0, 0, 1, 5]))
   t = max(int(qsl[-1]) + extra, 1)
   pad_qsl = (np.full(n_pad, qsl[-1]) if rng.random() < 0.5
@@ -103,7 +104,8 @@ def random_batch(seed: int) -> Batch:
     if lengths[i]:
       written.update(range(slots[i], slots[i] + (lengths[i] if i < n_dec else 1)))
   for i in range(n_valid, r):                  # padding: null slot or an unused one
-    slots[i] = 0 if rng.random() < 0.5 else int(rng.integers(nxt, num_slots))
+    unused = num_slots > nxt + n_spare and rng.random() < 0.5
+    slots[i] = int(rng.integers(nxt + n_spare, num_slots)) if unused else 0
   ctx = [int(rng.choice([0, 0, 3, 40])) for _ in range(n_valid)]
   seq_lens = np.array([l + c if rng.random() < 0.85 else int(rng.integers(0, max(l, 1)))
                        for l, c in zip(lengths, ctx)] + list(rng.integers(-3, 9, n_pad)),
@@ -180,7 +182,9 @@ def tokamax_oracle(batch: Batch):
       read_state_indices=jnp.asarray(reads[n_dec:batch.n_valid]),
       distribution=jnp.array([0, 0, batch.n_valid - n_dec], jnp.int32),
       seq_lens=a["seq_lens"][n_dec:batch.n_valid], **common, **sizes)
-  out = rest_out if out is None else out.at[lo:].set(rest_out)
+  if out is None:
+    out = jnp.zeros((a["qkv"].shape[0], rest_out.shape[1]), rest_out.dtype)
+  out = out.at[lo:].set(rest_out)
   return (conv, rec), out
 
 
@@ -222,13 +226,15 @@ def check(batch: Batch, impl: str, oracle=None) -> None:
   # tokamax's op reference where it applies (no windows, no read indirection).
   # Its decode-only branch (decode_end == mixed_end) reads the conv slot even
   # for fresh requests (seq_lens <= tokens) and its conv mixes pool and
-  # activation dtypes only when they agree: compared where neither applies.
+  # activation dtypes only when they agree; tokens before query_start_loc[0]
+  # count as request 0's: compared where none of these applies.
   dist = np.minimum(np.asarray(a["distribution"]), a["state_indices"].shape[0])
   qsl = np.asarray(a["query_start_loc"])
   fresh = np.asarray(a["seq_lens"])[:batch.n_valid] <= np.diff(qsl[:batch.n_valid + 1])
   if (batch.static["num_spec_tokens"] == 0 and "read_state_indices" not in a
       and not np.any(np.asarray(a.get("read_offsets", 0)))
-      and a["conv_state"].dtype == a["qkv"].dtype and not (dist[0] == dist[2] and fresh.any())):
+      and a["conv_state"].dtype == a["qkv"].dtype and not (dist[0] == dist[2] and fresh.any())
+      and qsl[0] == 0):
     kw = {k: v for k, v in a.items() if k not in ("read_offsets",)}
     kw["distribution"] = jnp.asarray(dist)
     (o_conv, o_rec), o_out = jax.jit(lambda kw: tokamax_reference.run_jax_gdn_attention_local_ref(
