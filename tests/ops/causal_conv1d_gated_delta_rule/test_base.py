@@ -248,8 +248,9 @@ class ServingTestBase:
       (dict(state_indices=[1, 1, 3]), "state_indices"),               # same slot twice
       (dict(state_indices=[1, 2, 4]), "state_indices"),               # outside the pool
       (dict(read_offsets=[0, 3, 0]), "read_offsets"),                 # read outside the pool
+      (dict(distribution=[2, 1, 3]), "distribution"),                 # decreasing
   ], ids=["qsl_decreasing", "qsl_past_tokens", "decode_too_long", "duplicate_slot",
-          "slot_outside_pool", "read_outside_pool"])
+          "slot_outside_pool", "read_outside_pool", "distribution_decreasing"])
   def test_bad_concrete_metadata_is_a_clear_error(self, change, argname):
     lay = arg_specs.layout(lengths=[1, 1, 10], context_lens=[2, 2, 0], **TINY, **F32)
     args, kwargs = make(lay)
@@ -257,5 +258,15 @@ class ServingTestBase:
     full = dict(zip(names, args)) | kwargs
     full.update({k: jnp.asarray(v, jnp.int32) for k, v in change.items()})
     with pytest.raises(ValueError, match=argname):
+      with self.context():
+        api.causal_conv1d_gated_delta_rule(**full, implementation=self.IMPL)
+
+  def test_list_index_array_is_a_clear_error(self):
+    """A Python list where an array goes names the argument (no AttributeError)."""
+    lay = arg_specs.layout(lengths=[1, 1, 10], context_lens=[2, 2, 0], **TINY, **F32)
+    args, kwargs = make(lay)
+    full = dict(zip(arg_specs.POSITIONAL, args)) | kwargs
+    full["query_start_loc"] = [0, 1, 2, 12]
+    with pytest.raises(TypeError, match="query_start_loc"):
       with self.context():
         api.causal_conv1d_gated_delta_rule(**full, implementation=self.IMPL)

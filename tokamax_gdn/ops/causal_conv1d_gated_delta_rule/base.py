@@ -28,12 +28,13 @@ rows of tokens outside valid requests are zero. A NaN or inf in one request's
 tokens or read slot reaches no other request's outputs or slots.
 
 Preconditions the op cannot check on traced values (checked when the index
-arrays are concrete): decode-segment requests have 1 <= len_r <= s + 1 (the
-`xla` and Pallas paths process s + 1 tokens per decode request); valid
-requests' token ranges are in order inside [0, tokens); the slots they read
-and write are in [0, slots), no two write the same slot, and none reads a
-slot another one writes (implementations may order the requests' reads and
-writes differently).
+arrays are concrete): `distribution` is non-negative and non-decreasing;
+decode-segment requests have 1 <= len_r <= s + 1 (the `xla` and Pallas
+paths process s + 1 tokens per decode request); valid requests' token ranges
+are in order inside [0, tokens); the slots they read and write are in
+[0, slots), no two write the same slot, and none reads a slot another one
+writes (implementations may order the requests' reads and writes
+differently).
 
 Split of work: `bind` validates and canonicalises once for every backend;
 `_fwd` builds the per-request metadata (`Requests`) and calls the backend's
@@ -189,6 +190,13 @@ def check_concrete_metadata(qsl, state_indices, distribution, seq_lens, read_sta
     return
   qsl, slots, dist, seq_lens = (a.astype(np.int64) for a in arrays)
   r = slots.shape[0]
+  # A decreasing or negative distribution is a caller bug that the clamps
+  # below would otherwise turn into a silently different batch (mixed_end
+  # past R stays allowed: tokamax's own tests pass [0, 0, 3] with R = 1).
+  if dist.min() < 0 or not dist[0] <= dist[1] <= dist[2]:
+    raise ValueError(
+        f"`distribution` {dist.tolist()}: expected [decode_end, prefill_end, mixed_end],"
+        " non-negative and non-decreasing.")
   n_valid = int(np.clip(dist[2], 0, r))
   n_decode = int(np.clip(dist[0], 0, n_valid))
   starts = qsl[:n_valid + 1]
@@ -267,6 +275,16 @@ class CausalConv1dGatedDeltaRule[C, K](ShippedAutotuningCacheMixin,
       return_residuals: bool = False,
   ) -> op.BoundArguments:
     """Checks shapes, dtypes and sizes once for every backend."""
+    arrays = dict(qkv=qkv, b=b, a=a, conv_state=conv_state, recurrent_state=recurrent_state,
+                  conv_weight=conv_weight, conv_bias=conv_bias, a_log=a_log, dt_bias=dt_bias,
+                  query_start_loc=query_start_loc, state_indices=state_indices,
+                  distribution=distribution, seq_lens=seq_lens,
+                  read_state_indices=read_state_indices, read_offsets=read_offsets)
+    for name, x in arrays.items():
+      # A Python list or scalar would otherwise fail later with an
+      # AttributeError that names no argument.
+      if x is not None and not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"`{name}` is a {type(x).__name__}: expected a jax or numpy array.")
     for name, val in (("n_kq", n_kq), ("n_v", n_v), ("d_k", d_k), ("d_v", d_v)):
       if int(val) != val or val < 1:
         raise ValueError(f"`{name}`={val!r}: expected a positive integer.")
