@@ -21,9 +21,17 @@ from tokamax_gdn.ops.gated_delta_rule import segments
 
 
 def _nonfinite_tokens(x: jax.Array, per_token_axes: int) -> jax.Array:
-  """Whether any of the trailing `per_token_axes` axes holds a NaN or inf."""
-  bad = ~jnp.isfinite(x)
-  return jnp.any(bad, axis=tuple(range(-per_token_axes, 0))) if per_token_axes else bad
+  """Whether any of the trailing `per_token_axes` axes holds a NaN or inf.
+
+  As a float sum of x·0 (0 for finite x, NaN for NaN / inf; it cannot
+  overflow): a boolean any() over the lanes costs TPU ~10x as much (v6e,
+  static estimate: 22.5 k vs ~2 k cycles for value [512, 32, 128] bf16).
+  """
+  if not per_token_axes:
+    return ~jnp.isfinite(x)
+  zeros = jnp.sum(x * jnp.zeros((), x.dtype), axis=tuple(range(-per_token_axes, 0)),
+                  dtype=jnp.float32)
+  return jnp.isnan(zeros)
 
 
 def _zero_where(bad: jax.Array, x: jax.Array) -> jax.Array:
@@ -42,7 +50,7 @@ def _nan_where(bad: jax.Array, x: jax.Array) -> jax.Array:
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["seg", "first", "last", "bad", "bad_q", "bad_gate"],
-    meta_fields=["group"])
+    meta_fields=["group", "one_segment"])
 @dataclasses.dataclass(frozen=True)
 class SegmentGuard:
   """Keeps a NaN / inf of one packed segment out of every other segment.
@@ -71,6 +79,9 @@ class SegmentGuard:
     bad_gate: [B, T, Hv] bool: the token's raw gate or its log-decay is not
       finite (any NaN / inf input counts, including g = -inf).
     group: Hv / Hk.
+    one_segment: no `segment_ids` (every row is one segment): the running
+      flags are then reductions over T and a compare, not cumulative sums
+      over T (a cumsum along T costs TPU glue of the order of the kernel).
   """
 
   seg: jax.Array
@@ -80,23 +91,35 @@ class SegmentGuard:
   bad_q: jax.Array
   bad_gate: jax.Array
   group: int
+  one_segment: bool = False
 
   def _take(self, x: jax.Array, pos: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, pos[..., None], axis=1)
 
+  def _pos(self, bad: jax.Array) -> jax.Array:
+    return jnp.arange(bad.shape[1], dtype=jnp.int32)[:, None]
+
   def running(self, bad: jax.Array) -> jax.Array:
     """[B, T, Hv]: a bad token at or before this one, in its segment."""
+    if self.one_segment:
+      pos = self._pos(bad)
+      return pos >= jnp.min(jnp.where(bad, pos, bad.shape[1]), axis=1, keepdims=True)
     count = jnp.cumsum(bad, axis=1, dtype=jnp.int32)
     before_segment = self._take(count - bad, self.first)
     return count > before_segment
 
   def running_back(self, bad: jax.Array) -> jax.Array:
     """[B, T, Hv]: a bad token at or after this one, in its segment."""
+    if self.one_segment:
+      pos = self._pos(bad)
+      return pos <= jnp.max(jnp.where(bad, pos, -1), axis=1, keepdims=True)
     count = jnp.cumsum(bad, axis=1, dtype=jnp.int32)
     return self._take(count, self.last) > count - bad
 
   def anywhere(self, bad: jax.Array) -> jax.Array:
     """[B, T, Hv]: a bad token anywhere in this token's segment."""
+    if self.one_segment:
+      return jnp.broadcast_to(jnp.any(bad, axis=1, keepdims=True), bad.shape)
     count = jnp.cumsum(bad, axis=1, dtype=jnp.int32)
     return self._take(count, self.last) > self._take(count - bad, self.first)
 
@@ -189,19 +212,22 @@ def guard_segments(q, k, v, beta, initial_state, segment_ids, *, g, a_log,
   hv = v.shape[2]
   group = hv // hk
   per_value_head = lambda x: jnp.repeat(x, group, axis=2)
-  starts = (jnp.zeros((b, t), bool) if segment_ids is None
-            else segments.segment_starts(segment_ids))
-  pos = jnp.arange(t, dtype=jnp.int32)
-  seg = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
-  first = segments.segment_first(starts)
-  last = jax.lax.cummin(jnp.where(segments.segment_ends(starts), pos, t - 1), axis=1,
-                        reverse=True)
+  if segment_ids is None:
+    seg = first = jnp.zeros((b, t), jnp.int32)
+    last = jnp.full((b, t), t - 1, jnp.int32)
+  else:
+    starts = segments.segment_starts(segment_ids)
+    pos = jnp.arange(t, dtype=jnp.int32)
+    seg = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
+    first = segments.segment_first(starts)
+    last = jax.lax.cummin(jnp.where(segments.segment_ends(starts), pos, t - 1), axis=1,
+                          reverse=True)
   # Before the log-decay floor, which would turn -inf into -30.
   bad_gate = ~jnp.isfinite(g) | ~jnp.isfinite(prologue.gate_log_decay(g, a_log, dt_bias))
   bad = (per_value_head(_nonfinite_tokens(k, 1)) | _nonfinite_tokens(v, 1)
          | bad_gate | ~jnp.isfinite(beta))
   guard = SegmentGuard(seg, first, last, bad, per_value_head(_nonfinite_tokens(q, 1)),
-                       bad_gate, group)
+                       bad_gate, group, one_segment=segment_ids is None)
   if initial_state is not None:
     bad = bad | guard.at_segment_starts(_nonfinite_tokens(initial_state, 2))
   return dataclasses.replace(guard, bad=bad)
