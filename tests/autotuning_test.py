@@ -344,9 +344,9 @@ def test_layer_looks_up_the_keys_autotune_tunes():
   assert {ba.autotuning_cache_key for ba in used} == tuned
   # (get_bound_args drops configs, so look at what the layer passes the op.)
   from tokamax_gdn.layers.gated_deltanet import _implementations  # pylint: disable=g-import-not-at-top,protected-access
-  assert _implementations("gated_delta_rule", "xla", cfg) == ("xla",)
-  (pinned,) = _implementations("gated_delta_rule", "xla",
-                               dataclasses.replace(cfg, chunk_size=32))
+  # One named implementation stays one name (or one Op), not a sequence.
+  assert _implementations("gated_delta_rule", "xla", cfg) == "xla"
+  pinned = _implementations("gated_delta_rule", "xla", dataclasses.replace(cfg, chunk_size=32))
   assert pinned.config.chunk_size == 32 and pinned.vjp.config.chunk_size == 32
 
 
