@@ -22,9 +22,6 @@ IMPL = "pallas_mosaic_tpu"
 # others of test_base are left to the xla implementation's run.
 _KEEP = ("mixed_padded_ctx", "gva_1to4_bf16_pools", "dk128_f32_act_bf16_pools")
 _KEEP_SPEC = ("spec3_padded_bf16",)
-_SKIPPED = "interpret-mode cost; covered by the kept cases (see _KEEP)"
-
-
 class TestPallasMosaicTpu(ServingTestBase):
   IMPL = IMPL
 
@@ -39,12 +36,6 @@ class TestPallasMosaicTpu(ServingTestBase):
                            ids=_KEEP_SPEC)
   def test_spec_windows_against_tokamax(self, case_id, lay):
     super().test_spec_windows_against_tokamax(case_id, lay)
-
-  def test_window_checkpoints_are_single_token_decodes(self):
-    pytest.skip(_SKIPPED)
-
-  def test_continuation_equals_one_call(self):
-    pytest.skip(_SKIPPED)
 
 
 def test_routing_decode_kernel_and_chunked_path():
