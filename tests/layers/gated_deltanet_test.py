@@ -151,18 +151,23 @@ def test_segments_do_not_leak(impl):
 # tests/ops/gated_delta_rule/isolation_test.py (Pallas included) and the conv's
 # in its tests; the layer adds nothing implementation-specific, so it runs on
 # the two implementations that compile fast on CPU.
+def _nan_test_inputs(impl_name):
+  """(impl, cfg, params, x [2, 20, hidden]) of the layer's NaN-isolation tests."""
+  impl, reason = implementation_for(impl_name)
+  if reason:
+    pytest.fail(reason)
+  cfg = _small_cfg()
+  params = init_params(jax.random.key(0), cfg)
+  return impl, cfg, params, jax.random.normal(jax.random.key(1), (2, 20, cfg.hidden_size))
+
+
 @pytest.mark.parametrize("impl_name", ["reference", "xla"])
 def test_nan_in_one_segment_stays_there(impl_name):
   """A NaN and an inf in segment 1's activations (and a NaN in its output
   cotangent) reach neither segment 0's nor segment 2's outputs or input
   gradients, nor the returned cache (segment 2 ends the rows). The parameter
   gradients sum over every token, segment 1's included."""
-  impl, reason = implementation_for(impl_name)
-  if reason:
-    pytest.fail(reason)
-  cfg = _small_cfg()
-  params = init_params(jax.random.key(0), cfg)
-  x = jax.random.normal(jax.random.key(1), (2, 20, cfg.hidden_size))
+  impl, cfg, params, x = _nan_test_inputs(impl_name)
   seg = jnp.array([[0] * 6 + [1] * 7 + [2] * 7] * 2, jnp.int32)
   cot = jax.random.normal(jax.random.key(2), x.shape)
   keep = np.r_[0:6, 13:20]
@@ -192,12 +197,7 @@ def test_nan_does_not_flow_backwards_in_time(impl_name):
   conv's window (the W - 1 tokens whose gradients read the conv outputs at
   and after the garbage, where silu's and the L2 norm's backward of a NaN
   activation is NaN under a zero cotangent) are finite; row 1 is untouched."""
-  impl, reason = implementation_for(impl_name)
-  if reason:
-    pytest.fail(reason)
-  cfg = _small_cfg()
-  params = init_params(jax.random.key(0), cfg)
-  x = jax.random.normal(jax.random.key(1), (2, 20, cfg.hidden_size))
+  impl, cfg, params, x = _nan_test_inputs(impl_name)
   cot = jax.random.normal(jax.random.key(2), x.shape)
   t0 = 12
   mask = (jnp.arange(x.shape[1]) < t0)[None, :, None]
