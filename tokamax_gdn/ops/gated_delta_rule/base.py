@@ -127,6 +127,12 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
   # shape [B, N, Hv, K, V] (per-segment states); if not, bind raises
   # NotImplementedError for one, so `implementation=` falls through.
   supports_segment_states: ClassVar[bool] = False
+  # Whether `_core_fwd` takes `poison=` ([B, T, Hv] float32: NaN at the tokens
+  # whose outputs must be NaN, else 0) and then sanitises k, v, log_decay and
+  # beta itself: the forward half of `isolation.SegmentGuard` inside the
+  # kernel instead of passes over k, v and the outputs in XLA. Only for
+  # cores with an analytical VJP (which guards the backward).
+  guards_in_core: ClassVar[bool] = False
 
   def __call__(self, *args, **kwargs):
     """The op; float64 inputs run in float32 (see `_float64_to_float32`)."""
@@ -248,13 +254,21 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
       final_state = empty_final_state(query, value, initial_state)
       residuals = None
     else:
-      guard = isolation.guard_segments(q, k, value, beta, initial_state, segment_ids,
-                                       g=g, a_log=a_log, dt_bias=dt_bias)
+      # An analytical VJP guards its own backward, so this forward leaves the
+      # queries unchecked (see `SegmentGuard.bad_q`).
+      guard = isolation.guard_segments(query, key, value, beta, initial_state, segment_ids,
+                                       g=g, a_log=a_log, dt_bias=dt_bias,
+                                       check_query=self.vjp is None)
       if self.vjp is None:       # differentiated by autodiff through this
         residuals = None
         out, final_state = isolation.guarded_autodiff(core, guard, q, k, value, log_decay,
                                                       beta, initial_state)
-      else:                      # `GatedDeltaRuleVjp` guards the backward
+      elif self.guards_in_core:  # `GatedDeltaRuleVjp` guards the backward
+        out, final_state, residuals = core(
+            q, k, value, log_decay, beta, initial_state=isolation.zero_nonfinite(initial_state),
+            poison=guard.output_poison())
+        final_state = guard.poison_final_state(final_state)
+      else:
         *clean, clean_state = guard.sanitize(q, k, value, log_decay, beta, initial_state)
         out, final_state, residuals = core(*clean, initial_state=clean_state)
         out, final_state = guard.poison_outputs(out, final_state)
@@ -338,7 +352,7 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
     else:
       core_bwd = functools.partial(self._core_bwd, residuals, scale=scale,
                                    segment_ids=segment_ids, config=config)
-      guard = isolation.guard_segments(q, k, value, beta, initial_state, segment_ids,
+      guard = isolation.guard_segments(query, key, value, beta, initial_state, segment_ids,
                                        g=g, a_log=a_log, dt_bias=dt_bias)
       poison = guard.gradient_poison(d_out, d_final)
       *clean, clean_state = guard.sanitize(q, k, value, log_decay, beta, initial_state)

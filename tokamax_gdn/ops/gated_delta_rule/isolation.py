@@ -75,7 +75,11 @@ class SegmentGuard:
       token's segment.
     bad: [B, T, Hv] bool: the token's k, v, g or beta is not finite, or (at
       a segment's first token) the segment's initial state is not.
-    bad_q: [B, T, Hv] bool: the token's query is not finite.
+    bad_q: [B, T, Hv] bool: the token's query is not finite; None for a
+      forward that neither checks nor sanitises the queries: a query is read
+      only by its own token's output (its row of Q Kᵀ and Q S), so a
+      non-finite one already makes exactly that output NaN. The backward
+      needs it (dK, dV sum over the queries of later tokens).
     bad_gate: [B, T, Hv] bool: the token's raw gate or its log-decay is not
       finite (any NaN / inf input counts, including g = -inf).
     group: Hv / Hk.
@@ -88,7 +92,7 @@ class SegmentGuard:
   first: jax.Array
   last: jax.Array
   bad: jax.Array
-  bad_q: jax.Array
+  bad_q: jax.Array | None
   bad_gate: jax.Array
   group: int
   one_segment: bool = False
@@ -147,20 +151,33 @@ class SegmentGuard:
     return is_last & segments.state_of_segment(per_state, self.seg)
 
   def sanitize(self, q, k, v, log_decay, beta, initial_state):
-    """The inputs with every non-finite value replaced by 0."""
-    return (zero_nonfinite(q), zero_nonfinite(k), zero_nonfinite(v),
+    """The inputs with every non-finite value replaced by 0 (the queries kept
+    as they are when `bad_q` is None)."""
+    return (q if self.bad_q is None else zero_nonfinite(q), zero_nonfinite(k), zero_nonfinite(v),
             _zero_where(self.bad_gate, log_decay), zero_nonfinite(beta),
             zero_nonfinite(initial_state))
 
-  def poison_outputs(self, out, final_state):
-    """NaN in the outputs and final states the bad inputs reach."""
+  def _output_flags(self) -> jax.Array:
     running = self.running(self.bad)
-    out = _nan_where((running | self.bad_q)[..., None], out)
+    return running if self.bad_q is None else running | self.bad_q
+
+  def output_poison(self) -> jax.Array:
+    """[B, T, Hv] float32: NaN at the tokens whose outputs are not finite,
+    else 0 (for a core that poisons its outputs itself, `guards_in_core`)."""
+    return jnp.where(self._output_flags(), jnp.float32(jnp.nan), jnp.float32(0))
+
+  def poison_final_state(self, final_state):
+    """NaN in the final states the bad inputs reach."""
     if final_state.ndim == 4:        # the state after the last token
-      poisoned = running[:, -1]
+      poisoned = self.running(self.bad)[:, -1]
     else:
       poisoned = self.per_segment(self.anywhere(self.bad), final_state.shape[1])
-    return out, _nan_where(poisoned[..., None, None], final_state)
+    return _nan_where(poisoned[..., None, None], final_state)
+
+  def poison_outputs(self, out, final_state):
+    """NaN in the outputs and final states the bad inputs reach."""
+    out = _nan_where(self._output_flags()[..., None], out)
+    return out, self.poison_final_state(final_state)
 
   def gradient_poison(self, d_out, d_final) -> jax.Array:
     """[B, T, Hv]: the tokens whose input gradients are not finite.
@@ -172,6 +189,8 @@ class SegmentGuard:
     that NaN downstream (0 * NaN, e.g. a loss that masks padding with
     `where`); it is taken as zero, so it does not flow backwards in time.
     """
+    if self.bad_q is None:
+      raise ValueError("gradient_poison needs a guard built with check_query=True.")
     forward = self.running(self.bad)
     bad_ct = _nonfinite_tokens(d_out, 1) & ~(forward | self.bad_q)
     if d_final is not None:
@@ -204,10 +223,17 @@ class SegmentGuard:
 
 
 def guard_segments(q, k, v, beta, initial_state, segment_ids, *, g, a_log,
-                   dt_bias) -> SegmentGuard:
-  """The `SegmentGuard` of the prologue's q, k (and v, beta, initial_state,
-  segment_ids: None is one segment) and the raw gate inputs g, a_log,
-  dt_bias; B, T >= 1."""
+                   dt_bias, check_query: bool = True) -> SegmentGuard:
+  """The `SegmentGuard` of the op's inputs: the raw query and key (before the
+  prologue: its L2 norm is non-finite exactly where they are), v, beta,
+  initial_state, segment_ids (None is one segment) and the raw gate inputs
+  g, a_log, dt_bias; B, T >= 1. Without `check_query`, `bad_q` is None.
+
+  The per-token flags are reductions of the raw inputs, apart from the
+  prologue's: fused with the L2 norm, XLA's TPU reduction of the normalised
+  q, k fell off a cliff (v6e static estimate, Qwen3-Next heads: 4.5 k cycles
+  at T=512, 108 k at T=2048).
+  """
   b, t, hk, _ = q.shape
   hv = v.shape[2]
   group = hv // hk
@@ -226,8 +252,9 @@ def guard_segments(q, k, v, beta, initial_state, segment_ids, *, g, a_log,
   bad_gate = ~jnp.isfinite(g) | ~jnp.isfinite(prologue.gate_log_decay(g, a_log, dt_bias))
   bad = (per_value_head(_nonfinite_tokens(k, 1)) | _nonfinite_tokens(v, 1)
          | bad_gate | ~jnp.isfinite(beta))
-  guard = SegmentGuard(seg, first, last, bad, per_value_head(_nonfinite_tokens(q, 1)),
-                       bad_gate, group, one_segment=segment_ids is None)
+  bad_q = per_value_head(_nonfinite_tokens(q, 1)) if check_query else None
+  guard = SegmentGuard(seg, first, last, bad, bad_q, bad_gate, group,
+                       one_segment=segment_ids is None)
   if initial_state is not None:
     bad = bad | guard.at_segment_starts(_nonfinite_tokens(initial_state, 2))
   return dataclasses.replace(guard, bad=bad)

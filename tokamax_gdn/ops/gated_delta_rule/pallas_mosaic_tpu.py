@@ -229,7 +229,7 @@ def _kernel_args(config: Config, q: jax.Array, v: jax.Array, interpret: bool) ->
 
 # Dimension labels of the kernels' operands (see `ops.partitioning`).
 _LABELS = dict(
-    q="b t h k", k="b t h k", v="b t hv v", log_decay="b t hv", beta="b t hv",
+    q="b t h k", k="b t h k", v="b t hv v", log_decay="b t hv", beta="b t hv", poison="b t hv",
     d_out="b t hv v", d_final="b hv k v", initial_state="b hv k v",
     states="b n hv kp vp", tmats="b n hv c1 c2", segment_ids="b t",
 )
@@ -279,19 +279,20 @@ class PallasMosaicTpuGatedDeltaRule(_KernelConfigs, base.GatedDeltaRule[Config, 
 
   max_head_dim: ClassVar[int | None] = 256
   supports_segment_states: ClassVar[bool] = True
+  guards_in_core: ClassVar[bool] = True
 
   def __post_init__(self):
     if self.vjp is None:
       object.__setattr__(self, "vjp", PallasMosaicTpuGatedDeltaRuleVjp())
 
   def _core_fwd(self, q, k, v, log_decay, beta, *, scale, initial_state,
-                segment_ids, config: Config):
+                segment_ids, config: Config, poison=None):
     interpret = _check_supported(q, v)
 
-    def body(q, k, v, log_decay, beta, initial_state, segment_ids):
+    def body(q, k, v, log_decay, beta, initial_state, segment_ids, poison):
       out, final, res = kernel.gdn_fwd(
           q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
-          segment_ids=segment_ids, emit_residuals=config.save_states,
+          segment_ids=segment_ids, emit_residuals=config.save_states, poison=poison,
           **_kernel_args(config, q, v, interpret))
       return (out, final) + (tuple(res) if res is not None else ())
 
@@ -300,7 +301,7 @@ class PallasMosaicTpuGatedDeltaRule(_KernelConfigs, base.GatedDeltaRule[Config, 
       out_labels += [_LABELS["states"], _LABELS["tmats"]]
     res = _per_shard(body, out_labels, q.shape[2], v.shape[2], dict(
         q=q, k=k, v=v, log_decay=log_decay, beta=beta,
-        initial_state=initial_state, segment_ids=segment_ids))
+        initial_state=initial_state, segment_ids=segment_ids, poison=poison))
     out, final = res[:2]
     if config.save_states:
       return out, final, base.Residuals(states=res[2], tmats=res[3])

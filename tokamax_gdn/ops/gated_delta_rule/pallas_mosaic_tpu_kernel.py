@@ -327,6 +327,7 @@ class _Static:
   has_seg: bool
   has_h0: bool
   n_states: int = 0   # per-segment states (0: a [B, Hv, K, V] state or none)
+  guard: bool = False  # forward: sanitise k, v, gates in VMEM and poison outputs
 
   @property
   def group(self) -> int:
@@ -379,26 +380,31 @@ def _heads(ref):
   return pltpu.einshape("chd->hcd", ref[...].astype(F32))
 
 
-def _tail_mask(x, st: _Static, c_idx):
-  """Zero the rows of tokens at or past T (a partial last block holds garbage)."""
-  if not st.tail:
-    return x
-  pos = c_idx * st.chunk + lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 2)
-  return jnp.where(pos < st.t_len, x, 0.0)
+def _tail_mask(x, st: _Static, c_idx, *, finite=False):
+  """Zero the rows of tokens at or past T (a partial last block holds garbage),
+  and with `finite` every NaN / inf (one select for both)."""
+  keep = jnp.isfinite(x) if finite else None
+  if st.tail:
+    pos = c_idx * st.chunk + lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 2)
+    keep = pos < st.t_len if keep is None else keep & (pos < st.t_len)
+  return x if keep is None else jnp.where(keep, x, 0.0)
 
 
 # Rows of the per-step row scratch (each (Hv, C) f32).
-_G_HI, _G_LO, _BETA, _KOUT, _DECAY_CHUNK, _DECAY_OUT = range(6)
-_N_ROWS = 6
+_G_HI, _G_LO, _BETA, _KOUT, _DECAY_CHUNK, _DECAY_OUT, _POISON = range(7)
+_N_ROWS = 6   # + _POISON under `_Static.guard`
 
 
-def _step_prologue(g_ref, b_ref, st_ref, rows_scr, st: _Static, c_idx):
+def _step_prologue(g_ref, b_ref, st_ref, rows_scr, st: _Static, c_idx, poison_ref=None):
   """Gates of the chunk for every head, into `rows_scr`; returns (gate, masks).
 
   masks: (causal, strict) C×C, with segments restricted to one segment.
+  Under `st.guard` non-finite gates count as 0 and the poison row is stored.
   """
-  g_rows = _tail_mask(g_ref[...].astype(F32), st, c_idx).T
-  b_rows = _tail_mask(b_ref[...].astype(F32), st, c_idx).T
+  g_rows = _tail_mask(g_ref[...].astype(F32), st, c_idx, finite=st.guard).T
+  b_rows = _tail_mask(b_ref[...].astype(F32), st, c_idx, finite=st.guard).T
+  if poison_ref is not None:
+    rows_scr[_POISON] = _tail_mask(poison_ref[...].astype(F32), st, c_idx).T
   starts = None
   if st.has_seg:
     starts = _tail_mask(st_ref[...].astype(F32).T, st, c_idx).T   # (1, C)
@@ -442,10 +448,18 @@ def _fwd_kernel(*refs, names: tuple[str, ...], st: _Static, write_out: bool, emi
   def _init():
     s_scr[...] = h0_ref[...].astype(F32) if st.has_h0 else jnp.zeros(s_scr.shape, F32)
 
-  gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx)
+  poison_ref = r.poison if st.guard else None
+  gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx, poison_ref)
   _, strict = masks
-  for ref, scr in ((q_ref, qh_scr), (k_ref, kh_scr), (v_ref, vh_scr)):
-    scr[...] = _tail_mask(_heads(ref), st, c_idx)
+  # Under `guard` the keys and values are sanitised here (a NaN would reach
+  # earlier tokens through 0-coefficients); a query reaches only its own
+  # output, so it stays as it is.
+  for ref, scr, finite in ((q_ref, qh_scr, False), (k_ref, kh_scr, st.guard),
+                           (v_ref, vh_scr, st.guard)):
+    scr[...] = _tail_mask(_heads(ref), st, c_idx, finite=finite)
+  if st.guard and write_out:
+    c_iota = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    diag = c_iota == lax.broadcasted_iota(jnp.int32, (c, c), 1)
 
   def group(gi, carry):
     heads, kheads = _group_heads(st, gi)
@@ -470,8 +484,14 @@ def _fwd_kernel(*refs, names: tuple[str, ...], st: _Static, write_out: bool, emi
              for u in heads}                               # V″
     if write_out:
       for u, i in heads.items():
-        lhs = jnp.concatenate([(q[kj(u)] * dins[u]).astype(mm),
-                               (qkk[kj(u)][:c] * gammas[u] * beta[u]).astype(mm)], 1)
+        p_tilde = qkk[kj(u)][:c] * gammas[u] * beta[u]
+        if st.guard:
+          # NaN on the diagonal of a poisoned token's row: it meets that
+          # token's own V″ row only, so exactly its output turns NaN (a
+          # column row, a sublane broadcast; a per-row select of the output
+          # would be a lane broadcast).
+          p_tilde = jnp.where(diag, p_tilde + _row(rows_scr, _POISON, i), p_tilde)
+        lhs = jnp.concatenate([(q[kj(u)] * dins[u]).astype(mm), p_tilde.astype(mm)], 1)
         rhs = jnp.concatenate([s[u].astype(mm), v_new[u].astype(mm)], 0)
         out_scr[i] = st.scale * mxu(lhs, rhs, passes=passes)
     k_t = {ku: k[ku].T for ku in kheads}
@@ -715,7 +735,8 @@ def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states
 def _head_scratch(st: _Static, values: tuple[str, ...]) -> list[_Operand]:
   """Row scratch and head-major f32 copies: q, k, then the (Hv, C, V) arrays
   named in `values`."""
-  return ([_Operand("rows", shape=pltpu.VMEM((_N_ROWS, st.hv, st.chunk), F32)),
+  n_rows = _N_ROWS + (1 if st.guard else 0)
+  return ([_Operand("rows", shape=pltpu.VMEM((n_rows, st.hv, st.chunk), F32)),
            _Operand("qh", shape=pltpu.VMEM((st.hk, st.chunk, st.dim_k), F32)),
            _Operand("kh", shape=pltpu.VMEM((st.hk, st.chunk, st.dim_k), F32))]
           + [_Operand(n, shape=pltpu.VMEM((st.hv, st.chunk, st.dim_v), F32)) for n in values])
@@ -728,8 +749,10 @@ def _token_block(st: _Static, chunk_of, *dims: int) -> pl.BlockSpec:
                       lambda b, i, *_: (b, chunk_of(i)) + (0,) * len(dims))
 
 
-def _common_inputs(q, k, v, log_decay, beta, starts, st: _Static, chunk_of) -> list[_Operand]:
-  """The inputs both kernels read per chunk (array and BlockSpec each)."""
+def _common_inputs(q, k, v, log_decay, beta, starts, st: _Static, chunk_of,
+                   poison=None) -> list[_Operand]:
+  """The inputs both kernels read per chunk (array and BlockSpec each), and
+  the forward's poison rows under `st.guard`."""
   hk, hv = q.shape[2], v.shape[2]
   ops = [
       _Operand("q", q, block=_token_block(st, chunk_of, hk, st.dim_k)),
@@ -738,6 +761,8 @@ def _common_inputs(q, k, v, log_decay, beta, starts, st: _Static, chunk_of) -> l
       _Operand("log_decay", log_decay, block=_token_block(st, chunk_of, hv)),
       _Operand("beta", beta, block=_token_block(st, chunk_of, hv)),
   ]
+  if poison is not None:
+    ops.append(_Operand("poison", poison, block=_token_block(st, chunk_of, hv)))
   if st.has_seg:
     ops.append(_Operand("starts", starts, block=pl.BlockSpec(
         (None, 1, st.chunk), lambda b, i, *_: (b, 0, chunk_of(i)))))
@@ -794,21 +819,24 @@ def _call(kernel, st: _Static, seg: "_Segments | None", *, grid, inputs: list[_O
 
 
 def _prepare(q, k, v, log_decay, beta, *, initial_state, segment_ids, chunk, scale,
-             interleave, newton):
+             interleave, newton, poison=None):
   """(inputs, h0, starts, segments, static, number of chunks) of one kernel call.
 
-  Per-segment states: the inputs moved to the aligned layout, the states with
-  their zero slot, and the `_Segments`; otherwise the inputs as given."""
+  Per-segment states: the inputs (and `poison`, if given, last) moved to the
+  aligned layout, the states with their zero slot, and the `_Segments`;
+  otherwise the inputs as given."""
+  xs = (q, k, v, log_decay, beta) + ((poison,) if poison is not None else ())
   if initial_state is None or initial_state.ndim != 5:
     starts = None if segment_ids is None else _starts(segment_ids)
-    xs, h0, seg = (q, k, v, log_decay, beta), initial_state, None
+    h0, seg = initial_state, None
   else:
     seg = _Segments.build(segment_ids, initial_state.shape[1], chunk)
-    xs = tuple(map(seg.layout.to_aligned, (q, k, v, log_decay, beta)))
+    xs = tuple(map(seg.layout.to_aligned, xs))
     h0, starts = seg.with_zero_slot(initial_state), seg.starts()
   st = _static(xs[0], xs[2], scale=scale, chunk=chunk, interleave=interleave, newton=newton,
                has_seg=starts is not None, has_h0=h0 is not None,
                n_states=0 if seg is None else seg.n_states)
+  st = dataclasses.replace(st, guard=poison is not None)
   return xs, h0, starts, seg, st, -(-xs[0].shape[1] // chunk)
 
 
@@ -818,8 +846,13 @@ def gdn_fwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
             initial_state: segments.State | None = None,
             segment_ids: Int[Array, "B T"] | None = None, chunk=128, interleave=16,
             newton=None, write_out=True, emit_residuals=False, interpret=False,
-            vmem_limit_bytes=None):
+            vmem_limit_bytes=None, poison: Float[Array, "B T Hv"] | None = None):
   """Chunked GDN forward on prepared inputs (after `prologue.prologue`).
+
+  `poison` (0, or NaN at the tokens whose outputs must be NaN) turns on the
+  in-kernel guard (`isolation.SegmentGuard`'s forward half): non-finite
+  k, v, log-decays and betas count as 0, and each poisoned token's output is
+  NaN; q is read as given (a non-finite query reaches its own output only).
 
   Returns (out [B, T, Hv, V] in v.dtype or None without `write_out`,
   final_state f32, residuals or None): with `emit_residuals`,
@@ -831,11 +864,13 @@ def gdn_fwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
   segment's end state [B, N, Hv, K, V], and the kernel then runs on the
   chunk-aligned layout (`_Segments`): NC counts its chunks.
   """
-  (q, k, v, log_decay, beta), h0, starts, seg, st, nc = _prepare(
+  xs, h0, starts, seg, st, nc = _prepare(
       q, k, v, log_decay, beta, initial_state=initial_state, segment_ids=segment_ids,
-      chunk=chunk, scale=scale, interleave=interleave, newton=newton)
+      chunk=chunk, scale=scale, interleave=interleave, newton=newton, poison=poison)
+  q, k, v, log_decay, beta = xs[:5]
   b, t = q.shape[:2]
-  inputs = _common_inputs(q, k, v, log_decay, beta, starts, st, lambda i: i)
+  inputs = _common_inputs(q, k, v, log_decay, beta, starts, st, lambda i: i,
+                          poison=xs[5] if st.guard else None)
   state_spec = _state_spec(st, lambda i: i)
   if st.has_h0:
     inputs.append(_Operand("h0", h0.astype(F32), block=state_spec))
