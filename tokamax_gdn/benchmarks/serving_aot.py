@@ -66,7 +66,7 @@ def cases(mesh: Mesh, spec_name: str, implementation: str) -> list[aot.Case]:
     for i, x in zip(present, values):
       full[i] = x
     pos, kw = full[:len(rest)], dict(zip(names, full[len(rest):]))
-    with _cost_model(implementation):
+    with _cost_model(implementation, spec_name):
       return impl(*pos[:3], conv, rec, *pos[3:], **kw, **static)
 
   call.aot_donate_argnums = (0, 1)
@@ -74,14 +74,24 @@ def cases(mesh: Mesh, spec_name: str, implementation: str) -> list[aot.Case]:
            [args[3], args[4], *[flat[i] for i in present]])]
 
 
-def _cost_model(implementation: str):
+def _cost_model(implementation: str, spec_name: str):
   """pallas_mosaic_tpu: its decode kernel without per-request branches, as if
-  every request ran (libtpu's estimate leaves data-dependent branch bodies
-  out; see `pallas_mosaic_tpu.full_decode_cost`)."""
+  every request ran, from a read state when any of the workload's requests
+  continues one (libtpu's estimate leaves data-dependent branch bodies out;
+  see `pallas_mosaic_tpu.full_decode_cost`)."""
   if implementation == "pallas_mosaic_tpu":
     from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu  # pylint: disable=g-import-not-at-top
-    return pallas_mosaic_tpu.full_decode_cost()
+    return pallas_mosaic_tpu.full_decode_cost(has_init=any_reads(arg_specs.by_name(spec_name)))
   return contextlib.nullcontext()
+
+
+def any_reads(spec) -> bool:
+  """Whether a valid request of the spec starts from its read slot's states."""
+  lay = arg_specs.layout_of(spec.name)
+  qsl, dist, seq_lens = (np.asarray(lay[n]) for n in ("query_start_loc", "distribution",
+                                                     "seq_lens"))
+  n_valid = min(int(dist[2]), seq_lens.shape[0])
+  return bool(np.any(seq_lens[:n_valid] > np.diff(qsl[:n_valid + 1])))
 
 
 def hbm_bytes(spec) -> int:

@@ -48,21 +48,23 @@ from tokamax_gdn.ops.tiling import round_up
 
 _F32 = jnp.float32
 _MIB = 1 << 20
-_all_run = False
+_all_run: bool | None = None   # None: the real kernel; else full_decode_cost's has_init
 
 
 @contextlib.contextmanager
-def full_decode_cost():
-  """Compiles the decode kernel as if every request ran one token with an
-  initial state (`DecodeStatic.all_run`): for static cycle estimates only.
+def full_decode_cost(has_init: bool = True):
+  """Compiles the decode kernel as if every request ran one token
+  (`DecodeStatic.all_run`), from a read state if `has_init` (else from
+  zeros, no read DMA): for static cycle estimates only.
 
   libtpu's estimate leaves out the bodies of data-dependent branches, which
-  is where the kernel's per-request work sits; this variant has none, so its
-  estimate is the cost of a full decode batch. Its results are meaningless
-  (it ignores the request metadata).
+  is where the kernel's state DMAs sit; this variant has none, so its
+  estimate is the cost of a full decode batch whose requests all continue
+  (`has_init`) or all start fresh. Its results are meaningless (it ignores
+  the request metadata).
   """
   global _all_run
-  old, _all_run = _all_run, True
+  old, _all_run = _all_run, bool(has_init)
   try:
     yield
   finally:
@@ -116,7 +118,8 @@ def _vmem_cap() -> int:
 def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool) -> decode_kernel.DecodeStatic:
   return decode_kernel.DecodeStatic(n_kq=dims.n_kq, n_v=dims.n_v, d_k=dims.d_k, d_v=dims.d_v,
                                     kernel_size=dims.kernel_size, window=window, tile=tile,
-                                    mid_tokens=mid, all_run=_all_run)
+                                    mid_tokens=mid, all_run=_all_run is not None,
+                                    all_init=_all_run is not False)
 
 
 def _decode_vmem(args, tile: int, window: int) -> int:
