@@ -131,15 +131,24 @@ def test_extrapolate_is_proportional_or_the_line_through_two_points():
 @pytest.mark.slow
 def test_cycles_extrapolated_from_two_short_lengths_match_a_direct_compile():
   """What `aot` reports for T=2048 from compiles at 512 and 1024, against the
-  estimate of a compile at 2048 itself."""
+  estimate of a compile at 2048 itself.
+
+  The Pallas kernels are a grid over chunks: linear in T to 2 %. XLA's glue
+  is only near-linear (its fusion and tiling choices change with T: 14 %
+  over the line at T=2048 here), so it is held to 20 %, not exempt: a cliff
+  such as the guard's former q/k check had (4.5 k cycles at T=512, 108 k at
+  2048, at Qwen3-Next heads) makes the extrapolated reports wrong.
+  """
   shape = dict(b=1, t=0, hk=2, hv=4, k=128, v=128, dtype="bfloat16")
   results = aot.compile_in_child("v6e", "tokamax_gdn.benchmarks.gated_delta_rule_aot:cycle_cases",
                                  dict(shape=shape, lengths=[512, 1024, 2048], passes=["fwd"]))
-  short, longer, full = (r.report for r in results)
-  assert short and longer and full, results
-  totals = [sum(r.kernel_cycles.values()) for r in (short, longer)]
-  scaled = report_lib.extrapolate(totals, [512, 1024], 2048)
-  assert scaled == pytest.approx(sum(full.kernel_cycles.values()), rel=0.02)
+  reports = [r.report for r in results]
+  assert all(reports), results
+  split = [report_lib.split_cycles(report_lib.GDN, r.kernel_cycles) for r in reports]
+  for part, tolerance in (("gdn_fwd", 0.02), (report_lib.GLUE, 0.2)):
+    short, longer, full = (s[part] for s in split)
+    scaled = report_lib.extrapolate([short, longer], [512, 1024], 2048)
+    assert scaled == pytest.approx(full, rel=tolerance), part
 
 
 @pytest.mark.aot

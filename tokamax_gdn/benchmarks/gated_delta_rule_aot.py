@@ -105,7 +105,7 @@ def _is_pallas(impl: str, name: str) -> bool:
   return "kda" in name.lower() or "chunk" in name.lower()
 
 
-def _split(impl: str, kernel_cycles: dict[str, int]) -> dict[str, int]:
+def split_cycles(impl: str, kernel_cycles: dict[str, int]) -> dict[str, int]:
   """Pallas kernels by name (estimates of repeated calls summed) + the glue summed."""
   out, glue = {}, 0
   for dump_name, cyc in kernel_cycles.items():
@@ -201,7 +201,7 @@ def report(target: str, s: workload.LayerShape, *, kda: bool = False,
     reports.append(r)
     est = estimates.get(label, [])
     if est and all(e.report for e in est):
-      split = [_split(impl, e.report.kernel_cycles) for e in est]
+      split = [split_cycles(impl, e.report.kernel_cycles) for e in est]
       names = sorted(set().union(*split), key=lambda n: (n == GLUE, n))
       r.kernels = {n: round(extrapolate([x.get(n, 0) for x in split], lengths, s.t))
                    for n in names}
