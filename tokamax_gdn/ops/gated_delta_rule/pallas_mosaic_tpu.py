@@ -9,6 +9,12 @@ is differentiated by autodiff in `base.GatedDeltaRuleVjp`. The in-chunk gate
 cumsum, decay masks, segment resets, the partial last chunk and d log-decay
 per token are inside the kernels.
 
+The forward half of the NaN guard (`isolation.SegmentGuard`) is in the
+forward kernel too (`guards_in_core`): XLA computes only the per-token flags
+(reductions of the raw inputs) and the final-state poison; the kernel zeroes
+non-finite k, v, log-decays and betas in VMEM and makes each poisoned token's
+output NaN. The backward's guard runs in XLA around `gdn_bwd`.
+
 Residuals for the backward, per token and value head, beyond the op inputs
 tokamax keeps anyway:
   - `save_states=False` (heuristic default): 0 bytes; the backward first
