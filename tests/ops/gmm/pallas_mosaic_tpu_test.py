@@ -3,6 +3,8 @@
 Lowering for real chips is covered by `aot_test.py`.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,7 +135,7 @@ def test_heuristics_fit_vmem_and_are_in_the_autotuning_space(target_chip):
                      jax.ShapeDtypeStruct((g,), jnp.int32), transpose_rhs=transpose)
         od = ba.kwargs["preferred_element_type"]
         check_heuristic_in_fitting_space(
-            op, ba, lambda c: pallas.gmm_vmem(m, k, n, ld, rd, od, transpose, c))  # pylint: disable=cell-var-from-loop
+            op, ba, functools.partial(pallas.gmm_vmem, m, k, n, ld, rd, od, transpose))
   ba = op.bind(jax.ShapeDtypeStruct((8192, 2048), BF16),
                jax.ShapeDtypeStruct((8, 2048, 1024), BF16),
                jax.ShapeDtypeStruct((8,), jnp.int32))

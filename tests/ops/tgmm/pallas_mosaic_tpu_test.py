@@ -1,5 +1,7 @@
 """The pallas_mosaic_tpu tgmm in Pallas TPU interpret mode (CPU), plus its tiling logic."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -63,4 +65,4 @@ def test_heuristics_fit_vmem_and_are_in_the_autotuning_space():
                    jax.ShapeDtypeStruct((g,), jnp.int32))
       od = ba.kwargs["preferred_element_type"]
       check_heuristic_in_fitting_space(
-          op, ba, lambda c: pallas.tgmm_vmem(m, k, n, ld, rd, od, c))  # pylint: disable=cell-var-from-loop
+          op, ba, functools.partial(pallas.tgmm_vmem, m, k, n, ld, rd, od))
