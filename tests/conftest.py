@@ -11,6 +11,8 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from tokamax_gdn import config  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 # XLA:CPU compiles dominate the suite's time; without the optimisation
 # pipeline they take about half as long (measured: the xla GDN tests, 446 ->
 # 240 CPU-s) and every numerical comparison still holds. Compiles for TPU
@@ -29,3 +31,13 @@ def _full_optimizations_for_tpu_compiles(request):
     yield
   finally:
     jax.config.update("jax_disable_most_optimizations", True)
+
+
+@pytest.fixture(params=["v5e", "v6e", "v5p", "tpu7x"])
+def target_chip(request):
+  """Each TPU generation in turn as the one the tiling heuristics target."""
+  config.set_target_chip(request.param)
+  try:
+    yield request.param
+  finally:
+    config.set_target_chip(None)

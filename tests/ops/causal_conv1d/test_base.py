@@ -98,6 +98,9 @@ def check_nan_isolation(call, context=contextlib.nullcontext):
   np.testing.assert_array_equal(ds0_p, ds0, err_msg="initial state gradient")
 
 
+_CONFORMANCE_SPECS = [s.name for s in arg_specs.ARG_SPECS if "conformance" in s.tags]
+
+
 class ConvTestBase:
   """Subclasses set IMPL (an implementation name) and may override `context`."""
 
@@ -113,12 +116,16 @@ class ConvTestBase:
     with self.context():
       return api.causal_conv1d(*args, implementation=self.IMPL, **kwargs)
 
-  @pytest.mark.parametrize("name", [s.name for s in arg_specs.ARG_SPECS if "conformance" in s.tags])
-  def test_forward_vs_numpy(self, name):
+  def spec(self, name: str):
+    """The conformance spec `name`; skipped unless also tagged SPEC_TAG."""
     spec = next(s for s in arg_specs.ARG_SPECS if s.name == name)
     if self.SPEC_TAG not in spec.tags:
       pytest.skip(f"spec {name} not tagged {self.SPEC_TAG!r}")
-    args, kwargs = spec.make(jax.random.key(0))
+    return spec
+
+  @pytest.mark.parametrize("name", _CONFORMANCE_SPECS)
+  def test_forward_vs_numpy(self, name):
+    args, kwargs = self.spec(name).make(jax.random.key(0))
     y, fs = self.call(*args, **kwargs)
     y_np, fs_np = numpy_conv(*args, **kwargs)
     assert y.dtype == args[0].dtype and y.shape == args[0].shape
@@ -127,12 +134,9 @@ class ConvTestBase:
       assert fs.dtype == args[0].dtype
       np.testing.assert_allclose(np.asarray(fs, np.float32), fs_np, rtol=1e-6, atol=1e-6)
 
-  @pytest.mark.parametrize("name", [s.name for s in arg_specs.ARG_SPECS if "conformance" in s.tags])
+  @pytest.mark.parametrize("name", _CONFORMANCE_SPECS)
   def test_vjp_vs_reference(self, name):
-    spec = next(s for s in arg_specs.ARG_SPECS if s.name == name)
-    if self.SPEC_TAG not in spec.tags:
-      pytest.skip(f"spec {name} not tagged {self.SPEC_TAG!r}")
-    args, kwargs = spec.make(jax.random.key(1))
+    args, kwargs = self.spec(name).make(jax.random.key(1))
     x, weight, bias = args
     s0 = kwargs.pop("initial_state", None)
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tokamax_gdn.ops.gmm.api import gmm
+from tokamax_gdn.ops.gmm import pallas_mosaic_tpu as pallas
 from tokamax_gdn.ops.gmm.base import canonical_out_dtype
 from tokamax_gdn.testing.specs import rel_rms, tolerance
 
@@ -119,6 +120,15 @@ def check_vjp(implementation, case: Case):
       w = w.astype(g.dtype)
     err = rel_rms(g, w)
     assert err <= _tol(case, grad=True), f"{case}: d{'lhs' if i == 0 else 'rhs'} rel-RMS {err:.3g}"
+
+
+def check_heuristic_in_fitting_space(op, ba, vmem) -> None:
+  """A Pallas gmm/tgmm call's heuristic config is among its autotuning configs,
+  and every one of those has a VMEM estimate `vmem(config)` within the budget."""
+  space = op._get_autotuning_configs(ba)  # pylint: disable=protected-access
+  assert ba.heuristics_config in space
+  budget = pallas.vmem_budget()
+  assert all(vmem(c) <= budget for c in space)
 
 
 def functools_partial(fn, first):

@@ -3,6 +3,8 @@
 Lowering for real chips is covered by `aot_test.py`.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ from tokamax_gdn.ops.gmm import pallas_mosaic_tpu_kernel as kernel
 from tokamax_gdn.ops.gmm.api import gmm
 
 from .cases import BF16, CASES, F32, I8, SMALL, Case, check_forward, check_vjp, expected, inputs
+from .cases import check_heuristic_in_fitting_space
 
 IMPL = "pallas_mosaic_tpu"
 
@@ -122,29 +125,21 @@ QWEN = [(8192, 2048, 1024, 8), (8192, 2048, 512, 128), (8192, 512, 2048, 128)]
 DTYPES = [(BF16, BF16), (BF16, F32), (F32, BF16), (I8, BF16)]
 
 
-@pytest.mark.parametrize("chip", ["v5e", "v6e", "v5p", "tpu7x"])
-def test_heuristics_fit_vmem_and_are_in_the_autotuning_space(chip):
+def test_heuristics_fit_vmem_and_are_in_the_autotuning_space(target_chip):
   op = registry.get("gmm", IMPL)
-  config.set_target_chip(chip)
-  try:
-    budget = pallas.vmem_budget()
-    for m, k, n, g in QWEN:
-      for ld, rd in DTYPES:
-        for transpose in (False, True):
-          rshape = (g, n, k) if transpose else (g, k, n)
-          ba = op.bind(jax.ShapeDtypeStruct((m, k), ld), jax.ShapeDtypeStruct(rshape, rd),
-                       jax.ShapeDtypeStruct((g,), jnp.int32), transpose_rhs=transpose)
-          h = ba.heuristics_config
-          space = op._get_autotuning_configs(ba)  # pylint: disable=protected-access
-          assert h in space
-          assert all(pallas.gmm_vmem(m, k, n, ld, rd, ba.kwargs["preferred_element_type"],
-                                     transpose, c) <= budget for c in space)
-    ba = op.bind(jax.ShapeDtypeStruct((8192, 2048), BF16),
-                 jax.ShapeDtypeStruct((8, 2048, 1024), BF16),
-                 jax.ShapeDtypeStruct((8,), jnp.int32))
-    # Whole [K, N] weight of a group per block: each expert's weights read once
-    # (half of N on v5p, whose two cores split the n axis).
-    want_tn = 512 if chip == "v5p" else 1024
-    assert ba.heuristics_config == pallas.Config(tm=256, tk=2048, tn=want_tn)
-  finally:
-    config.set_target_chip(None)
+  for m, k, n, g in QWEN:
+    for ld, rd in DTYPES:
+      for transpose in (False, True):
+        rshape = (g, n, k) if transpose else (g, k, n)
+        ba = op.bind(jax.ShapeDtypeStruct((m, k), ld), jax.ShapeDtypeStruct(rshape, rd),
+                     jax.ShapeDtypeStruct((g,), jnp.int32), transpose_rhs=transpose)
+        od = ba.kwargs["preferred_element_type"]
+        check_heuristic_in_fitting_space(
+            op, ba, functools.partial(pallas.gmm_vmem, m, k, n, ld, rd, od, transpose))
+  ba = op.bind(jax.ShapeDtypeStruct((8192, 2048), BF16),
+               jax.ShapeDtypeStruct((8, 2048, 1024), BF16),
+               jax.ShapeDtypeStruct((8,), jnp.int32))
+  # Whole [K, N] weight of a group per block: each expert's weights read once
+  # (half of N on v5p, whose two cores split the n axis).
+  want_tn = 512 if target_chip == "v5p" else 1024
+  assert ba.heuristics_config == pallas.Config(tm=256, tk=2048, tn=want_tn)

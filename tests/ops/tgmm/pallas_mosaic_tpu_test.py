@@ -1,15 +1,17 @@
 """The pallas_mosaic_tpu tgmm in Pallas TPU interpret mode (CPU), plus its tiling logic."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 from tokamax_gdn import config
 from tokamax_gdn import registry
-from tokamax_gdn.ops.gmm import pallas_mosaic_tpu as gmm_pallas
 from tokamax_gdn.ops.gmm import pallas_mosaic_tpu_kernel as kernel
 from tokamax_gdn.ops.tgmm import pallas_mosaic_tpu as pallas
 
+from ..gmm.cases import check_heuristic_in_fitting_space
 from .cases import BF16, CASES, F32, I8, SMALL, Case, check_forward, check_vjp
 
 IMPL = "pallas_mosaic_tpu"
@@ -54,20 +56,13 @@ def test_block_sizes_respect_each_operands_own_tiling():
   assert kernel.tgmm_tiles(100, 256, 256, I8, BF16, BF16, tm=48, tk=128, tn=128).tm == 32
 
 
-@pytest.mark.parametrize("chip", ["v5e", "v6e", "v5p", "tpu7x"])
-def test_heuristics_fit_vmem_and_are_in_the_autotuning_space(chip):
+@pytest.mark.usefixtures("target_chip")   # each TPU generation in turn
+def test_heuristics_fit_vmem_and_are_in_the_autotuning_space():
   op = registry.get("tgmm", IMPL)
-  config.set_target_chip(chip)
-  try:
-    budget = gmm_pallas.vmem_budget()
-    for m, k, n, g in [(8192, 2048, 1024, 8), (8192, 2048, 512, 128), (8192, 512, 2048, 128)]:
-      for ld, rd in [(BF16, BF16), (BF16, F32), (I8, BF16)]:
-        ba = op.bind(jax.ShapeDtypeStruct((m, k), ld), jax.ShapeDtypeStruct((m, n), rd),
-                     jax.ShapeDtypeStruct((g,), jnp.int32))
-        h = ba.heuristics_config
-        space = op._get_autotuning_configs(ba)  # pylint: disable=protected-access
-        assert h in space
-        od = ba.kwargs["preferred_element_type"]
-        assert all(pallas.tgmm_vmem(m, k, n, ld, rd, od, c) <= budget for c in space)
-  finally:
-    config.set_target_chip(None)
+  for m, k, n, g in [(8192, 2048, 1024, 8), (8192, 2048, 512, 128), (8192, 512, 2048, 128)]:
+    for ld, rd in [(BF16, BF16), (BF16, F32), (I8, BF16)]:
+      ba = op.bind(jax.ShapeDtypeStruct((m, k), ld), jax.ShapeDtypeStruct((m, n), rd),
+                   jax.ShapeDtypeStruct((g,), jnp.int32))
+      od = ba.kwargs["preferred_element_type"]
+      check_heuristic_in_fitting_space(
+          op, ba, functools.partial(pallas.tgmm_vmem, m, k, n, ld, rd, od))

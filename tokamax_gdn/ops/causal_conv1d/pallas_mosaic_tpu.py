@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import pydantic
 from tokamax._src.ops import op
-from typing_extensions import override
 
 from tokamax_gdn import config as gdn_config
+from tokamax_gdn.ops import config_hooks
 from tokamax_gdn.ops import partitioning
 from tokamax_gdn.ops.causal_conv1d import base
 from tokamax_gdn.ops.causal_conv1d import pallas_mosaic_tpu_kernel as kernel
@@ -134,27 +134,17 @@ def _per_shard(body, out_labels, arrays: dict):
 
 
 @dataclasses.dataclass(frozen=True)
-class PallasMosaicTpuCausalConv1d(base.CausalConv1d[Config, None]):
+class PallasMosaicTpuCausalConv1d(config_hooks.PallasTpuHooks, base.CausalConv1d[Config, None]):
   """Tiled causal conv1d + SiLU in Pallas Mosaic TPU (forward + backward kernels)."""
 
   config_cls: ClassVar[type[Config]] = Config
+  heuristics = _heuristics
+  autotuning_configs = _autotuning_configs
   max_width: ClassVar[int | None] = kernel.HALO + 1
 
   def __post_init__(self):
     if self.vjp is None:
       object.__setattr__(self, "vjp", PallasMosaicTpuCausalConv1dVjp())
-
-  @override
-  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
-    return _heuristics(ba)
-
-  @override
-  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
-    return _autotuning_configs(ba)
-
-  @override
-  def supported_on(self, device: jax.Device) -> bool:
-    return gdn_config.pallas_tpu_supported(device)
 
   def _conv(self, x, weight, bias, *, activation, initial_state, reach, config: Config):
     interpret = _check_supported(x, weight.shape[1])
@@ -176,22 +166,12 @@ class PallasMosaicTpuCausalConv1d(base.CausalConv1d[Config, None]):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PallasMosaicTpuCausalConv1dVjp(op.Op):
+class PallasMosaicTpuCausalConv1dVjp(config_hooks.PallasTpuHooks, op.Op):
   """Backward: one Pallas kernel for dx / dweight / dbias; XLA for the W-1-token edges."""
 
   config_cls: ClassVar[type[Config]] = Config
-
-  @override
-  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
-    return _heuristics(ba)
-
-  @override
-  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
-    return _autotuning_configs(ba)
-
-  @override
-  def supported_on(self, device: jax.Device) -> bool:
-    return gdn_config.pallas_tpu_supported(device)
+  heuristics = _heuristics
+  autotuning_configs = _autotuning_configs
 
   def _fwd(
       self,

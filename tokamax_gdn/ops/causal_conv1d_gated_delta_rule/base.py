@@ -365,16 +365,16 @@ class CausalConv1dGatedDeltaRule[C, K](ShippedAutotuningCacheMixin,
       state_indices: Int[Array, "R"],
       distribution: Int[Array, "3"],
       seq_lens: Int[Array, "R"],
-      read_state_indices: Int[Array, "R"] | None = None,
-      read_offsets: Int[Array, "R"] | None = None,
+      read_state_indices: Int[Array, "R"] | None,
+      read_offsets: Int[Array, "R"] | None,
       *,
       n_kq: int,
       n_v: int,
       d_k: int,
       d_v: int,
       kernel_size: int,
-      num_spec_tokens: int = 0,
-      return_residuals: bool = False,
+      num_spec_tokens: int,
+      return_residuals: bool,
       config: C,
   ) -> tuple[Output, None]:
     del return_residuals
@@ -390,26 +390,14 @@ class CausalConv1dGatedDeltaRule[C, K](ShippedAutotuningCacheMixin,
     return ((conv_pool.astype(conv_state.dtype), rec_pool.astype(recurrent_state.dtype)),
             out), None
 
-  def _serve(
-      self,
-      qkv: jax.Array,
-      b: jax.Array,
-      a: jax.Array,
-      conv_state: jax.Array,
-      recurrent_state: jax.Array,
-      conv_weight: jax.Array,
-      conv_bias: jax.Array | None,
-      a_log: jax.Array,
-      dt_bias: jax.Array,
-      reqs: Requests,
-      *,
-      dims: Dims,
-      config: C,
-  ) -> Output:
+  def _serve(self, qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log,
+             dt_bias, reqs: Requests, *, dims: Dims, config: C) -> Output:
     """Returns ((conv pool, recurrent pool) in their dtypes, out [T, n_v d_v]).
 
-    Rows of `out` at or past `reqs.valid_tokens_end` may hold anything finite
-    or not (`_fwd` zeroes them); every other row and every slot follows the
-    module docstring.
+    The arrays are `_fwd`'s (shapes in `bind`); `reqs` is the request
+    metadata built from its `query_start_loc` ... `read_offsets`. Rows of
+    `out` at or past `reqs.valid_tokens_end` may hold anything finite or not
+    (`_fwd` zeroes them); every other row and every slot follows the module
+    docstring.
     """
     raise NotImplementedError

@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 import pydantic
 from tokamax._src.ops import op
-from typing_extensions import override
 
 from tokamax_gdn import config as gdn_config
+from tokamax_gdn.ops import config_hooks
 from tokamax_gdn.ops.causal_conv1d import api as conv_api
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import base
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu_decode as decode_kernel
@@ -291,22 +291,13 @@ def _check_supported(qkv: jax.Array, dims: base.Dims) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class PallasMosaicTpuCausalConv1dGatedDeltaRule(base.CausalConv1dGatedDeltaRule[Config, None]):
+class PallasMosaicTpuCausalConv1dGatedDeltaRule(config_hooks.PallasTpuHooks,
+                                                base.CausalConv1dGatedDeltaRule[Config, None]):
   """Decode kernel + chunked GDN kernel on state pools (see the module doc)."""
 
   config_cls: ClassVar[type[Config]] = Config
-
-  @override
-  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
-    return _heuristics(ba)
-
-  @override
-  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
-    return _autotuning_configs(ba)
-
-  @override
-  def supported_on(self, device: jax.Device) -> bool:
-    return gdn_config.pallas_tpu_supported(device)
+  heuristics = _heuristics
+  autotuning_configs = _autotuning_configs
 
   def _serve(self, qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log,
              dt_bias, reqs, *, dims, config: Config):

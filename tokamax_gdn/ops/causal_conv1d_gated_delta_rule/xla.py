@@ -35,9 +35,9 @@ from typing import Any, ClassVar, Literal
 import jax
 import jax.numpy as jnp
 import pydantic
-from tokamax._src.ops import op
 from typing_extensions import override
 
+from tokamax_gdn.ops import config_hooks
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import base
 from tokamax_gdn.ops.gated_delta_rule import prologue as gdn_prologue
 from tokamax_gdn.ops.gated_delta_rule import xla_chunked_kernel as kernel
@@ -245,18 +245,13 @@ def _prefill_tiles(qkv, beta_all, g_all, conv_pool, rec_pool, out, reqs: base.Re
 
 
 @dataclasses.dataclass(frozen=True)
-class XlaCausalConv1dGatedDeltaRule(base.CausalConv1dGatedDeltaRule[Config, Any]):
+class XlaCausalConv1dGatedDeltaRule(config_hooks.ConfigHooks,
+                                    base.CausalConv1dGatedDeltaRule[Config, Any]):
   """Decode lanes + prefill tiles in XLA (module doc)."""
 
   config_cls: ClassVar[type[Config]] = Config
-
-  @override
-  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
-    return _heuristics(ba.arguments["qkv"].shape[0])
-
-  @override
-  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
-    return _autotuning_configs(ba.arguments["qkv"].shape[0])
+  heuristics = config_hooks.of_size(_heuristics, "qkv", 0)
+  autotuning_configs = config_hooks.of_size(_autotuning_configs, "qkv", 0)
 
   @override
   def _serve(self, qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log,

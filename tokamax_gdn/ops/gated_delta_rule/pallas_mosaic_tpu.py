@@ -27,15 +27,16 @@ tokamax keeps anyway:
 """
 
 import dataclasses
+import functools
 from typing import Annotated, ClassVar, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import pydantic
 from tokamax._src.ops import op
-from typing_extensions import override
 
 from tokamax_gdn import config as gdn_config
+from tokamax_gdn.ops import config_hooks
 from tokamax_gdn.ops import partitioning
 from tokamax_gdn.ops.tiling import round_up
 from tokamax_gdn.ops.gated_delta_rule import base
@@ -258,25 +259,15 @@ def _per_shard(body, out_labels, hk: int, hv: int, arrays: dict):
                                      key_heads=hk, group=hv // hk)
 
 
-class _KernelConfigs:
+class _KernelConfigs(config_hooks.PallasTpuHooks):
   """What the forward Op and its VJP share: the Config, its choice for the
-  kernel each runs (`_backward`), the log-decay floor, the devices."""
+  kernel each runs (the VJP's are `backward=True`), the log-decay floor, the
+  devices."""
 
   config_cls: ClassVar[type[Config]] = Config
   log_decay_floor: ClassVar[float | None] = prologue.CHUNKED_LOG_DECAY_FLOOR
-  _backward: ClassVar[bool] = False
-
-  @override
-  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
-    return _heuristics(ba, backward=self._backward)
-
-  @override
-  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
-    return _autotuning_configs(ba, backward=self._backward)
-
-  @override
-  def supported_on(self, device: jax.Device) -> bool:
-    return gdn_config.pallas_tpu_supported(device)
+  heuristics = functools.partial(_heuristics, backward=False)
+  autotuning_configs = functools.partial(_autotuning_configs, backward=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +309,8 @@ class PallasMosaicTpuGatedDeltaRule(_KernelConfigs, base.GatedDeltaRule[Config, 
 class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Config, None]):
   """Reverse-chunk analytical backward of the Mosaic TPU GDN kernels."""
 
-  _backward: ClassVar[bool] = True
+  heuristics = functools.partial(_heuristics, backward=True)
+  autotuning_configs = functools.partial(_autotuning_configs, backward=True)
 
   def _core_bwd(self, residuals: base.Residuals | None, q, k, v, log_decay, beta, d_out, d_final, *,
                 scale, initial_state, segment_ids, config: Config):

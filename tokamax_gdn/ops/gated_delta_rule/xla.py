@@ -12,9 +12,9 @@ from typing import Any, ClassVar, Literal
 
 import jax
 import pydantic
-from tokamax._src.ops import op
 from typing_extensions import override
 
+from tokamax_gdn.ops import config_hooks
 from tokamax_gdn.ops.gated_delta_rule import base
 from tokamax_gdn.ops.gated_delta_rule import prologue
 from tokamax_gdn.ops.gated_delta_rule import xla_chunked_kernel as kernel
@@ -56,13 +56,18 @@ def _heuristics(t: int) -> Config:
   return Config(chunk_size=64, block_size=block)
 
 
+def _chunk_sizes(t: int) -> set[Config]:
+  """Chunk sizes at the heuristic block (the VJP's configs)."""
+  block = _heuristics(t).block_size
+  return {Config(chunk_size=c, block_size=block) for c in (16, 32, 64, 128)}
+
+
 def _autotuning_configs(t: int) -> set[Config]:
   """Chunk sizes at the heuristic block, block sizes at C=64.
 
   Block sizes of T or more all run as one block; only the smallest is kept.
   """
-  block = _heuristics(t).block_size
-  configs = {Config(chunk_size=c, block_size=block) for c in (16, 32, 64, 128)}
+  configs = _chunk_sizes(t)
   for blk in typing.get_args(BlockSize):
     if blk // 2 < t:
       configs.add(Config(chunk_size=64, block_size=blk))
@@ -70,24 +75,19 @@ def _autotuning_configs(t: int) -> set[Config]:
 
 
 @dataclasses.dataclass(frozen=True)
-class XlaGatedDeltaRule(base.GatedDeltaRule[Config, Any]):
+class XlaGatedDeltaRule(config_hooks.ConfigHooks, base.GatedDeltaRule[Config, Any]):
   """Chunked WY/UT gated delta rule lowered by XLA; analytical backward."""
 
   config_cls: ClassVar[type[Config]] = Config
   log_decay_floor: ClassVar[float | None] = prologue.CHUNKED_LOG_DECAY_FLOOR
   supports_segment_states: ClassVar[bool] = True
 
+  heuristics = config_hooks.of_size(_heuristics, "query", 1)
+  autotuning_configs = config_hooks.of_size(_autotuning_configs, "query", 1)
+
   def __post_init__(self):
     if self.vjp is None:
       object.__setattr__(self, "vjp", XlaGatedDeltaRuleVjp())
-
-  @override
-  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
-    return _heuristics(ba.arguments["query"].shape[1])
-
-  @override
-  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
-    return _autotuning_configs(ba.arguments["query"].shape[1])
 
   @override
   def _core_fwd(self, q, k, v, log_decay, beta, *, scale, initial_state,
@@ -100,7 +100,7 @@ class XlaGatedDeltaRule(base.GatedDeltaRule[Config, Any]):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class XlaGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, Any]):
+class XlaGatedDeltaRuleVjp(config_hooks.ConfigHooks, base.GatedDeltaRuleVjp[Config, Any]):
   """Analytical backward of `XlaGatedDeltaRule` (reverse scan over blocks).
 
   It runs over the forward's blocks, whose entry states it gets as residuals:
@@ -110,15 +110,8 @@ class XlaGatedDeltaRuleVjp(base.GatedDeltaRuleVjp[Config, Any]):
 
   config_cls: ClassVar[type[Config]] = Config
   log_decay_floor: ClassVar[float | None] = prologue.CHUNKED_LOG_DECAY_FLOOR
-
-  @override
-  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
-    return _heuristics(ba.arguments["query"].shape[1])
-
-  @override
-  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
-    block = self._get_heuristics_config(ba).block_size
-    return {Config(chunk_size=c, block_size=block) for c in (16, 32, 64, 128)}
+  heuristics = config_hooks.of_size(_heuristics, "query", 1)
+  autotuning_configs = config_hooks.of_size(_chunk_sizes, "query", 1)
 
   @override
   def _core_bwd(self, residuals, q, k, v, log_decay, beta, d_out, d_final, *,

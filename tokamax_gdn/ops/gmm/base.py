@@ -169,6 +169,27 @@ class GroupedMatmulOp[C, K](autodiff.ReverseModeOnly, ShippedAutotuningCacheMixi
     if self.vjp is None and self.vjp_family is not None:
       object.__setattr__(self, "vjp", self.make_vjp(self.vjp_family))
 
+  def _bind_checked(self, lhs, rhs, group_sizes, *, rhs_rank: int, rhs_layout: str,
+                    check_sizes: Callable[[], None], num_groups: int | None,
+                    preferred_element_type, return_residuals: bool,
+                    **kwargs) -> op.BoundArguments:
+    """What gmm's and tgmm's `bind` share once the ragged_dot keywords are
+    checked: operand ranks ([M, K] lhs) and dtypes, `check_sizes()` (how the
+    operands' sizes must agree), `group_sizes` and the output dtype; then
+    tokamax's bind of the canonical arguments (and the op's own `kwargs`)."""
+    require_rank("lhs", lhs, 2, "[M, K]")
+    require_rank("rhs", rhs, rhs_rank, rhs_layout)
+    require_operand_dtype("lhs", lhs)
+    require_operand_dtype("rhs", rhs)
+    check_sizes()
+    group_sizes = canonical_group_sizes(
+        group_sizes, op_name=self.forward_mode_name, num_groups=num_groups, m=lhs.shape[0],
+        checkify_values=self.checkify_group_sizes)
+    return super().bind(
+        lhs, rhs, group_sizes=group_sizes,
+        preferred_element_type=canonical_out_dtype(lhs, rhs, preferred_element_type),
+        return_residuals=return_residuals, **kwargs)
+
 
 @dataclasses.dataclass(frozen=True)
 class Gmm[C, K](GroupedMatmulOp[C, K]):
@@ -208,28 +229,21 @@ class Gmm[C, K](GroupedMatmulOp[C, K]):
     )
     if dims is not None:
       transpose_rhs = dims == DIMS_TRANSPOSED_RHS
-    require_rank("lhs", lhs, 2, "[M, K]")
-    require_rank("rhs", rhs, 3, "[G, N, K]" if transpose_rhs else "[G, K, N]")
-    require_operand_dtype("lhs", lhs)
-    require_operand_dtype("rhs", rhs)
     k_axis = 2 if transpose_rhs else 1
-    if rhs.shape[k_axis] != lhs.shape[1]:
-      layout = "[G, N, K] (transpose_rhs=True)" if transpose_rhs else "[G, K, N]"
-      raise ValueError(
-          f"{describe('rhs', rhs)}: contraction size K must match `lhs` K={lhs.shape[1]};"
-          f" got {rhs.shape[k_axis]} in rhs layout {layout}."
-      )
-    group_sizes = canonical_group_sizes(
-        group_sizes, op_name="gmm", num_groups=rhs.shape[0], m=lhs.shape[0],
-        checkify_values=self.checkify_group_sizes)
-    out_dtype = canonical_out_dtype(lhs, rhs, preferred_element_type)
-    return super().bind(
-        lhs,
-        rhs,
-        group_sizes=group_sizes,
-        preferred_element_type=out_dtype,
-        transpose_rhs=bool(transpose_rhs),
-        return_residuals=return_residuals,
+
+    def check_k():
+      if rhs.shape[k_axis] != lhs.shape[1]:
+        layout = "[G, N, K] (transpose_rhs=True)" if transpose_rhs else "[G, K, N]"
+        raise ValueError(
+            f"{describe('rhs', rhs)}: contraction size K must match `lhs` K={lhs.shape[1]};"
+            f" got {rhs.shape[k_axis]} in rhs layout {layout}."
+        )
+
+    return self._bind_checked(
+        lhs, rhs, group_sizes, rhs_rank=3,
+        rhs_layout="[G, N, K]" if transpose_rhs else "[G, K, N]", check_sizes=check_k,
+        num_groups=rhs.shape[0], preferred_element_type=preferred_element_type,
+        transpose_rhs=bool(transpose_rhs), return_residuals=return_residuals,
     )
 
   # `tokamax.ragged_dot(..., implementation=x)` iterates over `x` unless it is
@@ -283,21 +297,24 @@ def gmm_vjp_fn(implementation: str):
 
     gmm_op = registry.get("gmm", implementation)
     tgmm_op = registry.get("tgmm", implementation)
-    grads = {}
-    if jnp.issubdtype(lhs.dtype, jnp.floating):
-      grads["lhs"] = gmm_op(
-          dout, rhs, group_sizes,
-          preferred_element_type=lhs.dtype, transpose_rhs=not transpose_rhs,
-      )
-    else:
-      grads["lhs"] = jnp.zeros_like(lhs)
-    if jnp.issubdtype(rhs.dtype, jnp.floating):
+
+    def drhs():
       if transpose_rhs:
-        grads["rhs"] = tgmm_op(dout, lhs, group_sizes, preferred_element_type=rhs.dtype)
-      else:
-        grads["rhs"] = tgmm_op(lhs, dout, group_sizes, preferred_element_type=rhs.dtype)
-    else:
-      grads["rhs"] = jnp.zeros_like(rhs)
-    return grads
+        return tgmm_op(dout, lhs, group_sizes, preferred_element_type=rhs.dtype)
+      return tgmm_op(lhs, dout, group_sizes, preferred_element_type=rhs.dtype)
+
+    return operand_grads(
+        lhs, rhs,
+        dlhs=lambda: gmm_op(dout, rhs, group_sizes, preferred_element_type=lhs.dtype,
+                            transpose_rhs=not transpose_rhs),
+        drhs=drhs)
 
   return vjp
+
+
+def operand_grads(lhs, rhs, *, dlhs: Callable[[], jax.Array],
+                  drhs: Callable[[], jax.Array]) -> dict[str, jax.Array]:
+  """The VJP's {"lhs": dlhs(), "rhs": drhs()} of gmm and tgmm, with zeros for an
+  integer (int8) operand, which has no gradient."""
+  return {name: grad() if jnp.issubdtype(x.dtype, jnp.floating) else jnp.zeros_like(x)
+          for name, x, grad in (("lhs", lhs, dlhs), ("rhs", rhs, drhs))}

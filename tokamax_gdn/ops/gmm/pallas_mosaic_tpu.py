@@ -17,16 +17,17 @@ other half is headroom for Mosaic's internal scratch and the compiler's own
 estimate, which is larger than ours).
 """
 
+from collections.abc import Callable
 import dataclasses
 import itertools
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 import pydantic
 from tokamax._src.ops import op
 
 from tokamax_gdn import config as gdn_config
+from tokamax_gdn.ops import config_hooks
 from tokamax_gdn.ops.gmm import base
 from tokamax_gdn.ops.gmm import pallas_mosaic_tpu_kernel as kernel
 
@@ -90,17 +91,82 @@ def gmm_vmem(m, k, n, lhs_dtype, rhs_dtype, out_dtype, transpose_rhs, cfg: Confi
 
 
 @dataclasses.dataclass(frozen=True)
-class PallasMosaicTpuGmm(base.Gmm[Config, None]):
-  """Megablox-style grouped matmul with per-operand dtype tiling."""
+class Tiling:
+  """One gmm or tgmm call's tiling problem, which both choose a Config for alike.
+
+  k, n: the output's contraction-side and column sizes to tile (tk, tn).
+  parallel_k: whether the kernel's "parallel" grid axis is K's (tgmm) or N's
+    (gmm); on a megacore chip that axis starts from half (`parallel_sizes`).
+  vmem: a Config's VMEM estimate for this call.
+  """
+
+  k: int
+  n: int
+  parallel_k: bool
+  vmem: Callable[[Config], int]
+
+  def fits(self, cfg: Config) -> bool:
+    return self.vmem(cfg) <= vmem_budget()
+
+  def heuristic(self) -> Config:
+    """tm=256 and the first (tk, tn), largest first, that fits; else the smallest tiles."""
+    tks = parallel_sizes(self.k) if self.parallel_k else block_sizes(self.k)
+    tns = block_sizes(self.n) if self.parallel_k else parallel_sizes(self.n)
+    for tk, tn in itertools.product(tks, tns):
+      cfg = Config(tm=256, tk=tk, tn=tn)
+      if self.fits(cfg):
+        return cfg
+    return Config(tm=128, tk=128, tn=128)
+
+  def autotuning_configs(self) -> set[Config]:
+    """`TM_CHOICES` x `block_sizes` of K and N, and the heuristic choice, that fit."""
+    configs = {
+        Config(tm=tm, tk=tk, tn=tn)
+        for tm, tk, tn in itertools.product(TM_CHOICES, block_sizes(self.k), block_sizes(self.n))
+    }
+    configs.add(self.heuristic())
+    return {c for c in configs if self.fits(c)}
+
+
+class PallasGroupedMatmul(config_hooks.PallasTpuHooks):
+  """What the Pallas gmm and tgmm Ops share (mixin, before the Op base): the
+  Config, chosen from the call's `Tiling` (`tiling(ba)`, each module's), the
+  VJP family, and where the kernels run (`_check_supported`)."""
 
   config_cls: ClassVar[type[Config]] = Config
-
   vjp_family: ClassVar[str] = "pallas_mosaic_tpu"
+  tiling: ClassVar[Callable[[op.BoundArguments], Tiling]]
 
-  def _gmm(self, lhs, rhs, group_sizes, *, out_dtype, transpose_rhs, config):
+  @classmethod
+  def heuristics(cls, ba: op.BoundArguments) -> Config:
+    return cls.tiling(ba).heuristic()
+
+  @classmethod
+  def autotuning_configs(cls, ba: op.BoundArguments) -> set[Config]:
+    return cls.tiling(ba).autotuning_configs()
+
+  def _check_supported(self, out_dtype) -> bool:
+    """Returns interpret mode; raises NotImplementedError where the kernel can't run."""
     interpret = gdn_config.require_pallas_tpu(type(self).__name__)
     if not jnp.issubdtype(out_dtype, jnp.floating):
       raise NotImplementedError(f"{type(self).__name__}: integer outputs are not supported.")
+    return interpret
+
+
+def _tiling(ba: op.BoundArguments) -> Tiling:
+  m, k, n, ld, rd, od, tr = _gmm_dims(ba)
+  return Tiling(k, n, parallel_k=False,
+                vmem=lambda cfg: gmm_vmem(m, k, n, ld, rd, od, tr, cfg))
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasMosaicTpuGmm(PallasGroupedMatmul, base.Gmm[Config, None]):
+  """Megablox-style grouped matmul with per-operand dtype tiling."""
+
+  tiling = _tiling
+
+  def _gmm(self, lhs, rhs, group_sizes, *, out_dtype, transpose_rhs, config):
+    interpret = self._check_supported(out_dtype)
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     tiles = kernel.gmm_tiles(m, k, n, lhs.dtype, rhs.dtype, out_dtype,
@@ -112,28 +178,6 @@ class PallasMosaicTpuGmm(base.Gmm[Config, None]):
         tiles=tiles, out_dtype=out_dtype, transpose_rhs=transpose_rhs,
         interpret=interpret, vmem_limit_bytes=None if interpret else vmem_limit(estimate),
     )
-
-  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
-    m, k, n, ld, rd, od, tr = _gmm_dims(ba)
-    budget = vmem_budget()
-    for tk, tn in itertools.product(block_sizes(k), parallel_sizes(n)):
-      cfg = Config(tm=256, tk=tk, tn=tn)
-      if gmm_vmem(m, k, n, ld, rd, od, tr, cfg) <= budget:
-        return cfg
-    return Config(tm=128, tk=128, tn=128)
-
-  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
-    m, k, n, ld, rd, od, tr = _gmm_dims(ba)
-    budget = vmem_budget()
-    configs = {
-        Config(tm=tm, tk=tk, tn=tn)
-        for tm, tk, tn in itertools.product(TM_CHOICES, block_sizes(k), block_sizes(n))
-    }
-    configs.add(self._get_heuristics_config(ba))
-    return {c for c in configs if gmm_vmem(m, k, n, ld, rd, od, tr, c) <= budget}
-
-  def supported_on(self, device: jax.Device) -> bool:
-    return gdn_config.pallas_tpu_supported(device)
 
 
 IMPLEMENTATION = PallasMosaicTpuGmm()

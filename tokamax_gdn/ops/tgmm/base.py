@@ -65,24 +65,17 @@ class Tgmm[C, K](gmm_base.GroupedMatmulOp[C, K]):
         group_offset=group_offset,
         allowed_dims=(DIMS,),
     )
-    checks.require_rank("lhs", lhs, 2, "[M, K]")
-    checks.require_rank("rhs", rhs, 2, "[M, N]")
-    gmm_base.require_operand_dtype("lhs", lhs)
-    gmm_base.require_operand_dtype("rhs", rhs)
-    if rhs.shape[0] != lhs.shape[0]:
-      raise ValueError(
-          f"{checks.describe('rhs', rhs)}: rows M must match `lhs` M={lhs.shape[0]}"
-          f" (the ragged contraction); got {rhs.shape[0]}."
-      )
-    group_sizes = gmm_base.canonical_group_sizes(
-        group_sizes, op_name="tgmm", num_groups=None, m=lhs.shape[0],
-        checkify_values=self.checkify_group_sizes)
-    out_dtype = gmm_base.canonical_out_dtype(lhs, rhs, preferred_element_type)
-    return super().bind(
-        lhs,
-        rhs,
-        group_sizes=group_sizes,
-        preferred_element_type=out_dtype,
+
+    def check_m():
+      if rhs.shape[0] != lhs.shape[0]:
+        raise ValueError(
+            f"{checks.describe('rhs', rhs)}: rows M must match `lhs` M={lhs.shape[0]}"
+            f" (the ragged contraction); got {rhs.shape[0]}."
+        )
+
+    return self._bind_checked(
+        lhs, rhs, group_sizes, rhs_rank=2, rhs_layout="[M, N]", check_sizes=check_m,
+        num_groups=None, preferred_element_type=preferred_element_type,
         return_residuals=return_residuals,
     )
 
@@ -118,16 +111,10 @@ def tgmm_vjp_fn(implementation: str):
     from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
 
     gmm_op = registry.get("gmm", implementation)
-    grads = {}
-    if jnp.issubdtype(lhs.dtype, jnp.floating):
-      grads["lhs"] = gmm_op(rhs, dout, group_sizes, preferred_element_type=lhs.dtype,
-                            transpose_rhs=True)
-    else:
-      grads["lhs"] = jnp.zeros_like(lhs)
-    if jnp.issubdtype(rhs.dtype, jnp.floating):
-      grads["rhs"] = gmm_op(lhs, dout, group_sizes, preferred_element_type=rhs.dtype)
-    else:
-      grads["rhs"] = jnp.zeros_like(rhs)
-    return grads
+    return gmm_base.operand_grads(
+        lhs, rhs,
+        dlhs=lambda: gmm_op(rhs, dout, group_sizes, preferred_element_type=lhs.dtype,
+                            transpose_rhs=True),
+        drhs=lambda: gmm_op(lhs, dout, group_sizes, preferred_element_type=rhs.dtype))
 
   return vjp

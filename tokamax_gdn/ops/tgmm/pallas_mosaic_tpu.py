@@ -13,14 +13,9 @@ costs one extra step, and on v6e's static estimate for the Qwen3.5 shape
 """
 
 import dataclasses
-import itertools
-from typing import ClassVar
 
-import jax
-import jax.numpy as jnp
 from tokamax._src.ops import op
 
-from tokamax_gdn import config as gdn_config
 from tokamax_gdn.ops.gmm import pallas_mosaic_tpu as gmm_pallas
 from tokamax_gdn.ops.gmm import pallas_mosaic_tpu_kernel as kernel
 from tokamax_gdn.ops.tgmm import base
@@ -40,18 +35,21 @@ def tgmm_vmem(m, k, n, lhs_dtype, rhs_dtype, out_dtype, cfg: Config) -> int:
   return kernel.vmem_bytes(tiles, lhs_dtype, rhs_dtype, out_dtype, transposed=True)
 
 
+def _tiling(ba: op.BoundArguments) -> gmm_pallas.Tiling:
+  m, k, n, ld, rd, od = _dims(ba)
+  # k is the first "parallel" axis: on v5p it is split across the two cores.
+  return gmm_pallas.Tiling(k, n, parallel_k=True,
+                           vmem=lambda cfg: tgmm_vmem(m, k, n, ld, rd, od, cfg))
+
+
 @dataclasses.dataclass(frozen=True)
-class PallasMosaicTpuTgmm(base.Tgmm[Config, None]):
+class PallasMosaicTpuTgmm(gmm_pallas.PallasGroupedMatmul, base.Tgmm[Config, None]):
   """Megablox-style transposed grouped matmul with per-operand dtype tiling."""
 
-  config_cls: ClassVar[type[Config]] = Config
-
-  vjp_family: ClassVar[str] = "pallas_mosaic_tpu"
+  tiling = _tiling
 
   def _tgmm(self, lhs, rhs, group_sizes, *, out_dtype, config):
-    interpret = gdn_config.require_pallas_tpu(type(self).__name__)
-    if not jnp.issubdtype(out_dtype, jnp.floating):
-      raise NotImplementedError(f"{type(self).__name__}: integer outputs are not supported.")
+    interpret = self._check_supported(out_dtype)
     m, k = lhs.shape
     n = rhs.shape[1]
     tiles = kernel.tgmm_tiles(m, k, n, lhs.dtype, rhs.dtype, out_dtype,
@@ -62,30 +60,6 @@ class PallasMosaicTpuTgmm(base.Tgmm[Config, None]):
         tiles=tiles, out_dtype=out_dtype, interpret=interpret,
         vmem_limit_bytes=None if interpret else gmm_pallas.vmem_limit(estimate),
     )
-
-  def _get_heuristics_config(self, ba: op.BoundArguments) -> Config:
-    m, k, n, ld, rd, od = _dims(ba)
-    budget = gmm_pallas.vmem_budget()
-    # k is the first "parallel" axis: on v5p it is split across the two cores.
-    for tk, tn in itertools.product(gmm_pallas.parallel_sizes(k), gmm_pallas.block_sizes(n)):
-      cfg = Config(tm=256, tk=tk, tn=tn)
-      if tgmm_vmem(m, k, n, ld, rd, od, cfg) <= budget:
-        return cfg
-    return Config(tm=128, tk=128, tn=128)
-
-  def _get_autotuning_configs(self, ba: op.BoundArguments) -> set[Config]:
-    m, k, n, ld, rd, od = _dims(ba)
-    budget = gmm_pallas.vmem_budget()
-    sizes = gmm_pallas.block_sizes
-    configs = {
-        Config(tm=tm, tk=tk, tn=tn)
-        for tm, tk, tn in itertools.product(gmm_pallas.TM_CHOICES, sizes(k), sizes(n))
-    }
-    configs.add(self._get_heuristics_config(ba))
-    return {c for c in configs if tgmm_vmem(m, k, n, ld, rd, od, c) <= budget}
-
-  def supported_on(self, device: jax.Device) -> bool:
-    return gdn_config.pallas_tpu_supported(device)
 
 
 IMPLEMENTATION = PallasMosaicTpuTgmm()
