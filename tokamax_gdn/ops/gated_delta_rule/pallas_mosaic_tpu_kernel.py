@@ -391,8 +391,12 @@ def _tail_mask(x, st: _Static, c_idx, *, finite=False):
 
 
 # Rows of the per-step row scratch (each (Hv, C) f32).
-_G_HI, _G_LO, _BETA, _KOUT, _DECAY_CHUNK, _DECAY_OUT, _POISON = range(7)
-_N_ROWS = 6   # + _POISON under `_Static.guard`
+_G_HI, _G_LO, _BETA, _KOUT, _DECAY_CHUNK, _DECAY_OUT = range(6)
+_N_ROWS = 6
+# Only the backward reads the decay_out row: under `_Static.guard` the
+# forward keeps its poison row there (another row's VMEM tipped the tpu7x
+# forward at the Qwen3-Next shape over its scoped limit, by 40 K).
+_POISON = _DECAY_OUT
 
 
 def _step_prologue(g_ref, b_ref, st_ref, rows_scr, st: _Static, c_idx, poison_ref=None):
@@ -403,7 +407,7 @@ def _step_prologue(g_ref, b_ref, st_ref, rows_scr, st: _Static, c_idx, poison_re
   """
   g_rows = _tail_mask(g_ref[...].astype(F32), st, c_idx, finite=st.guard).T
   b_rows = _tail_mask(b_ref[...].astype(F32), st, c_idx, finite=st.guard).T
-  if poison_ref is not None:
+  if poison_ref is not None:    # the forward: no decay_out row (see _POISON)
     rows_scr[_POISON] = _tail_mask(poison_ref[...].astype(F32), st, c_idx).T
   starts = None
   if st.has_seg:
@@ -414,7 +418,8 @@ def _step_prologue(g_ref, b_ref, st_ref, rows_scr, st: _Static, c_idx, poison_re
   rows_scr[_BETA] = b_rows
   rows_scr[_KOUT] = gate.decay_out * b_rows            # (decay_out β)_j
   rows_scr[_DECAY_CHUNK] = jnp.broadcast_to(gate.decay_chunk, b_rows.shape)
-  rows_scr[_DECAY_OUT] = gate.decay_out
+  if poison_ref is None:
+    rows_scr[_DECAY_OUT] = gate.decay_out
   return gate, (gate.causal, gate.strict)
 
 
@@ -451,11 +456,13 @@ def _fwd_kernel(*refs, names: tuple[str, ...], st: _Static, write_out: bool, emi
   poison_ref = r.poison if st.guard else None
   gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx, poison_ref)
   _, strict = masks
-  # Under `guard` the keys and values are sanitised here (a NaN would reach
-  # earlier tokens through 0-coefficients); a query reaches only its own
-  # output, so it stays as it is.
+  # Under `guard` the keys and values are sanitised (a NaN would reach
+  # earlier tokens through 0-coefficients): the keys here, the values per
+  # head in `group` (a select over the whole (Hv, C, V) block took scoped
+  # VMEM past the tpu7x limit at the Qwen3-Next shape). A query reaches only
+  # its own output, so it stays as it is.
   for ref, scr, finite in ((q_ref, qh_scr, False), (k_ref, kh_scr, st.guard),
-                           (v_ref, vh_scr, st.guard)):
+                           (v_ref, vh_scr, False)):
     scr[...] = _tail_mask(_heads(ref), st, c_idx, finite=finite)
   if st.guard and write_out:
     c_iota = lax.broadcasted_iota(jnp.int32, (c, c), 0)
@@ -467,6 +474,8 @@ def _fwd_kernel(*refs, names: tuple[str, ...], st: _Static, write_out: bool, emi
     q = {ku: qh_scr[j] for ku, j in kheads.items()}
     k = {ku: kh_scr[j] for ku, j in kheads.items()}
     v = {u: vh_scr[i] for u, i in heads.items()}
+    if st.guard:
+      v = {u: jnp.where(jnp.isfinite(x), x, 0.0) for u, x in v.items()}
     s = {u: s_scr[i] for u, i in heads.items()}
     beta = {u: _row(rows_scr, _BETA, i) for u, i in heads.items()}
     gammas, dins = {}, {}
@@ -735,8 +744,7 @@ def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states
 def _head_scratch(st: _Static, values: tuple[str, ...]) -> list[_Operand]:
   """Row scratch and head-major f32 copies: q, k, then the (Hv, C, V) arrays
   named in `values`."""
-  n_rows = _N_ROWS + (1 if st.guard else 0)
-  return ([_Operand("rows", shape=pltpu.VMEM((n_rows, st.hv, st.chunk), F32)),
+  return ([_Operand("rows", shape=pltpu.VMEM((_N_ROWS, st.hv, st.chunk), F32)),
            _Operand("qh", shape=pltpu.VMEM((st.hk, st.chunk, st.dim_k), F32)),
            _Operand("kh", shape=pltpu.VMEM((st.hk, st.chunk, st.dim_k), F32))]
           + [_Operand(n, shape=pltpu.VMEM((st.hv, st.chunk, st.dim_v), F32)) for n in values])
