@@ -26,8 +26,17 @@ whose DMA was issued in an earlier grid step or loop iteration, and each
 kernel must stay estimable. One semaphore per DMA (a shared one measured 2x
 slower on the estimate: the waits serialise).
 
-Per token (positions t < `window` from the gathered activation block; longer
-short requests continue token by token from aligned row blocks, `mid_tokens`):
+Activations: for one-token decodes (`direct`) the kernel's blocks are the
+token arrays themselves, request r's row being token r (a decode batch:
+decode requests first, one token each); a request whose token is elsewhere
+(a short prefill after the decodes) reads its row and writes its output row
+by the aligned block DMAs of `mid_tokens`. This drops the XLA row gathers
+of qkv / b / a and of the output (v6e estimate, tokamax's tp8_decode_64:
+46.5 -> 43.1 k cycles in all). Verify windows take gathered blocks (row
+r * window + t).
+
+Per token (positions t < `window` from the activation block; longer short
+requests continue token by token from aligned row blocks, `mid_tokens`):
 
   pre = bias + sum_w taps[w] * [conv window; x_t][w];  x = silu(pre)
   q, k L2-normalised (q also scaled by d_k^-1/2), beta = sigmoid(b),
@@ -70,6 +79,12 @@ class DecodeStatic:
   window: int        # token positions per request held in the activation block
   tile: int          # requests per grid step
   mid_tokens: bool   # requests may hold more than `window` tokens (block DMAs)
+  # Window 1 with `mid_tokens`: the activation blocks are the token rows
+  # themselves (request r's block row is token r), no gathered copy; a
+  # request whose token is elsewhere (start != r) reads it and writes its
+  # output row by the mid tokens' block DMAs (a decode batch, its requests
+  # first, one token each, has none).
+  direct: bool = False
   # Cost model only: compile as if every request ran with one token and an
   # initial state (no per-request branches). libtpu's static estimate skips
   # the bodies of data-dependent branches, so this is how the cost of a full
@@ -293,34 +308,51 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
   def scr_write(h, s):
     s_scr[h] = s
 
-  def mid_tokens(j, store):
-    """Tokens n_w.. of request j (a short prefill): one by one, from aligned
-    _BLOCK-row blocks of the padded [T, ...] arrays; each output row is
-    merged into its block of `o_mid` (read, modify, write: tokens run in
+  def fetch_row(pos):
+    """Token `pos`'s (x, b, a) rows (1, ...) float32, from aligned _BLOCK-row
+    blocks of the padded [T, ...] arrays; also loads `o_mid`'s block of it
+    for `put_row`. Returns (x, b, a, r): r is pos's row in its block."""
+    x_blk, b_blk, a_blk, o_blk, sem_blk = blk_bufs[:5]
+    blk = pl.multiple_of((pos // _BLOCK) * _BLOCK, _BLOCK)
+    rows = pl.ds(blk, _BLOCK)
+    cps = [pltpu.make_async_copy(src.at[rows], dst, sem_blk.at[i])
+           for i, (src, dst) in enumerate(((qkv_any, x_blk), (b_any, b_blk), (a_any, a_blk),
+                                           (o_mid, o_blk)))]
+    for cp in cps:
+      cp.start()
+    for cp in cps:
+      cp.wait()
+    r = pos - blk
+    return (_pick_row(x_blk[...].astype(F32), r), _pick_row(b_blk[...].astype(F32), r),
+            _pick_row(a_blk[...].astype(F32), r), r)
+
+  def put_row(pos, r, out):
+    """Merges the output row of token `pos` into its block of `o_mid` (read by
+    the `fetch_row(pos)` just before; read, modify, write: tokens run in
     order, so no two writes of a block overlap)."""
-    x_blk, b_blk, a_blk, o_blk, sem_blk = blk_bufs
+    o_blk, sem_blk = blk_bufs[3], blk_bufs[4]
+    blk = pl.multiple_of((pos // _BLOCK) * _BLOCK, _BLOCK)
+    sel = lax.broadcasted_iota(jnp.int32, o_blk.shape, 0) == r
+    o_blk[...] = jnp.where(sel, out, o_blk[...].astype(F32)).astype(o_blk.dtype)
+    cp = pltpu.make_async_copy(o_blk, o_mid.at[pl.ds(blk, _BLOCK)], sem_blk.at[4])
+    cp.start()
+    cp.wait()
+
+  def elsewhere(j):
+    """Direct mode: request j runs, but its token is not block row j."""
+    return jnp.logical_and(runs(j), meta(START, j) != base + j)
+
+  def mid_tokens(j, store):
+    """Tokens n_w.. of request j (a short prefill): one by one (`fetch_row`,
+    `put_row`)."""
     start = meta(START, j)
 
     def body(t, carry):
       pos = start + t
-      blk = pl.multiple_of((pos // _BLOCK) * _BLOCK, _BLOCK)
-      r = pos - blk
-      rows = pl.ds(blk, _BLOCK)
-      cps = [pltpu.make_async_copy(src.at[rows], dst, sem_blk.at[i])
-             for i, (src, dst) in enumerate(((qkv_any, x_blk), (b_any, b_blk), (a_any, a_blk),
-                                             (o_mid, o_blk)))]
-      for cp in cps:
-        cp.start()
-      for cp in cps:
-        cp.wait()
-      out = _token(st, _pick_row(x_blk[...].astype(F32), r), _pick_row(b_blk[...].astype(F32), r),
-                   _pick_row(a_blk[...].astype(F32), r), w_ref, bias_ref, gate_ref, win_scr,
-                   act_scr.at[0:1], bcast_scr.at[0], later_read, scr_write)
-      sel = lax.broadcasted_iota(jnp.int32, o_blk.shape, 0) == r
-      o_blk[...] = jnp.where(sel, out, o_blk[...].astype(F32)).astype(o_blk.dtype)
-      cp = pltpu.make_async_copy(o_blk, o_mid.at[rows], sem_blk.at[4])
-      cp.start()
-      cp.wait()
+      x, b, a, r = fetch_row(pos)
+      out = _token(st, x, b, a, w_ref, bias_ref, gate_ref, win_scr, act_scr.at[0:1],
+                   bcast_scr.at[0], later_read, scr_write)
+      put_row(pos, r, out)
       store(t)
       return carry
 
@@ -354,11 +386,27 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
       init = init_of(j)
       conv = conv_ibuf[j].astype(F32)
       wins.append(conv if init is True else jnp.where(init, conv, 0.0))
-    x = x_ref[...].astype(F32)
+    if st.direct and not st.all_run:
+      # The block's rows are tokens base..; a request whose token is
+      # elsewhere gets its rows by block DMAs.
+      x_scr, b_scr, a_scr = blk_bufs[5:8]
+      x_scr[...] = x_ref[...].astype(F32)
+      b_scr[...] = b_ref[...].astype(F32)
+      a_scr[...] = a_ref[...].astype(F32)
+      for j in range(st.tile):
+        @pl.when(elsewhere(j))
+        def _():
+          x, b, a, _ = fetch_row(meta(START, j))
+          x_scr[j:j + 1, :] = x
+          b_scr[j:j + 1, :] = b
+          a_scr[j:j + 1, :] = a
+      x, b_rows, a_rows = x_scr[...], b_scr[...], a_scr[...]
+    else:
+      x, b_rows, a_rows = (x_ref[...].astype(F32), b_ref[...].astype(F32),
+                           a_ref[...].astype(F32))
     prep = _Prepared(st, x, [jnp.concatenate([w[r:r + 1] for w in wins], axis=0)
                              for r in range(kw1)],
-                     b_ref[...].astype(F32), a_ref[...].astype(F32), w_ref, bias_ref,
-                     gate_ref, act_scr)
+                     b_rows, a_rows, w_ref, bias_ref, gate_ref, act_scr)
     for g0 in range(0, st.tile, _GROUP):
       group = range(g0, min(g0 + _GROUP, st.tile))
       for j in group:
@@ -385,7 +433,7 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
           def _():
             win_scr[...] = wins[j]
             o_ref[j:j + 1, :] = _token(
-                st, x[j:j + 1], b_ref[j:j + 1, :].astype(F32), a_ref[j:j + 1, :].astype(F32),
+                st, x[j:j + 1], b_rows[j:j + 1], a_rows[j:j + 1],
                 w_ref, bias_ref, gate_ref, win_scr, act_scr.at[0:1], bcast_scr.at[j],
                 first_read(j), scr_write).astype(o_ref.dtype)
 
@@ -395,6 +443,14 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
             mid_tokens(j, store)
             conv_obuf[j, 0] = win_scr[...].astype(conv_obuf.dtype)
             rec_obuf[j, 0] = s_scr[...].astype(rec_obuf.dtype)
+
+        if st.direct and not st.all_run:
+          # Its first token's output row goes where the token is.
+          @pl.when(elsewhere(j))
+          def _():
+            pos = meta(START, j)
+            _, _, _, r = fetch_row(pos)
+            put_row(pos, r, o_ref[j:j + 1, :].astype(F32))
 
         @when(runs(j))
         def _():
@@ -463,7 +519,8 @@ def decode(meta, xs, bs, as_, taps, bias, gate, conv_pool, rec_pool, qkv=None, b
   meta: int32 [_META, R_padded] (rows START..CHECKPOINTS; LENGTH 0 = the
     request does not run here). xs [R_padded * window, D], bs / as_
     [R_padded * window, Hv]: each request's first `window` tokens (row
-    r * window + t). taps
+    r * window + t); with `st.direct`, the token arrays themselves (qkv, b,
+    a: row r is request r's token where its start is r). taps
     [W, D] f32, bias [1, D] f32, gate [2, Hv] f32 (a_log; dt_bias). With
     `st.mid_tokens`, qkv / b / a are the whole [T, ...] arrays (rows past the
     window are read from there).
@@ -478,16 +535,21 @@ def decode(meta, xs, bs, as_, taps, bias, gate, conv_pool, rec_pool, qkv=None, b
   block = lambda width: pl.BlockSpec((tile * n_w, width), lambda i, m: (i, 0))
   full = lambda *shape: pl.BlockSpec(shape, lambda i, m: (0,) * len(shape))
   anyspace = pl.BlockSpec(memory_space=pl.ANY)
+  t_len = 0 if qkv is None else qkv.shape[0]
+  t_pad = -(-t_len // _BLOCK) * _BLOCK
+  # Padded to whole _BLOCK-row blocks (the mid tokens' aligned DMAs) and, in
+  # direct mode, to at least one row per request (the blocks).
+  n_rows = max(t_pad, r_pad) if st.direct else t_pad
+  pad = lambda x: x if x.shape[0] == n_rows else jnp.pad(x, ((0, n_rows - x.shape[0]), (0, 0)))
+  if st.direct:
+    assert st.mid_tokens and n_w == 1
+    xs, bs, as_ = pad(qkv), pad(b), pad(a)
   in_specs = [block(dim), block(hv), block(hv), full(*taps.shape),
               full(*bias.shape), full(*gate.shape)]
   args = [xs, bs, as_, taps, bias, gate]
-  t_len = 0 if qkv is None else qkv.shape[0]
-  t_pad = -(-t_len // _BLOCK) * _BLOCK
   if st.mid_tokens:
-    # Padded to whole _BLOCK-row blocks (the mid tokens' aligned DMAs).
     in_specs += [anyspace] * 3
-    args += [x if t_pad == t_len else jnp.pad(x, ((0, t_pad - t_len), (0, 0)))
-             for x in (qkv, b, a)]
+    args += [xs, bs, as_] if st.direct else [pad(x) for x in (qkv, b, a)]
   in_specs += [anyspace, anyspace]
   args += [conv_pool, rec_pool]
   out_dtype = xs.dtype
@@ -518,6 +580,9 @@ def decode(meta, xs, bs, as_, taps, bias, gate, conv_pool, rec_pool, qkv=None, b
     scratch += [pltpu.VMEM((_BLOCK, dim), qkv.dtype), pltpu.VMEM((_BLOCK, hv), b.dtype),
                 pltpu.VMEM((_BLOCK, hv), a.dtype), pltpu.VMEM((_BLOCK, hv * st.d_v), out_dtype),
                 pltpu.SemaphoreType.DMA((5,))]
+  if st.direct:
+    scratch += [pltpu.VMEM((tile, dim), F32), pltpu.VMEM((tile, hv), F32),
+                pltpu.VMEM((tile, hv), F32)]
   res = pl.pallas_call(
       functools.partial(_kernel, st=st),
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -547,5 +612,6 @@ def vmem_bytes(st: DecodeStatic, pool_itemsize: int, act_itemsize: int) -> int:
   bufs = st.tile * (1 + st.window) * (state + conv) * pool_itemsize
   acts = 2 * 2 * st.tile * st.window * (st.dim + 2 * st.n_v + st.n_v * st.d_v) * act_itemsize
   bcast = (st.tile if st.window == 1 else 1) * 2 * st.d_k * st.d_v
-  scratch = 4 * (state + conv + st.dim + bcast)
+  rows = st.tile * (st.dim + 2 * st.n_v) if st.direct else 0   # direct mode's f32 rows
+  scratch = 4 * (state + conv + st.dim + bcast + rows)
   return bufs + acts + scratch + 2 * 4 * state + (4 << 20)
