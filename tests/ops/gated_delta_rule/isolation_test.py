@@ -28,13 +28,14 @@ def _op(impl, chunk):
   return impl if chunk is None else h.with_config(impl, chunk_size=chunk)
 
 
-# The guard is in the base Op, shared by every implementation; the Pallas
-# kernel (interpret mode, slow on CPU) runs only a value and a cotangent case
-# at its smallest chunk (64: the three segments share one chunk). xla runs at
-# chunk 16, where segment 1 shares chunks with both neighbours and spans a
-# chunk boundary.
+# The guard is in the base Op, shared by every implementation, except that the
+# Pallas kernels zero non-finite q, k, v, dO and put the output NaN in VMEM
+# (`guards_in_core`); the Pallas kernel (interpret mode, slow on CPU) runs one
+# case of each of those tensors at its smallest chunk (64: the three segments
+# share one chunk). xla runs at chunk 16, where segment 1 shares chunks with
+# both neighbours and spans a chunk boundary.
 CHUNKS = {"reference": None, "xla": 16, "pallas_mosaic_tpu": 64}
-PALLAS_CASES = (("value", np.nan), ("d_out", np.inf))
+PALLAS_CASES = (("value", np.nan), ("d_out", np.inf), ("key", np.nan), ("query", np.inf))
 
 
 def _params(cases=None):

@@ -128,10 +128,10 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
   # NotImplementedError for one, so `implementation=` falls through.
   supports_segment_states: ClassVar[bool] = False
   # Whether `_core_fwd` takes `poison=` ([B, T, Hv] float32: NaN at the tokens
-  # whose outputs must be NaN, else 0) and then sanitises k, v, log_decay and
-  # beta itself: the forward half of `isolation.SegmentGuard` inside the
-  # kernel instead of passes over k, v and the outputs in XLA. Only for
-  # cores with an analytical VJP (which guards the backward).
+  # whose outputs must be NaN, else 0) and then sanitises k and v itself
+  # (log_decay, beta and the state come sanitised): part of
+  # `isolation.SegmentGuard` inside the kernel instead of passes over k, v
+  # and the outputs in XLA. Only for cores with an analytical VJP.
   guards_in_core: ClassVar[bool] = False
 
   def __call__(self, *args, **kwargs):
@@ -264,9 +264,9 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
         out, final_state = isolation.guarded_autodiff(core, guard, q, k, value, log_decay,
                                                       beta, initial_state)
       elif self.guards_in_core:  # `GatedDeltaRuleVjp` guards the backward
-        out, final_state, residuals = core(
-            q, k, value, log_decay, beta, initial_state=isolation.zero_nonfinite(initial_state),
-            poison=guard.output_poison())
+        small = guard.sanitize_small(log_decay, beta, initial_state)
+        out, final_state, residuals = core(q, k, value, *small[:2], initial_state=small[2],
+                                           poison=guard.output_poison())
         final_state = guard.poison_final_state(final_state)
       else:
         *clean, clean_state = guard.sanitize(q, k, value, log_decay, beta, initial_state)
@@ -300,6 +300,9 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
 
   # Must equal the forward Op's `log_decay_floor`.
   log_decay_floor: ClassVar[float | None] = None
+  # Whether `_core_bwd` takes `sanitize=True` and then zeroes non-finite q, k,
+  # v and d_out itself (log_decay, beta and the states come sanitised).
+  guards_in_core: ClassVar[bool] = False
 
   def _get_autotuning_cache_key(self, ba: op.BoundArguments) -> Any:
     """tokamax's key with `residuals` as None.
@@ -355,10 +358,15 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
       guard = isolation.guard_segments(query, key, value, beta, initial_state, segment_ids,
                                        g=g, a_log=a_log, dt_bias=dt_bias)
       poison = guard.gradient_poison(d_out, d_final)
-      *clean, clean_state = guard.sanitize(q, k, value, log_decay, beta, initial_state)
-      grads = core_bwd(*clean, isolation.zero_nonfinite(d_out),
-                       isolation.zero_nonfinite(d_final),
-                       initial_state=clean_state)
+      if self.guards_in_core:    # the core zeroes non-finite q, k, v, d_out itself
+        ld, bt, clean_state = guard.sanitize_small(log_decay, beta, initial_state)
+        grads = core_bwd(q, k, value, ld, bt, d_out, isolation.zero_nonfinite(d_final),
+                         initial_state=clean_state, sanitize=True)
+      else:
+        *clean, clean_state = guard.sanitize(q, k, value, log_decay, beta, initial_state)
+        grads = core_bwd(*clean, isolation.zero_nonfinite(d_out),
+                         isolation.zero_nonfinite(d_final),
+                         initial_state=clean_state)
       dq, dk, dv, d_log_decay, dbeta, d_initial = guard.poison_gradients(poison, *grads)
     dquery, dkey, dg, da_log, ddt_bias = pro_vjp(
         (dq.astype(q.dtype), dk.astype(k.dtype), d_log_decay.astype(jnp.float32))

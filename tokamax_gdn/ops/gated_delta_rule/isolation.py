@@ -150,12 +150,17 @@ class SegmentGuard:
     is_last = (self.last == jnp.arange(self.seg.shape[1]))[..., None]
     return is_last & segments.state_of_segment(per_state, self.seg)
 
+  def sanitize_small(self, log_decay, beta, initial_state):
+    """The per-token and state inputs sanitised (`sanitize`'s part for a core
+    that sanitises q, k, v itself, `guards_in_core`)."""
+    return (_zero_where(self.bad_gate, log_decay), zero_nonfinite(beta),
+            zero_nonfinite(initial_state))
+
   def sanitize(self, q, k, v, log_decay, beta, initial_state):
     """The inputs with every non-finite value replaced by 0 (the queries kept
     as they are when `bad_q` is None)."""
     return (q if self.bad_q is None else zero_nonfinite(q), zero_nonfinite(k), zero_nonfinite(v),
-            _zero_where(self.bad_gate, log_decay), zero_nonfinite(beta),
-            zero_nonfinite(initial_state))
+            *self.sanitize_small(log_decay, beta, initial_state))
 
   def _output_flags(self) -> jax.Array:
     running = self.running(self.bad)

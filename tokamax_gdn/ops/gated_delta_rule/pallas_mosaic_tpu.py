@@ -9,11 +9,12 @@ is differentiated by autodiff in `base.GatedDeltaRuleVjp`. The in-chunk gate
 cumsum, decay masks, segment resets, the partial last chunk and d log-decay
 per token are inside the kernels.
 
-The forward half of the NaN guard (`isolation.SegmentGuard`) is in the
-forward kernel too (`guards_in_core`): XLA computes only the per-token flags
-(reductions of the raw inputs) and the final-state poison; the kernel zeroes
-non-finite k, v, log-decays and betas in VMEM and makes each poisoned token's
-output NaN. The backward's guard runs in XLA around `gdn_bwd`.
+The NaN guard (`isolation.SegmentGuard`) is partly in the kernels
+(`guards_in_core`): XLA computes the per-token flags (reductions of the raw
+inputs), sanitises the small inputs (gates, betas, states) and puts NaN into
+the final states and the gradients; the kernels zero non-finite k, v (and
+q, dO in the backward) in VMEM, and the forward kernel makes each poisoned
+token's output NaN.
 
 Residuals for the backward, per token and value head, beyond the op inputs
 tokamax keeps anyway:
@@ -290,6 +291,7 @@ class PallasMosaicTpuGatedDeltaRule(_KernelConfigs, base.GatedDeltaRule[Config, 
       out, final, res = kernel.gdn_fwd(
           q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
           segment_ids=segment_ids, emit_residuals=config.save_states, poison=poison,
+          sanitize=poison is not None,
           **_kernel_args(config, q, v, interpret))
       return (out, final) + (tuple(res) if res is not None else ())
 
@@ -309,11 +311,13 @@ class PallasMosaicTpuGatedDeltaRule(_KernelConfigs, base.GatedDeltaRule[Config, 
 class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Config, None]):
   """Reverse-chunk analytical backward of the Mosaic TPU GDN kernels."""
 
+  guards_in_core: ClassVar[bool] = True
+
   heuristics = functools.partial(_heuristics, backward=True)
   autotuning_configs = functools.partial(_autotuning_configs, backward=True)
 
   def _core_bwd(self, residuals: base.Residuals | None, q, k, v, log_decay, beta, d_out, d_final, *,
-                scale, initial_state, segment_ids, config: Config):
+                scale, initial_state, segment_ids, config: Config, sanitize: bool = False):
     interpret = _check_supported(q, v)
     t = q.shape[1]
     states = getattr(residuals, "states", None)
@@ -336,12 +340,12 @@ class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Co
       if states is None:   # pass 1: the forward kernel without outputs
         _, _, (states, tmats) = kernel.gdn_fwd(
             q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
-            segment_ids=segment_ids, write_out=False, emit_residuals=True,
+            segment_ids=segment_ids, write_out=False, emit_residuals=True, sanitize=sanitize,
             **_kernel_args(_states_config(config, _shapes_of(q, v)), q, v, interpret))
       return kernel.gdn_bwd(
           q, k, v, log_decay, beta, d_out, d_final, scale=scale,
           initial_state=initial_state, segment_ids=segment_ids, residuals=(states, tmats),
-          **_kernel_args(config, q, v, interpret))
+          sanitize=sanitize, **_kernel_args(config, q, v, interpret))
 
     out_labels = [_LABELS[n] for n in ("q", "k", "v", "log_decay", "beta")]
     out_labels.append(_state_label(initial_state))

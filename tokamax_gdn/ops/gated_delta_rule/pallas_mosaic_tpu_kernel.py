@@ -327,7 +327,9 @@ class _Static:
   has_seg: bool
   has_h0: bool
   n_states: int = 0   # per-segment states (0: a [B, Hv, K, V] state or none)
-  guard: bool = False  # forward: sanitise k, v, gates in VMEM and poison outputs
+  # The in-kernel half of `isolation.SegmentGuard` (its gates and states are
+  # sanitised in XLA): non-finite k, v (and q, dO in the backward) count as 0.
+  sanitize: bool = False
 
   @property
   def group(self) -> int:
@@ -390,10 +392,16 @@ def _tail_mask(x, st: _Static, c_idx, *, finite=False):
   return x if keep is None else jnp.where(keep, x, 0.0)
 
 
+def _finite(x, st: _Static):
+  """x with NaN / inf as 0 under `st.sanitize` (one head's tile: a select over
+  a whole block costs scoped VMEM)."""
+  return jnp.where(jnp.isfinite(x), x, 0.0) if st.sanitize else x
+
+
 # Rows of the per-step row scratch (each (Hv, C) f32).
 _G_HI, _G_LO, _BETA, _KOUT, _DECAY_CHUNK, _DECAY_OUT = range(6)
 _N_ROWS = 6
-# Only the backward reads the decay_out row: under `_Static.guard` the
+# Only the backward reads the decay_out row: with a poison input the
 # forward keeps its poison row there (another row's VMEM tipped the tpu7x
 # forward at the Qwen3-Next shape over its scoped limit, by 40 K).
 _POISON = _DECAY_OUT
@@ -403,10 +411,10 @@ def _step_prologue(g_ref, b_ref, st_ref, rows_scr, st: _Static, c_idx, poison_re
   """Gates of the chunk for every head, into `rows_scr`; returns (gate, masks).
 
   masks: (causal, strict) C×C, with segments restricted to one segment.
-  Under `st.guard` non-finite gates count as 0 and the poison row is stored.
+  With `poison_ref` (the forward) the poison row is stored.
   """
-  g_rows = _tail_mask(g_ref[...].astype(F32), st, c_idx, finite=st.guard).T
-  b_rows = _tail_mask(b_ref[...].astype(F32), st, c_idx, finite=st.guard).T
+  g_rows = _tail_mask(g_ref[...].astype(F32), st, c_idx).T
+  b_rows = _tail_mask(b_ref[...].astype(F32), st, c_idx).T
   if poison_ref is not None:    # the forward: no decay_out row (see _POISON)
     rows_scr[_POISON] = _tail_mask(poison_ref[...].astype(F32), st, c_idx).T
   starts = None
@@ -453,18 +461,18 @@ def _fwd_kernel(*refs, names: tuple[str, ...], st: _Static, write_out: bool, emi
   def _init():
     s_scr[...] = h0_ref[...].astype(F32) if st.has_h0 else jnp.zeros(s_scr.shape, F32)
 
-  poison_ref = r.poison if st.guard else None
+  poison_ref = r.poison if "poison" in names and write_out else None
   gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx, poison_ref)
   _, strict = masks
-  # Under `guard` the keys and values are sanitised (a NaN would reach
+  # With `sanitize` the keys and values are sanitised (a NaN would reach
   # earlier tokens through 0-coefficients): the keys here, the values per
   # head in `group` (a select over the whole (Hv, C, V) block took scoped
   # VMEM past the tpu7x limit at the Qwen3-Next shape). A query reaches only
   # its own output, so it stays as it is.
-  for ref, scr, finite in ((q_ref, qh_scr, False), (k_ref, kh_scr, st.guard),
+  for ref, scr, finite in ((q_ref, qh_scr, False), (k_ref, kh_scr, st.sanitize),
                            (v_ref, vh_scr, False)):
     scr[...] = _tail_mask(_heads(ref), st, c_idx, finite=finite)
-  if st.guard and write_out:
+  if poison_ref is not None:
     c_iota = lax.broadcasted_iota(jnp.int32, (c, c), 0)
     diag = c_iota == lax.broadcasted_iota(jnp.int32, (c, c), 1)
 
@@ -473,9 +481,7 @@ def _fwd_kernel(*refs, names: tuple[str, ...], st: _Static, write_out: bool, emi
     kj = lambda u: u // st.group
     q = {ku: qh_scr[j] for ku, j in kheads.items()}
     k = {ku: kh_scr[j] for ku, j in kheads.items()}
-    v = {u: vh_scr[i] for u, i in heads.items()}
-    if st.guard:
-      v = {u: jnp.where(jnp.isfinite(x), x, 0.0) for u, x in v.items()}
+    v = {u: _finite(vh_scr[i], st) for u, i in heads.items()}
     s = {u: s_scr[i] for u, i in heads.items()}
     beta = {u: _row(rows_scr, _BETA, i) for u, i in heads.items()}
     gammas, dins = {}, {}
@@ -494,7 +500,7 @@ def _fwd_kernel(*refs, names: tuple[str, ...], st: _Static, write_out: bool, emi
     if write_out:
       for u, i in heads.items():
         p_tilde = qkk[kj(u)][:c] * gammas[u] * beta[u]
-        if st.guard:
+        if poison_ref is not None:
           # NaN on the diagonal of a poisoned token's row: it meets that
           # token's own V″ row only, so exactly its output turns NaN (a
           # column row, a sublane broadcast; a per-row select of the output
@@ -553,11 +559,11 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
   def group(gi, carry):
     heads, kheads = _group_heads(st, gi)
     kj = lambda u: u // st.group
-    q = {ku: qh_scr[j] for ku, j in kheads.items()}
-    k = {ku: kh_scr[j] for ku, j in kheads.items()}
+    q = {ku: _finite(qh_scr[j], st) for ku, j in kheads.items()}
+    k = {ku: _finite(kh_scr[j], st) for ku, j in kheads.items()}
     k_t = {ku: k[ku].T for ku in kheads}
-    v = {u: vh_scr[i] for u, i in heads.items()}
-    do_s = {u: st.scale * doh_scr[i] for u, i in heads.items()}
+    v = {u: _finite(vh_scr[i], st) for u, i in heads.items()}
+    do_s = {u: st.scale * _finite(doh_scr[i], st) for u, i in heads.items()}
     s = {u: states_ref[i].astype(F32) for u, i in heads.items()}
     tm = {u: tm_ref[i].astype(F32) for u, i in heads.items()}
     dsn = {u: ds_scr[i] for u, i in heads.items()}
@@ -760,7 +766,7 @@ def _token_block(st: _Static, chunk_of, *dims: int) -> pl.BlockSpec:
 def _common_inputs(q, k, v, log_decay, beta, starts, st: _Static, chunk_of,
                    poison=None) -> list[_Operand]:
   """The inputs both kernels read per chunk (array and BlockSpec each), and
-  the forward's poison rows under `st.guard`."""
+  the forward's poison rows when given."""
   hk, hv = q.shape[2], v.shape[2]
   ops = [
       _Operand("q", q, block=_token_block(st, chunk_of, hk, st.dim_k)),
@@ -827,7 +833,7 @@ def _call(kernel, st: _Static, seg: "_Segments | None", *, grid, inputs: list[_O
 
 
 def _prepare(q, k, v, log_decay, beta, *, initial_state, segment_ids, chunk, scale,
-             interleave, newton, poison=None):
+             interleave, newton, poison=None, sanitize=False):
   """(inputs, h0, starts, segments, static, number of chunks) of one kernel call.
 
   Per-segment states: the inputs (and `poison`, if given, last) moved to the
@@ -844,7 +850,7 @@ def _prepare(q, k, v, log_decay, beta, *, initial_state, segment_ids, chunk, sca
   st = _static(xs[0], xs[2], scale=scale, chunk=chunk, interleave=interleave, newton=newton,
                has_seg=starts is not None, has_h0=h0 is not None,
                n_states=0 if seg is None else seg.n_states)
-  st = dataclasses.replace(st, guard=poison is not None)
+  st = dataclasses.replace(st, sanitize=sanitize)
   return xs, h0, starts, seg, st, -(-xs[0].shape[1] // chunk)
 
 
@@ -854,13 +860,15 @@ def gdn_fwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
             initial_state: segments.State | None = None,
             segment_ids: Int[Array, "B T"] | None = None, chunk=128, interleave=16,
             newton=None, write_out=True, emit_residuals=False, interpret=False,
-            vmem_limit_bytes=None, poison: Float[Array, "B T Hv"] | None = None):
+            vmem_limit_bytes=None, sanitize: bool = False,
+            poison: Float[Array, "B T Hv"] | None = None):
   """Chunked GDN forward on prepared inputs (after `prologue.prologue`).
 
-  `poison` (0, or NaN at the tokens whose outputs must be NaN) turns on the
-  in-kernel guard (`isolation.SegmentGuard`'s forward half): non-finite
-  k, v, log-decays and betas count as 0, and each poisoned token's output is
-  NaN; q is read as given (a non-finite query reaches its own output only).
+  The in-kernel half of the forward's `isolation.SegmentGuard`: with
+  `sanitize`, non-finite k and v count as 0 (log-decays, betas and states
+  come sanitised); `poison` (0, or NaN at the tokens whose outputs must be
+  NaN) makes each poisoned token's output NaN. q is read as given (a
+  non-finite query reaches its own output only).
 
   Returns (out [B, T, Hv, V] in v.dtype or None without `write_out`,
   final_state f32, residuals or None): with `emit_residuals`,
@@ -874,11 +882,12 @@ def gdn_fwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
   """
   xs, h0, starts, seg, st, nc = _prepare(
       q, k, v, log_decay, beta, initial_state=initial_state, segment_ids=segment_ids,
-      chunk=chunk, scale=scale, interleave=interleave, newton=newton, poison=poison)
+      chunk=chunk, scale=scale, interleave=interleave, newton=newton, poison=poison,
+      sanitize=sanitize)
   q, k, v, log_decay, beta = xs[:5]
   b, t = q.shape[:2]
   inputs = _common_inputs(q, k, v, log_decay, beta, starts, st, lambda i: i,
-                          poison=xs[5] if st.guard else None)
+                          poison=xs[5] if poison is not None and write_out else None)
   state_spec = _state_spec(st, lambda i: i)
   if st.has_h0:
     inputs.append(_Operand("h0", h0.astype(F32), block=state_spec))
@@ -916,8 +925,12 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
             d_final: segments.State | None, *, scale: float,
             initial_state: segments.State | None = None,
             segment_ids: Int[Array, "B T"] | None = None, residuals=None, chunk=128,
-            interleave=16, newton=None, interpret=False, vmem_limit_bytes=None):
+            interleave=16, newton=None, interpret=False, vmem_limit_bytes=None,
+            sanitize=False):
   """Chunked GDN backward: (dq, dk, dv, d_log_decay, dbeta, d_initial_state f32).
+
+  `sanitize`: non-finite q, k, v and d_out count as 0 (the in-kernel half of
+  the backward's `isolation.SegmentGuard`; the rest comes sanitised).
 
   `residuals`: `gdn_fwd(emit_residuals=True)`'s (same `initial_state`,
   `segment_ids` and chunk), or None to recompute them (pass 1: the forward
@@ -929,11 +942,11 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
         q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
         segment_ids=segment_ids, chunk=chunk, interleave=interleave, newton=newton,
         write_out=False, emit_residuals=True, interpret=interpret,
-        vmem_limit_bytes=vmem_limit_bytes)
+        vmem_limit_bytes=vmem_limit_bytes, sanitize=sanitize)
   t_in = q.shape[1]
   (q, k, v, log_decay, beta), h0, starts, seg, st, nc = _prepare(
       q, k, v, log_decay, beta, initial_state=initial_state, segment_ids=segment_ids,
-      chunk=chunk, scale=scale, interleave=interleave, newton=newton)
+      chunk=chunk, scale=scale, interleave=interleave, newton=newton, sanitize=sanitize)
   b, t = q.shape[:2]
   states, tmats = residuals
   if states.shape[1] != nc:
