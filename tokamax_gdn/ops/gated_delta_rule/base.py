@@ -128,10 +128,10 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
   # NotImplementedError for one, so `implementation=` falls through.
   supports_segment_states: ClassVar[bool] = False
   # Whether `_core_fwd` takes `poison=` ([B, T, Hv] float32: NaN at the tokens
-  # whose outputs must be NaN, else 0) and then sanitises k and v itself
-  # (log_decay, beta and the state come sanitised): part of
-  # `isolation.SegmentGuard` inside the kernel instead of passes over k, v
-  # and the outputs in XLA. Only for cores with an analytical VJP.
+  # whose outputs must be NaN, else 0) and makes those outputs NaN itself
+  # (its inputs come sanitised): part of `isolation.SegmentGuard` inside the
+  # kernel instead of a pass over the outputs in XLA. Only for cores with an
+  # analytical VJP (whose `guards_in_core` then sanitises in its kernel).
   guards_in_core: ClassVar[bool] = False
 
   def __call__(self, *args, **kwargs):
@@ -264,8 +264,8 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
         out, final_state = isolation.guarded_autodiff(core, guard, q, k, value, log_decay,
                                                       beta, initial_state)
       elif self.guards_in_core:  # `GatedDeltaRuleVjp` guards the backward
-        small = guard.sanitize_small(log_decay, beta, initial_state)
-        out, final_state, residuals = core(q, k, value, *small[:2], initial_state=small[2],
+        *clean, clean_state = guard.sanitize(q, k, value, log_decay, beta, initial_state)
+        out, final_state, residuals = core(*clean, initial_state=clean_state,
                                            poison=guard.output_poison())
         final_state = guard.poison_final_state(final_state)
       else:

@@ -11,10 +11,12 @@ per token are inside the kernels.
 
 The NaN guard (`isolation.SegmentGuard`) is partly in the kernels
 (`guards_in_core`): XLA computes the per-token flags (reductions of the raw
-inputs), sanitises the small inputs (gates, betas, states) and puts NaN into
-the final states and the gradients; the kernels zero non-finite k, v (and
-q, dO in the backward) in VMEM, and the forward kernel makes each poisoned
-token's output NaN.
+inputs), sanitises the forward's inputs and the backward's small ones
+(gates, betas, states) and puts NaN into the final states and the
+gradients; the forward kernel makes each poisoned token's output NaN, and
+the backward kernels zero non-finite q, k, v, dO in VMEM. (The forward
+kernel sanitising k, v itself as well took scoped VMEM past tpu7x's limit
+with an initial state at T=32768: 21.11 of 21 MiB.)
 
 Residuals for the backward, per token and value head, beyond the op inputs
 tokamax keeps anyway:
@@ -291,7 +293,6 @@ class PallasMosaicTpuGatedDeltaRule(_KernelConfigs, base.GatedDeltaRule[Config, 
       out, final, res = kernel.gdn_fwd(
           q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
           segment_ids=segment_ids, emit_residuals=config.save_states, poison=poison,
-          sanitize=poison is not None,
           **_kernel_args(config, q, v, interpret))
       return (out, final) + (tuple(res) if res is not None else ())
 

@@ -382,14 +382,12 @@ def _heads(ref):
   return pltpu.einshape("chd->hcd", ref[...].astype(F32))
 
 
-def _tail_mask(x, st: _Static, c_idx, *, finite=False):
-  """Zero the rows of tokens at or past T (a partial last block holds garbage),
-  and with `finite` every NaN / inf (one select for both)."""
-  keep = jnp.isfinite(x) if finite else None
-  if st.tail:
-    pos = c_idx * st.chunk + lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 2)
-    keep = pos < st.t_len if keep is None else keep & (pos < st.t_len)
-  return x if keep is None else jnp.where(keep, x, 0.0)
+def _tail_mask(x, st: _Static, c_idx):
+  """Zero the rows of tokens at or past T (a partial last block holds garbage)."""
+  if not st.tail:
+    return x
+  pos = c_idx * st.chunk + lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 2)
+  return jnp.where(pos < st.t_len, x, 0.0)
 
 
 def _finite(x, st: _Static):
@@ -401,22 +399,15 @@ def _finite(x, st: _Static):
 # Rows of the per-step row scratch (each (Hv, C) f32).
 _G_HI, _G_LO, _BETA, _KOUT, _DECAY_CHUNK, _DECAY_OUT = range(6)
 _N_ROWS = 6
-# Only the backward reads the decay_out row: with a poison input the
-# forward keeps its poison row there (another row's VMEM tipped the tpu7x
-# forward at the Qwen3-Next shape over its scoped limit, by 40 K).
-_POISON = _DECAY_OUT
 
 
-def _step_prologue(g_ref, b_ref, st_ref, rows_scr, st: _Static, c_idx, poison_ref=None):
+def _step_prologue(g_ref, b_ref, st_ref, rows_scr, st: _Static, c_idx):
   """Gates of the chunk for every head, into `rows_scr`; returns (gate, masks).
 
   masks: (causal, strict) C×C, with segments restricted to one segment.
-  With `poison_ref` (the forward) the poison row is stored.
   """
   g_rows = _tail_mask(g_ref[...].astype(F32), st, c_idx).T
   b_rows = _tail_mask(b_ref[...].astype(F32), st, c_idx).T
-  if poison_ref is not None:    # the forward: no decay_out row (see _POISON)
-    rows_scr[_POISON] = _tail_mask(poison_ref[...].astype(F32), st, c_idx).T
   starts = None
   if st.has_seg:
     starts = _tail_mask(st_ref[...].astype(F32).T, st, c_idx).T   # (1, C)
@@ -426,8 +417,7 @@ def _step_prologue(g_ref, b_ref, st_ref, rows_scr, st: _Static, c_idx, poison_re
   rows_scr[_BETA] = b_rows
   rows_scr[_KOUT] = gate.decay_out * b_rows            # (decay_out β)_j
   rows_scr[_DECAY_CHUNK] = jnp.broadcast_to(gate.decay_chunk, b_rows.shape)
-  if poison_ref is None:
-    rows_scr[_DECAY_OUT] = gate.decay_out
+  rows_scr[_DECAY_OUT] = gate.decay_out
   return gate, (gate.causal, gate.strict)
 
 
@@ -462,16 +452,14 @@ def _fwd_kernel(*refs, names: tuple[str, ...], st: _Static, write_out: bool, emi
     s_scr[...] = h0_ref[...].astype(F32) if st.has_h0 else jnp.zeros(s_scr.shape, F32)
 
   poison_ref = r.poison if "poison" in names and write_out else None
-  gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx, poison_ref)
+  gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx)
   _, strict = masks
-  # With `sanitize` the keys and values are sanitised (a NaN would reach
-  # earlier tokens through 0-coefficients): the keys here, the values per
-  # head in `group` (a select over the whole (Hv, C, V) block took scoped
-  # VMEM past the tpu7x limit at the Qwen3-Next shape). A query reaches only
+  # With `sanitize` the keys and values are sanitised per head in `group` (a
+  # NaN would reach earlier tokens through 0-coefficients; a select over a
+  # whole block took scoped VMEM past the tpu7x limit). A query reaches only
   # its own output, so it stays as it is.
-  for ref, scr, finite in ((q_ref, qh_scr, False), (k_ref, kh_scr, st.sanitize),
-                           (v_ref, vh_scr, False)):
-    scr[...] = _tail_mask(_heads(ref), st, c_idx, finite=finite)
+  for ref, scr in ((q_ref, qh_scr), (k_ref, kh_scr), (v_ref, vh_scr)):
+    scr[...] = _tail_mask(_heads(ref), st, c_idx)
   if poison_ref is not None:
     c_iota = lax.broadcasted_iota(jnp.int32, (c, c), 0)
     diag = c_iota == lax.broadcasted_iota(jnp.int32, (c, c), 1)
@@ -480,7 +468,7 @@ def _fwd_kernel(*refs, names: tuple[str, ...], st: _Static, write_out: bool, emi
     heads, kheads = _group_heads(st, gi)
     kj = lambda u: u // st.group
     q = {ku: qh_scr[j] for ku, j in kheads.items()}
-    k = {ku: kh_scr[j] for ku, j in kheads.items()}
+    k = {ku: _finite(kh_scr[j], st) for ku, j in kheads.items()}
     v = {u: _finite(vh_scr[i], st) for u, i in heads.items()}
     s = {u: s_scr[i] for u, i in heads.items()}
     beta = {u: _row(rows_scr, _BETA, i) for u, i in heads.items()}
@@ -505,7 +493,7 @@ def _fwd_kernel(*refs, names: tuple[str, ...], st: _Static, write_out: bool, emi
           # token's own V″ row only, so exactly its output turns NaN (a
           # column row, a sublane broadcast; a per-row select of the output
           # would be a lane broadcast).
-          p_tilde = jnp.where(diag, p_tilde + _row(rows_scr, _POISON, i), p_tilde)
+          p_tilde = jnp.where(diag, p_tilde + poison_ref[pl.ds(i, 1), :], p_tilde)
         lhs = jnp.concatenate([(q[kj(u)] * dins[u]).astype(mm), p_tilde.astype(mm)], 1)
         rhs = jnp.concatenate([s[u].astype(mm), v_new[u].astype(mm)], 0)
         out_scr[i] = st.scale * mxu(lhs, rhs, passes=passes)
@@ -775,8 +763,9 @@ def _common_inputs(q, k, v, log_decay, beta, starts, st: _Static, chunk_of,
       _Operand("log_decay", log_decay, block=_token_block(st, chunk_of, hv)),
       _Operand("beta", beta, block=_token_block(st, chunk_of, hv)),
   ]
-  if poison is not None:
-    ops.append(_Operand("poison", poison, block=_token_block(st, chunk_of, hv)))
+  if poison is not None:   # [B, Hv, T]: a chunk's block is its rows (tokens in lanes)
+    ops.append(_Operand("poison", poison, block=pl.BlockSpec(
+        (None, hv, st.chunk), lambda b, i, *_: (b, 0, chunk_of(i)))))
   if st.has_seg:
     ops.append(_Operand("starts", starts, block=pl.BlockSpec(
         (None, 1, st.chunk), lambda b, i, *_: (b, 0, chunk_of(i)))))
@@ -886,8 +875,10 @@ def gdn_fwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
       sanitize=sanitize)
   q, k, v, log_decay, beta = xs[:5]
   b, t = q.shape[:2]
+  poison_rows = (jnp.swapaxes(xs[5], 1, 2).astype(F32)
+                 if poison is not None and write_out else None)
   inputs = _common_inputs(q, k, v, log_decay, beta, starts, st, lambda i: i,
-                          poison=xs[5] if poison is not None and write_out else None)
+                          poison=poison_rows)
   state_spec = _state_spec(st, lambda i: i)
   if st.has_h0:
     inputs.append(_Operand("h0", h0.astype(F32), block=state_spec))
