@@ -263,15 +263,15 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
         residuals = None
         out, final_state = isolation.guarded_autodiff(core, guard, q, k, value, log_decay,
                                                       beta, initial_state)
-      elif self.guards_in_core:  # `GatedDeltaRuleVjp` guards the backward
+      else:                      # `GatedDeltaRuleVjp` guards the backward
         *clean, clean_state = guard.sanitize(q, k, value, log_decay, beta, initial_state)
-        out, final_state, residuals = core(*clean, initial_state=clean_state,
-                                           poison=guard.output_poison())
-        final_state = guard.poison_final_state(final_state)
-      else:
-        *clean, clean_state = guard.sanitize(q, k, value, log_decay, beta, initial_state)
-        out, final_state, residuals = core(*clean, initial_state=clean_state)
-        out, final_state = guard.poison_outputs(out, final_state)
+        if self.guards_in_core:  # the core makes the poisoned outputs NaN itself
+          out, final_state, residuals = core(*clean, initial_state=clean_state,
+                                             poison=guard.output_poison())
+          final_state = guard.poison_final_state(final_state)
+        else:
+          out, final_state, residuals = core(*clean, initial_state=clean_state)
+          out, final_state = guard.poison_outputs(out, final_state)
     out = out.astype(value.dtype)
     final_state = final_state if output_final_state else None
     return (out, final_state), (residuals if return_residuals else None)
