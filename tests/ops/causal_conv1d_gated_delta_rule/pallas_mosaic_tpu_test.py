@@ -48,8 +48,9 @@ def test_routing_decode_kernel_and_chunked_path():
   args, kwargs = make(lay, seed=11)
   static = {k: v for k, v in kwargs.items() if k in STATIC}
   cfg = pallas_mosaic_tpu.Config(decode_tile=8, chunk_size=64, min_chunked_tokens=16)
-  with config.interpret_mode():
-    (conv, rec), out = pallas_mosaic_tpu.IMPLEMENTATION.replace(config=cfg)(*args, **static)
+  impl = pallas_mosaic_tpu.IMPLEMENTATION.replace(config=cfg)
+  with config.interpret_mode():   # jitted: one compile, not op-by-op dispatch
+    (conv, rec), out = jax.jit(lambda a: impl(*a, **static))(args)
   (r_conv, r_rec), r_out = jax.jit(lambda a: __import__(
       "tokamax_gdn").causal_conv1d_gated_delta_rule(*a, **static, implementation="reference"))(args)
   assert_close(out, r_out, jnp.float32, "out")

@@ -124,7 +124,7 @@ def test_float64_inputs_run_in_float32(impl):
             *args, **{**kw, "initial_state": s0}, implementation=impl)
         return jnp.sum(out * out) + jnp.sum(final), (out, final)
       with conformance.execution_context(impl):
-        return jax.grad(loss, argnums=(0, 1), has_aux=True)(args, s0)
+        return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(args, s0)
 
     grads64, (out64, final64) = run((q, k, v, g, beta), kw["initial_state"])
     f32 = lambda x: x.astype(jnp.float32)
@@ -147,4 +147,4 @@ def test_forward_mode_autodiff_raises_a_clear_error(impl):
       with pytest.raises(TypeError, match="gated_delta_rule does not support forward-mode"):
         forward_mode(args[0])
     # Reverse mode is what it supports.
-    assert jax.jacrev(lambda q: jnp.sum(f(q)))(args[0]).shape == args[0].shape
+    assert jax.jit(jax.jacrev(lambda q: jnp.sum(f(q))))(args[0]).shape == args[0].shape

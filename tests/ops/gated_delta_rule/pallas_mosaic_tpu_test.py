@@ -82,11 +82,11 @@ def _run(op, args, kwargs, l2, seed=7):
   r = np.random.default_rng(seed)
   cot = (jnp.asarray(r.standard_normal((b, t, hv, dv)), jnp.float32),
          jnp.asarray(r.standard_normal((b, hv, dk, dv)), jnp.float32))
-  grad = jax.value_and_grad(_loss_fn(op, kwargs, l2), argnums=(0, 1), has_aux=True)
+  grad = jax.jit(jax.value_and_grad(_loss_fn(op, kwargs, l2), argnums=(0, 1), has_aux=True))
   with tokamax_gdn.config.interpret_mode():
     (_, (out, final)), grads = grad(args, kw_diff, cot)
-  (_, (rout, rfinal)), rgrads = jax.value_and_grad(
-      _loss_fn("reference", kwargs, l2), argnums=(0, 1), has_aux=True)(
+  (_, (rout, rfinal)), rgrads = jax.jit(jax.value_and_grad(
+      _loss_fn("reference", kwargs, l2), argnums=(0, 1), has_aux=True))(
           jax.tree.map(lambda x: x.astype(jnp.float32), args), kw_diff, cot)
   return (out, final, grads), (rout, rfinal, rgrads), kw_diff
 
