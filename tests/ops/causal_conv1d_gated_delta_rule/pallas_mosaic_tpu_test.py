@@ -57,6 +57,51 @@ def test_routing_decode_kernel_and_chunked_path():
   assert_close(conv, r_conv, jnp.float32, "conv")
 
 
+def test_single_chunked_request_after_decodes():
+  """T // min_chunked_tokens = 1: the chunked path's one-request form (conv
+  with its SiLU and no segment ids, the request's first W-1 rows redone from
+  its conv state, q, k, v read packed by the GDN kernel) for a request that
+  starts after decodes and continues its slots, with a short prefill after
+  it; against the reference, and a NaN in a neighbour's tokens (inside the
+  request's first conv window) or in its read slot stays out of it."""
+  lay = arg_specs.layout(lengths=[1, 1, 70, 5], context_lens=[3, 0, 4, 2], max_reqs=5,
+                         **TINY, **F32)
+  args, kwargs = make(lay, seed=13)
+  static = {k: v for k, v in kwargs.items() if k in STATIC}
+  # Two chunks of the request's 70 tokens (the second partial), T = 77.
+  cfg = pallas_mosaic_tpu.Config(decode_tile=8, chunk_size=64, min_chunked_tokens=64)
+  op = jax.jit(lambda *a: pallas_mosaic_tpu.IMPLEMENTATION.replace(config=cfg)(*a, **static))
+  with config.interpret_mode():
+    (conv, rec), out = op(*args)
+  (r_conv, r_rec), r_out = jax.jit(lambda a: __import__(
+      "tokamax_gdn").causal_conv1d_gated_delta_rule(*a, **static, implementation="reference"))(args)
+  assert_close(out, r_out, jnp.float32, "out")
+  assert_close(rec, r_rec, jnp.float32, "recurrent")
+  assert_close(conv, r_conv, jnp.float32, "conv")
+
+  lo, hi, slot = 2, 72, int(lay["state_indices"][2])
+  mine = np.zeros(out.shape[0], bool)
+  mine[lo:hi] = True
+  for poison in ("token_before", "token_after", "neighbour_slot", "own_slot"):
+    bad = list(args)
+    if poison == "token_before":
+      bad[0] = bad[0].at[lo - 1].set(jnp.nan)
+    elif poison == "token_after":
+      bad[0] = bad[0].at[hi + 1].set(jnp.nan)
+    else:
+      victim = slot if poison == "own_slot" else int(lay["state_indices"][0])
+      bad[4] = bad[4].at[victim].set(jnp.nan)
+    with config.interpret_mode():
+      (b_conv, b_rec), b_out = op(*bad)
+    rows = ~mine if poison == "own_slot" else mine
+    slots = (np.arange(rec.shape[0]) != slot) if poison == "own_slot" else np.array([slot])
+    np.testing.assert_array_equal(np.asarray(b_out)[rows], np.asarray(out)[rows], poison)
+    np.testing.assert_array_equal(np.asarray(b_rec)[slots], np.asarray(rec)[slots], poison)
+    np.testing.assert_array_equal(np.asarray(b_conv)[slots], np.asarray(conv)[slots], poison)
+    if poison == "own_slot":
+      assert np.isnan(np.asarray(b_out)[lo:hi]).any()
+
+
 # ---------------------------------------------------------------- AOT
 _AOT_SPEC = "tp8_decode_64"     # tokamax's qwen3_5_397b TP8 decode: Hv=8, K=V=128, bf16
 
