@@ -57,18 +57,23 @@ def test_routing_decode_kernel_and_chunked_path():
   assert_close(conv, r_conv, jnp.float32, "conv")
 
 
-def test_single_chunked_request_after_decodes():
-  """T // min_chunked_tokens = 1: the chunked path's one-request form (conv
-  with its SiLU and no segment ids, the request's first W-1 rows redone from
-  its conv state, q, k, v read packed by the GDN kernel) for a request that
-  starts after decodes and continues its slots, with a short prefill after
-  it; against the reference, and a NaN in a neighbour's tokens (inside the
-  request's first conv window) or in its read slot stays out of it."""
-  lay = arg_specs.layout(lengths=[1, 1, 70, 5], context_lens=[3, 0, 4, 2], max_reqs=5,
-                         **TINY, **F32)
+@pytest.mark.parametrize("lengths,context,chunked", [
+    ([1, 1, 70, 5], [3, 0, 4, 2], [2]),               # T // 64 = 1: N = 1
+    ([1, 1, 70, 3, 66], [3, 0, 4, 2, 5], [2, 4]),     # N = 2
+], ids=["one", "two"])
+def test_chunked_requests_after_decodes(lengths, context, chunked):
+  """Chunked requests (64 tokens and more) that start after decodes and
+  continue their slots, with a short prefill among them: the conv with its
+  SiLU and no segment ids (each request's first W-1 rows redone from its conv
+  state); for N = 1 q, k, v read packed by the GDN kernel. Against the
+  reference; a NaN in the tokens of a neighbour (inside a request's first
+  conv window) or in a slot a neighbour reads stays out of the chunked
+  requests, and one in a chunked request's read slot out of every other
+  request (chunked ones included)."""
+  lay = arg_specs.layout(lengths=lengths, context_lens=context, max_reqs=6, **TINY, **F32)
   args, kwargs = make(lay, seed=13)
   static = {k: v for k, v in kwargs.items() if k in STATIC}
-  # Two chunks of the request's 70 tokens (the second partial), T = 77.
+  # A request of 70 tokens is two chunks (the second partial).
   cfg = pallas_mosaic_tpu.Config(decode_tile=8, chunk_size=64, min_chunked_tokens=64)
   op = jax.jit(lambda *a: pallas_mosaic_tpu.IMPLEMENTATION.replace(config=cfg)(*a, **static))
   with config.interpret_mode():
@@ -79,27 +84,32 @@ def test_single_chunked_request_after_decodes():
   assert_close(rec, r_rec, jnp.float32, "recurrent")
   assert_close(conv, r_conv, jnp.float32, "conv")
 
-  lo, hi, slot = 2, 72, int(lay["state_indices"][2])
+  qsl, slots = lay["query_start_loc"], lay["state_indices"]
   mine = np.zeros(out.shape[0], bool)
-  mine[lo:hi] = True
+  for r in chunked:
+    mine[qsl[r]:qsl[r + 1]] = True
+  ours = np.isin(np.arange(rec.shape[0]), slots[chunked])
+  first = chunked[0]
   for poison in ("token_before", "token_after", "neighbour_slot", "own_slot"):
     bad = list(args)
-    if poison == "token_before":
-      bad[0] = bad[0].at[lo - 1].set(jnp.nan)
-    elif poison == "token_after":
-      bad[0] = bad[0].at[hi + 1].set(jnp.nan)
+    if poison == "token_before":      # the decode right before the first chunked request
+      bad[0] = bad[0].at[qsl[first] - 1].set(jnp.nan)
+    elif poison == "token_after":     # the short prefill right after it
+      bad[0] = bad[0].at[qsl[first + 1]].set(jnp.nan)
     else:
-      victim = slot if poison == "own_slot" else int(lay["state_indices"][0])
-      bad[4] = bad[4].at[victim].set(jnp.nan)
+      bad[4] = bad[4].at[slots[first] if poison == "own_slot" else slots[0]].set(jnp.nan)
     with config.interpret_mode():
       (b_conv, b_rec), b_out = op(*bad)
-    rows = ~mine if poison == "own_slot" else mine
-    slots = (np.arange(rec.shape[0]) != slot) if poison == "own_slot" else np.array([slot])
+    rows, keep = mine, ours
+    if poison == "own_slot":          # everything but the first chunked request's
+      rows = np.ones_like(mine)
+      rows[qsl[first]:qsl[first + 1]] = False
+      keep = np.arange(rec.shape[0]) != slots[first]
     np.testing.assert_array_equal(np.asarray(b_out)[rows], np.asarray(out)[rows], poison)
-    np.testing.assert_array_equal(np.asarray(b_rec)[slots], np.asarray(rec)[slots], poison)
-    np.testing.assert_array_equal(np.asarray(b_conv)[slots], np.asarray(conv)[slots], poison)
+    np.testing.assert_array_equal(np.asarray(b_rec)[keep], np.asarray(rec)[keep], poison)
+    np.testing.assert_array_equal(np.asarray(b_conv)[keep], np.asarray(conv)[keep], poison)
     if poison == "own_slot":
-      assert np.isnan(np.asarray(b_out)[lo:hi]).any()
+      assert np.isnan(np.asarray(b_out)[qsl[first]:qsl[first + 1]]).any()
 
 
 # ---------------------------------------------------------------- AOT

@@ -14,26 +14,28 @@ recompiles when the composition changes):
    trades that against the chunked path's padding (below).
 2. The chunked path, requests of at least `min_chunked_tokens` tokens (so at
    most N = tokens // min_chunked_tokens of them, a static bound): our
-   `causal_conv1d` Pallas op over the packed tokens and the chunked GDN
-   forward kernel (`gated_delta_rule/pallas_mosaic_tpu_kernel`). Tokens of
-   other requests enter the GDN kernel masked, so a NaN there cannot reach a
-   chunked request.
-   - N = 1 (one request in the call, or T < 2 min_chunked_tokens): the conv
-     with its SiLU in-kernel and no segment ids, then the request's first W-1
-     rows recomputed from its conv state and written in place;
-     `gdn_fwd_packed` reads q, k, v as lane ranges of that output,
+   `causal_conv1d` Pallas op over the packed tokens, with its SiLU and no
+   segment ids, then each request's first W-1 rows (whose windows reach
+   into the tokens before it) recomputed from its conv state and written in
+   place; then the chunked GDN forward kernel
+   (`gated_delta_rule/pallas_mosaic_tpu_kernel`). Tokens of other requests
+   enter it masked (beta and log-decay 0, k and v zero), so a NaN there
+   cannot reach a chunked request.
+   - N = 1 (one request in the call, or T < 2 min_chunked_tokens):
+     `gdn_fwd_packed` reads q, k, v as lane ranges of the conv output,
      L2-normalises q and k itself and reads the masked tokens' k, v as 0
-     (beta 0 there: its `beta_guard`), from the request's read state in a
+     (its `beta_guard`: beta is 0 there), from the request's read state in a
      plain row (the masked tokens pass the state through); slots written by
-     dynamic-update-slices. No XLA pass over the activations. v6e estimate
-     at tp8_prefill_4096: 427.3 k cycles before (XLA's SiLU, l2norm, masks
-     and relayouts into `gdn_fwd`'s [T, H, D] operands: ~190 k) -> 289 k.
-   - N > 1: segment ids stop the conv's windows at request starts, the taps
-     that reach into a request's conv state are added afterwards (float32),
-     and `gdn_fwd` runs with per-segment states: each request's state is
-     gathered from its read slot and its final state scattered to its slot;
-     q, k, v masked by selects. Its static cost is that of T + N (C - 1)
-     tokens (`base.align_segments`).
+     dynamic-update-slices. No XLA pass over the activations.
+   - N > 1: `gdn_fwd` with per-segment states on q, k, v normalised and
+     masked in XLA: each request's state is gathered from its read slot and
+     its final state scattered to its slot. Its static cost is that of
+     T + N (C - 1) tokens (`base.align_segments`).
+   v6e estimates, kcycles (`tokamax-gdn aot --op causal_conv1d_gated_delta_rule
+   --target v6e`): tp8_prefill_4096 (N = 1) 427.3 before (the conv with
+   segment ids and XLA's SiLU, l2norm, masks and relayouts into `gdn_fwd`'s
+   [T, H, D] operands: ~190 k beside the kernel) -> 289.6;
+   tp8_mixed_3x512 (N = 3) 150.3 -> 146.6.
 
 When T < min_chunked_tokens (every decode batch with the heuristic) the
 chunked path is not compiled at all.
@@ -208,49 +210,42 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, taps, bias, gate, reqs: base.Re
   return out, conv_pool, rec_pool
 
 
-def _single_request_conv(qkv, conv_weight, conv_bias, taps, conv0, start):
-  """SiLU(conv) [T, D] in qkv's dtype, right on the rows of the one chunked
-  request (tokens from `start` on, at least W-1 of them; `start` = T if there
-  is none); other rows are left for the caller to mask.
+def _requests_conv(qkv, conv_weight, conv_bias, taps, conv0, start, length, used, *,
+                   at_least_window: bool):
+  """SiLU(conv) [T, D] in qkv's dtype, right on the rows of the chunked
+  requests (request n: tokens [start_n, start_n + length_n), its conv state
+  `conv0` [N, W-1, D]); other rows are left for the caller to mask.
 
   No segment ids: the conv runs over all tokens with the SiLU in its kernel,
-  so only the request's first W-1 rows are wrong (their windows reach into
-  the tokens before it instead of its conv state `conv0` [W-1, D]). Those
-  rows are recomputed here from the state and the request's first tokens and
-  written in place (a dynamic-update-slice of W-1 rows, at T - (W-1) when
-  there is no request: rows nobody reads unmasked).
+  so only each request's first W-1 rows are wrong (their windows reach into
+  the tokens before it instead of its conv state). Those rows are recomputed
+  here from the state and the request's first tokens and written in place:
+  for one request every one of them at least W-1 tokens long
+  (`at_least_window`), by a dynamic-update-slice of W-1 rows (at T - (W-1)
+  when there is no request: rows nobody reads unmasked), else by a row
+  scatter of each used request's first min(length, W-1) rows.
   """
   t_len, dim = qkv.shape
-  kw1 = taps.shape[0] - 1
+  n_max, kw1 = conv0.shape[0], taps.shape[0] - 1
   act = conv_api.causal_conv1d(qkv[None], conv_weight[:, 0, :], conv_bias, activation="silu",
                                implementation="pallas_mosaic_tpu")[0][0]
-  at = jnp.minimum(start, t_len - kw1)
+  m = jnp.arange(kw1, dtype=jnp.int32)
+  dus = n_max == 1 and at_least_window and t_len >= kw1
+  if dus:
+    at = jnp.minimum(start, t_len - kw1)
+    head = jax.lax.dynamic_slice(qkv, (at[0], 0), (kw1, dim))[None]
+  else:
+    head = qkv[jnp.clip(start[:, None] + m[None, :], 0, t_len - 1)]               # [N, W-1, D]
   # xp = [conv state; the request's first W-1 tokens]; its row i reads xp[i : i + W].
-  xp = jnp.concatenate([conv0, jax.lax.dynamic_slice(qkv, (at, 0), (kw1, dim)).astype(_F32)])
+  xp = jnp.concatenate([conv0, head.astype(_F32)], axis=1)
   bias = 0.0 if conv_bias is None else conv_bias.astype(_F32)
-  rows = jax.nn.silu(bias + sum(taps[w] * xp[w:w + kw1] for w in range(kw1 + 1)))
-  return jax.lax.dynamic_update_slice(act, rows.astype(act.dtype), (at, 0))
-
-
-def _segmented_conv(qkv, conv_weight, conv_bias, taps, conv0, seg_ids, used, start, length):
-  """SiLU(conv) [T, D] float32 of N chunked requests: the conv op with segment
-  ids (so no window reaches across a request start), then the taps that reach
-  into each request's conv state (`conv0` [N, W-1, D]) added to its first W-1
-  rows."""
-  t_len = qkv.shape[0]
-  kw1 = taps.shape[0] - 1
-  # No mask on the conv's input: the segment ids keep every other token out of
-  # a chunked request's windows (the kernel selects, so a NaN there cannot
-  # leak), and rows outside chunked requests are masked by the caller.
-  pre = conv_api.causal_conv1d(qkv[None], conv_weight[:, 0, :], conv_bias, activation=None,
-                               segment_ids=seg_ids,
-                               implementation="pallas_mosaic_tpu")[0][0].astype(_F32)
-  fix_rows, fix = [], []
-  for i in range(kw1):
-    fix_rows.append(jnp.where(used & (i < length), start + i, t_len))
-    fix.append(sum(taps[k] * conv0[:, i + k] for k in range(kw1 - i)))
-  pre = pre.at[jnp.concatenate(fix_rows)].add(jnp.concatenate(fix), mode="drop")
-  return jax.nn.silu(pre)
+  rows = jax.nn.silu(bias + sum(taps[w] * xp[:, w:w + kw1] for w in range(kw1 + 1)))
+  rows = rows.astype(act.dtype)
+  if dus:
+    return jax.lax.dynamic_update_slice(act, rows[0], (at[0], 0))
+  dest = jnp.where(used[:, None] & (m[None, :] < length[:, None]), start[:, None] + m[None, :],
+                   t_len)
+  return act.at[dest.reshape(-1)].set(rows.reshape(-1, dim), mode="drop")
 
 
 def _chunked_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, dt_bias,
@@ -287,15 +282,13 @@ def _chunked_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log,
 
   conv0 = jnp.where(init[:, None, None], conv_pool[read].astype(_F32), 0.0)    # [N, W-1, D]
   taps = base.conv_weight_taps(conv_weight)                                   # [W, D]
-  single = n_max == 1 and min_chunked >= kw1
-  if single:
-    act = _single_request_conv(qkv, conv_weight, conv_bias, taps, conv0[0], start[0])
+  act = _requests_conv(qkv, conv_weight, conv_bias, taps, conv0, start, length, used,
+                       at_least_window=min_chunked >= kw1)
+  if n_max == 1 and min_chunked >= kw1:
     # Its new conv state: its own last W-1 tokens (it has at least W-1).
     conv_new = jax.lax.dynamic_slice(qkv, (jnp.maximum(start[0] + length[0] - kw1, 0), 0),
                                      (kw1, dim))[None]
   else:
-    act = _segmented_conv(qkv, conv_weight, conv_bias, taps, conv0, seg_ids, used, start,
-                          length)
     # New conv states: the last W-1 inputs of [conv state; tokens].
     m = jnp.arange(kw1)
     src = start[:, None] + length[:, None] - kw1 + m[None, :]                  # [N, W-1]
@@ -327,9 +320,8 @@ def _chunked_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log,
     # (`beta_guard`): no XLA pass over the activations.
     h0 = jnp.where(init[0], rec_pool[read[0]].astype(_F32), 0.0)
     out, final = gdn_kernel.gdn_fwd_packed(
-        act.astype(qkv.dtype)[None], g[None], beta[None], hk=dims.n_kq, hv=hv,
-        dim_k=dims.d_k, dim_v=dims.d_v, initial_state=h0[None], qk_l2norm=True,
-        beta_guard=True, **kernel_args)
+        act[None], g[None], beta[None], hk=dims.n_kq, hv=hv, dim_k=dims.d_k, dim_v=dims.d_v,
+        initial_state=h0[None], qk_l2norm=True, beta_guard=True, **kernel_args)
     # Its slots by dynamic-update-slices (row scatters cost ~3.5k cycles each
     # on the v6e estimate, with their bounds checks): without a chunked
     # request, the slot's own contents go back.
@@ -337,17 +329,21 @@ def _chunked_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log,
     rec_pool = _put_slot(rec_pool, slot, final[0], used[0])
     conv_pool = _put_slot(conv_pool, slot, conv_new[0], used[0])
   else:
-    q, k, v = base.split_heads(act, dims)
-    keep = mine[:, None, None]
-    q = jnp.where(keep, gdn_prologue.l2norm(q), 0.0).astype(qkv.dtype)
-    k = jnp.where(keep, gdn_prologue.l2norm(k), 0.0).astype(qkv.dtype)
-    v = jnp.where(keep, v, 0.0).astype(qkv.dtype)
     n_states = n_max + 1
     seg = jnp.arange(n_states) - lead                                       # request of segment
     seg_ok = (seg >= 0) & (seg < n_max)
     seg_req = jnp.clip(seg, 0, n_max - 1)
     h0 = rec_pool[read[seg_req]].astype(_F32)
     h0 = jnp.where((seg_ok & init[seg_req])[:, None, None, None], h0, 0.0)
+    # q, k, v [T, H, D] (normalised and masked in XLA), not packed: the
+    # chunk-aligned layout's token gathers cost more on [T, D] rows than on
+    # whole (H, D) tiles (v6e estimate at tp8_mixed_3x512: packed 22.4 k in +
+    # 8.2 k out vs 13.4 k + 2.5 k; the call 152.1 k vs 146.6 k).
+    q, k, v = base.split_heads(act, dims)
+    keep = mine[:, None, None]
+    q = jnp.where(keep, gdn_prologue.l2norm(q), 0.0).astype(qkv.dtype)
+    k = jnp.where(keep, gdn_prologue.l2norm(k), 0.0).astype(qkv.dtype)
+    v = jnp.where(keep, v, 0.0).astype(qkv.dtype)
     out, final, _ = gdn_kernel.gdn_fwd(q[None], k[None], v[None], g[None], beta[None],
                                        initial_state=h0[None], segment_ids=seg_ids,
                                        **kernel_args)
