@@ -116,15 +116,16 @@ def test_chunked_requests_after_decodes(lengths, context, chunked):
 _AOT_SPEC = "tp8_decode_64"     # tokamax's qwen3_5_397b TP8 decode: Hv=8, K=V=128, bf16
 
 
-def aot_cases(mesh, full=False):
-  """`aot.compile_in_child` builder: the op at tokamax's tp8_decode_64 layout,
-  index arrays traced (as an engine passes them)."""
+def aot_cases(mesh, full=False, spec_name=_AOT_SPEC):
+  """`aot.compile_in_child` builder: the op at one of tokamax's qwen3_5_397b
+  layouts (default tp8_decode_64), index arrays traced (as an engine passes
+  them)."""
   from tokamax._src.ops.causal_conv1d_gated_delta_rule import arg_specs as tokamax_specs  # pylint: disable=g-import-not-at-top
   import contextlib  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import api  # pylint: disable=g-import-not-at-top
 
   spec = next(s for s in tokamax_specs.ARG_SPECS
-              if s.project == "qwen3_5_397b" and s.name == _AOT_SPEC).args
+              if s.project == "qwen3_5_397b" and s.name == spec_name).args
   names = [n for n in arg_specs.POSITIONAL if n in spec]
   abstract = [aot.spec(mesh, spec[n].shape,
                        jnp.int32 if isinstance(spec[n], np.ndarray) else spec[n].dtype)
@@ -138,7 +139,7 @@ def aot_cases(mesh, full=False):
     with ctx:
       return api.causal_conv1d_gated_delta_rule(*pos, **kw, **static, implementation=IMPL)
 
-  return [(f"{_AOT_SPEC} full={full}", fn, abstract)]
+  return [(f"{spec_name} full={full}", fn, abstract)]
 
 
 @pytest.mark.aot
@@ -157,3 +158,21 @@ def test_decode_compiles_and_is_estimable(target):
   if estimate:
     cycles = {aot.kernel_name(k): v for k, v in res.report.kernel_cycles.items()}
     assert cycles.get("gdn_serve_decode", 0) > 0, cycles
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", ["v5e", "v6e", "tpu7x"])
+def test_one_request_prefill_compiles_and_is_estimable(target):
+  """tp8_prefill_1024 (one chunked request: the conv, `gdn_fwd_packed`, no
+  XLA pass over the activations) compiles for the chip, with the cycle
+  estimate on v6e (tpu7x: XLA's own VMEM with the dump on overflows at
+  T = 4096, as before the packed kernel)."""
+  estimate = target == "v6e"
+  (res,) = aot.compile_in_child(
+      target, "tests.ops.causal_conv1d_gated_delta_rule.pallas_mosaic_tpu_test:aot_cases",
+      dict(spec_name="tp8_prefill_1024"), cycles=estimate, timeout=600)
+  assert res.report is not None, res.error
+  assert res.report.pallas_calls.get("gdn_fwd") == 1, res.report.pallas_calls
+  if estimate:
+    cycles = {aot.kernel_name(k): v for k, v in res.report.kernel_cycles.items()}
+    assert cycles.get("gdn_fwd", 0) > 0, cycles
