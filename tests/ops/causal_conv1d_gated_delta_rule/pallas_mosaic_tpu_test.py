@@ -58,19 +58,75 @@ def test_routing_decode_kernel_and_chunked_path():
   assert_close(conv, r_conv, jnp.float32, "conv")
 
 
+@pytest.mark.parametrize("lengths,context,chunked", [
+    ([1, 1, 70, 5], [3, 0, 4, 2], [2]),               # T // 64 = 1: N = 1
+    ([1, 1, 70, 3, 66], [3, 0, 4, 2, 5], [2, 4]),     # N = 2
+], ids=["one", "two"])
+def test_chunked_requests_after_decodes(lengths, context, chunked):
+  """Chunked requests (64 tokens and more) that start after decodes and
+  continue their slots, with a short prefill among them: the conv with its
+  SiLU and no segment ids (each request's first W-1 rows redone from its conv
+  state); for N = 1 q, k, v read packed by the GDN kernel. Against the
+  reference; a NaN in the tokens of a neighbour (inside a request's first
+  conv window) or in a slot a neighbour reads stays out of the chunked
+  requests, and one in a chunked request's read slot out of every other
+  request (chunked ones included)."""
+  lay = arg_specs.layout(lengths=lengths, context_lens=context, max_reqs=6, **TINY, **F32)
+  args, kwargs = make(lay, seed=13)
+  static = {k: v for k, v in kwargs.items() if k in STATIC}
+  # A request of 70 tokens is two chunks (the second partial).
+  cfg = pallas_mosaic_tpu.Config(decode_tile=8, chunk_size=64, min_chunked_tokens=64)
+  op = jax.jit(lambda *a: pallas_mosaic_tpu.IMPLEMENTATION.replace(config=cfg)(*a, **static))
+  with config.interpret_mode():
+    (conv, rec), out = op(*args)
+  (r_conv, r_rec), r_out = jax.jit(lambda a: __import__(
+      "tokamax_gdn").causal_conv1d_gated_delta_rule(*a, **static, implementation="reference"))(args)
+  assert_close(out, r_out, jnp.float32, "out")
+  assert_close(rec, r_rec, jnp.float32, "recurrent")
+  assert_close(conv, r_conv, jnp.float32, "conv")
+
+  qsl, slots = lay["query_start_loc"], lay["state_indices"]
+  mine = np.zeros(out.shape[0], bool)
+  for r in chunked:
+    mine[qsl[r]:qsl[r + 1]] = True
+  ours = np.isin(np.arange(rec.shape[0]), slots[chunked])
+  first = chunked[0]
+  for poison in ("token_before", "token_after", "neighbour_slot", "own_slot"):
+    bad = list(args)
+    if poison == "token_before":      # the decode right before the first chunked request
+      bad[0] = bad[0].at[qsl[first] - 1].set(jnp.nan)
+    elif poison == "token_after":     # the short prefill right after it
+      bad[0] = bad[0].at[qsl[first + 1]].set(jnp.nan)
+    else:
+      bad[4] = bad[4].at[slots[first] if poison == "own_slot" else slots[0]].set(jnp.nan)
+    with config.interpret_mode():
+      (b_conv, b_rec), b_out = op(*bad)
+    rows, keep = mine, ours
+    if poison == "own_slot":          # everything but the first chunked request's
+      rows = np.ones_like(mine)
+      rows[qsl[first]:qsl[first + 1]] = False
+      keep = np.arange(rec.shape[0]) != slots[first]
+    np.testing.assert_array_equal(np.asarray(b_out)[rows], np.asarray(out)[rows], poison)
+    np.testing.assert_array_equal(np.asarray(b_rec)[keep], np.asarray(rec)[keep], poison)
+    np.testing.assert_array_equal(np.asarray(b_conv)[keep], np.asarray(conv)[keep], poison)
+    if poison == "own_slot":
+      assert np.isnan(np.asarray(b_out)[qsl[first]:qsl[first + 1]]).any()
+
+
 # ---------------------------------------------------------------- AOT
 _AOT_SPEC = "tp8_decode_64"     # tokamax's qwen3_5_397b TP8 decode: Hv=8, K=V=128, bf16
 
 
-def aot_cases(mesh, full=False):
-  """`aot.compile_in_child` builder: the op at tokamax's tp8_decode_64 layout,
-  index arrays traced (as an engine passes them)."""
+def aot_cases(mesh, full=False, spec_name=_AOT_SPEC):
+  """`aot.compile_in_child` builder: the op at one of tokamax's qwen3_5_397b
+  layouts (default tp8_decode_64), index arrays traced (as an engine passes
+  them)."""
   from tokamax._src.ops.causal_conv1d_gated_delta_rule import arg_specs as tokamax_specs  # pylint: disable=g-import-not-at-top
   import contextlib  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import api  # pylint: disable=g-import-not-at-top
 
   spec = next(s for s in tokamax_specs.ARG_SPECS
-              if s.project == "qwen3_5_397b" and s.name == _AOT_SPEC).args
+              if s.project == "qwen3_5_397b" and s.name == spec_name).args
   names = [n for n in arg_specs.POSITIONAL if n in spec]
   abstract = [aot.spec(mesh, spec[n].shape,
                        jnp.int32 if isinstance(spec[n], np.ndarray) else spec[n].dtype)
@@ -84,7 +140,7 @@ def aot_cases(mesh, full=False):
     with ctx:
       return api.causal_conv1d_gated_delta_rule(*pos, **kw, **static, implementation=IMPL)
 
-  return [(f"{_AOT_SPEC} full={full}", fn, abstract)]
+  return [(f"{spec_name} full={full}", fn, abstract)]
 
 
 @pytest.mark.aot
@@ -103,3 +159,21 @@ def test_decode_compiles_and_is_estimable(target):
   if estimate:
     cycles = {aot.kernel_name(k): v for k, v in res.report.kernel_cycles.items()}
     assert cycles.get("gdn_serve_decode", 0) > 0, cycles
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", ["v5e", "v6e", "tpu7x"])
+def test_one_request_prefill_compiles_and_is_estimable(target):
+  """tp8_prefill_1024 (one chunked request: the conv, `gdn_fwd_packed`, no
+  XLA pass over the activations) compiles for the chip, with the cycle
+  estimate on v6e (tpu7x: XLA's own VMEM with the dump on overflows at
+  T = 4096, as before the packed kernel)."""
+  estimate = target == "v6e"
+  (res,) = aot.compile_in_child(
+      target, "tests.ops.causal_conv1d_gated_delta_rule.pallas_mosaic_tpu_test:aot_cases",
+      dict(spec_name="tp8_prefill_1024"), cycles=estimate, timeout=600)
+  assert res.report is not None, res.error
+  assert res.report.pallas_calls.get("gdn_fwd") == 1, res.report.pallas_calls
+  if estimate:
+    cycles = {aot.kernel_name(k): v for k, v in res.report.kernel_cycles.items()}
+    assert cycles.get("gdn_fwd", 0) > 0, cycles

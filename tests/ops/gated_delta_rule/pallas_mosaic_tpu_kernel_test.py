@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as pk
+from tokamax_gdn.ops.gated_delta_rule import prologue
 from tokamax_gdn.ops.gated_delta_rule import xla_chunked_kernel as xk
 
 F32 = jnp.float32
@@ -143,3 +144,62 @@ def test_rowsum_row_keeps_float32_precision():
   got = _call(pk.rowsum_row, x)
   want = np.sum(x.astype(np.float64), axis=1)
   np.testing.assert_allclose(got[0], want, rtol=0, atol=2e-5 * np.abs(x).sum(1).max())
+
+
+def _packed_inputs(seed, *, t, hk, hv, dk, dv, masked):
+  """Packed qkv [1, T, 2 hk dk + hv dv], gates, state; beta and the log-decay 0
+  at the `masked` tokens (the serving op's tokens of other requests)."""
+  r = np.random.default_rng(seed)
+  qkv = r.standard_normal((1, t, 2 * hk * dk + hv * dv)).astype(np.float32)
+  g = -np.logaddexp(0.0, r.standard_normal((1, t, hv))).astype(np.float32)
+  beta = (1.0 / (1.0 + np.exp(-r.standard_normal((1, t, hv))))).astype(np.float32)
+  g[:, masked], beta[:, masked] = 0.0, 0.0
+  h0 = (0.1 * r.standard_normal((1, hv, dk, dv))).astype(np.float32)
+  return qkv, g, beta, h0
+
+
+def test_packed_forward_matches_gdn_fwd_on_prologue_inputs():
+  """gdn_fwd_packed (q, k, v as lane ranges, L2 norm in-kernel, beta guard)
+  = gdn_fwd on XLA's l2norm(q), l2norm(k) with the masked tokens' q, k, v
+  zeroed; T not a multiple of C (a partial last chunk)."""
+  hk, hv, dk, dv, t, c = 1, 2, 16, 16, 80, 64
+  masked = np.r_[0:5, 70:80]
+  qkv, g, beta, h0 = _packed_inputs(0, t=t, hk=hk, hv=hv, dk=dk, dv=dv, masked=masked)
+  kw = dict(scale=dk**-0.5, chunk=c, interleave=2, interpret=True)
+  out, final = pk.gdn_fwd_packed(jnp.asarray(qkv), jnp.asarray(g), jnp.asarray(beta), hk=hk,
+                                 hv=hv, dim_k=dk, dim_v=dv, initial_state=jnp.asarray(h0),
+                                 qk_l2norm=True, beta_guard=True, **kw)
+  keep = np.ones((1, t, 1, 1), bool)
+  keep[:, masked] = False
+  x = jnp.asarray(qkv)
+  q = prologue.l2norm(x[..., :hk * dk].reshape(1, t, hk, dk))
+  k = prologue.l2norm(x[..., hk * dk:2 * hk * dk].reshape(1, t, hk, dk))
+  v = x[..., 2 * hk * dk:].reshape(1, t, hv, dv)
+  q, k, v = (jnp.where(keep, y, 0.0) for y in (q, k, v))
+  want, want_final, _ = pk.gdn_fwd(q, k, v, jnp.asarray(g), jnp.asarray(beta),
+                                   initial_state=jnp.asarray(h0), **kw)
+  want = np.asarray(want).reshape(1, t, hv * dv)
+  live = np.setdiff1d(np.arange(t), masked)
+  np.testing.assert_allclose(np.asarray(out)[:, live], want[:, live], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(final, want_final, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_beta_guard_keeps_masked_tokens_out():
+  """NaN, inf and huge values in the q, k, v of tokens with beta 0 change no
+  other token's output and not the final state, bit for bit."""
+  hk, hv, dk, dv, t, c = 1, 2, 16, 16, 64, 32
+  masked = np.array([3, 4, 40, 41, 63])
+  qkv, g, beta, h0 = _packed_inputs(1, t=t, hk=hk, hv=hv, dk=dk, dv=dv, masked=masked)
+  run = lambda x: pk.gdn_fwd_packed(
+      jnp.asarray(x), jnp.asarray(g), jnp.asarray(beta), hk=hk, hv=hv, dim_k=dk, dim_v=dv,
+      scale=dk**-0.5, initial_state=jnp.asarray(h0), chunk=c, interleave=2, qk_l2norm=True,
+      beta_guard=True, interpret=True)
+  clean = qkv.copy()
+  clean[:, masked] = 0.0
+  bad = qkv.copy()
+  bad[:, masked] = np.array([np.nan, np.inf, -np.inf, 3e38, -3e38] * 100)[:qkv.shape[-1]]
+  (out, final), (ref, ref_final) = run(bad), run(clean)
+  live = np.setdiff1d(np.arange(t), masked)
+  np.testing.assert_array_equal(np.asarray(out)[:, live], np.asarray(ref)[:, live])
+  np.testing.assert_array_equal(final, ref_final)
+  assert np.all(np.isfinite(np.asarray(out)[:, live]))

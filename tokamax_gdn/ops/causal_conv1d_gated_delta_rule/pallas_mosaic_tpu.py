@@ -14,14 +14,28 @@ recompiles when the composition changes):
    trades that against the chunked path's padding (below).
 2. The chunked path, requests of at least `min_chunked_tokens` tokens (so at
    most N = tokens // min_chunked_tokens of them, a static bound): our
-   `causal_conv1d` Pallas op over the packed tokens (segment ids stop windows
-   at request starts; the taps that reach into a request's conv state are
-   added afterwards) and the chunked GDN forward kernel
-   (`gated_delta_rule/pallas_mosaic_tpu_kernel.gdn_fwd`) with per-segment
-   states: each request's state is gathered from its read slot and its final
-   state scattered to its slot. Tokens of other requests enter it masked
-   (selects: zeros, so a NaN there cannot reach a chunked request). Its
-   static cost is that of T + N (C - 1) tokens (`base.align_segments`).
+   `causal_conv1d` Pallas op over the packed tokens, with its SiLU and no
+   segment ids, then each request's first W-1 rows (whose windows reach
+   into the tokens before it) recomputed from its conv state and written in
+   place; then the chunked GDN forward kernel
+   (`gated_delta_rule/pallas_mosaic_tpu_kernel`). Tokens of other requests
+   enter it masked (beta and log-decay 0, k and v zero), so a NaN there
+   cannot reach a chunked request.
+   - N = 1 (one request in the call, or T < 2 min_chunked_tokens):
+     `gdn_fwd_packed` reads q, k, v as lane ranges of the conv output,
+     L2-normalises q and k itself and reads the masked tokens' k, v as 0
+     (its `beta_guard`: beta is 0 there), from the request's read state in a
+     plain row (the masked tokens pass the state through); slots written by
+     dynamic-update-slices. No XLA pass over the activations.
+   - N > 1: `gdn_fwd` with per-segment states on q, k, v normalised and
+     masked in XLA: each request's state is gathered from its read slot and
+     its final state scattered to its slot. Its static cost is that of
+     T + N (C - 1) tokens (`base.align_segments`).
+   v6e estimates, kcycles (`tokamax-gdn aot --op causal_conv1d_gated_delta_rule
+   --target v6e`): tp8_prefill_4096 (N = 1) 427.3 before (the conv with
+   segment ids and XLA's SiLU, l2norm, masks and relayouts into `gdn_fwd`'s
+   [T, H, D] operands: ~190 k beside the kernel) -> 289.6;
+   tp8_mixed_3x512 (N = 3) 150.3 -> 146.6.
 
 When T < min_chunked_tokens (every decode batch with the heuristic) the
 chunked path is not compiled at all.
@@ -196,17 +210,59 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, taps, bias, gate, reqs: base.Re
   return out, conv_pool, rec_pool
 
 
+def _requests_conv(qkv, conv_weight, conv_bias, taps, conv0, start, length, used, *,
+                   at_least_window: bool):
+  """SiLU(conv) [T, D] in qkv's dtype, right on the rows of the chunked
+  requests (request n: tokens [start_n, start_n + length_n), its conv state
+  `conv0` [N, W-1, D]); other rows are left for the caller to mask.
+
+  No segment ids: the conv runs over all tokens with the SiLU in its kernel,
+  so only each request's first W-1 rows are wrong (their windows reach into
+  the tokens before it instead of its conv state). Those rows are recomputed
+  here from the state and the request's first tokens and written in place:
+  for one request every one of them at least W-1 tokens long
+  (`at_least_window`), by a dynamic-update-slice of W-1 rows (at T - (W-1)
+  when there is no request: rows nobody reads unmasked), else by a row
+  scatter of each used request's first min(length, W-1) rows.
+  """
+  t_len, dim = qkv.shape
+  n_max, kw1 = conv0.shape[0], taps.shape[0] - 1
+  act = conv_api.causal_conv1d(qkv[None], conv_weight[:, 0, :], conv_bias, activation="silu",
+                               implementation="pallas_mosaic_tpu")[0][0]
+  m = jnp.arange(kw1, dtype=jnp.int32)
+  dus = n_max == 1 and at_least_window and t_len >= kw1
+  if dus:
+    at = jnp.minimum(start, t_len - kw1)
+    head = jax.lax.dynamic_slice(qkv, (at[0], 0), (kw1, dim))[None]
+  else:
+    head = qkv[jnp.clip(start[:, None] + m[None, :], 0, t_len - 1)]               # [N, W-1, D]
+  # xp = [conv state; the request's first W-1 tokens]; its row i reads xp[i : i + W].
+  xp = jnp.concatenate([conv0, head.astype(_F32)], axis=1)
+  bias = 0.0 if conv_bias is None else conv_bias.astype(_F32)
+  rows = jax.nn.silu(bias + sum(taps[w] * xp[:, w:w + kw1] for w in range(kw1 + 1)))
+  rows = rows.astype(act.dtype)
+  if dus:
+    return jax.lax.dynamic_update_slice(act, rows[0], (at[0], 0))
+  dest = jnp.where(used[:, None] & (m[None, :] < length[:, None]), start[:, None] + m[None, :],
+                   t_len)
+  return act.at[dest.reshape(-1)].set(rows.reshape(-1, dim), mode="drop")
+
+
 def _chunked_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, dt_bias,
-                  reqs: base.Requests, chunked: jax.Array, n_max: int, dims: base.Dims,
-                  cfg: Config, interpret: bool):
-  """The chunked path over the (at most `n_max`) requests where `chunked`;
-  returns (out [T, Hv V] on their tokens (zeros elsewhere), pools)."""
+                  reqs: base.Requests, chunked: jax.Array, n_max: int, min_chunked: int,
+                  dims: base.Dims, cfg: Config, interpret: bool):
+  """The chunked path over the (at most `n_max`) requests where `chunked`,
+  each at least `min_chunked` tokens long; returns (out [T, Hv V] on their
+  tokens (zeros elsewhere), pools)."""
   t_len, dim = qkv.shape
   n_req, kw1 = reqs.start.shape[0], dims.kernel_size - 1
   token = jnp.arange(t_len, dtype=jnp.int32)
-  rank = jnp.cumsum(chunked.astype(jnp.int32)) - 1
-  req = jnp.zeros((n_max,), jnp.int32).at[jnp.where(chunked, rank, n_max)].set(
-      jnp.arange(n_req, dtype=jnp.int32), mode="drop")
+  if n_max == 1:
+    req = jnp.argmax(chunked)[None].astype(jnp.int32)     # 0 (unused) if none
+  else:
+    rank = jnp.cumsum(chunked.astype(jnp.int32)) - 1
+    req = jnp.zeros((n_max,), jnp.int32).at[jnp.where(chunked, rank, n_max)].set(
+        jnp.arange(n_req, dtype=jnp.int32), mode="drop")
   used = jnp.arange(n_max) < jnp.sum(chunked)
   start = jnp.where(used, reqs.start[req], t_len)
   length = jnp.where(used, reqs.length[req], 0)
@@ -225,42 +281,23 @@ def _chunked_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log,
   seg_ids = label[None]
 
   conv0 = jnp.where(init[:, None, None], conv_pool[read].astype(_F32), 0.0)    # [N, W-1, D]
-  # No mask on the conv's input: the segment ids keep every other token out of
-  # a chunked request's windows (the kernel selects, so a NaN there cannot
-  # leak), and rows outside chunked requests are masked below.
   taps = base.conv_weight_taps(conv_weight)                                   # [W, D]
-  pre = conv_api.causal_conv1d(qkv[None], conv_weight[:, 0, :], conv_bias, activation=None,
-                               segment_ids=seg_ids,
-                               implementation="pallas_mosaic_tpu")[0][0].astype(_F32)
-  # The taps that reach back into a request's conv state (its first W-1 tokens).
-  fix_rows, fix = [], []
-  for i in range(kw1):
-    f = sum(taps[k] * conv0[:, i + k] for k in range(kw1 - i))
-    fix_rows.append(jnp.where(used & (i < length), start + i, t_len))
-    fix.append(f)
-  if n_max == 1:
-    # One request: W-1 selects per element fuse into the activation's pass
-    # (a scatter-add first materialises `pre` in float32: ~9k cycles at
-    # T = 4096 on the v6e estimate).
-    for r, f in zip(fix_rows, fix):
-      pre = pre + jnp.where((token == r[0])[:, None], f, 0.0)
+  act = _requests_conv(qkv, conv_weight, conv_bias, taps, conv0, start, length, used,
+                       at_least_window=min_chunked >= kw1)
+  if n_max == 1 and min_chunked >= kw1:
+    # Its new conv state: its own last W-1 tokens (it has at least W-1).
+    conv_new = jax.lax.dynamic_slice(qkv, (jnp.maximum(start[0] + length[0] - kw1, 0), 0),
+                                     (kw1, dim))[None]
   else:
-    pre = pre.at[jnp.concatenate(fix_rows)].add(jnp.concatenate(fix), mode="drop")
-  act = jax.nn.silu(pre)
-  # New conv states: the last W-1 inputs of [conv state; tokens].
-  m = jnp.arange(kw1)
-  src = start[:, None] + length[:, None] - kw1 + m[None, :]                    # [N, W-1]
-  from_state = src < start[:, None]
-  state_rows = jnp.take_along_axis(conv0, jnp.clip(length[:, None] + m[None, :], 0, kw1 - 1)
-                                   [..., None], axis=1)
-  conv_new = jnp.where(from_state[..., None], state_rows,
-                       qkv[jnp.clip(src, 0, t_len - 1)].astype(_F32))
+    # New conv states: the last W-1 inputs of [conv state; tokens].
+    m = jnp.arange(kw1)
+    src = start[:, None] + length[:, None] - kw1 + m[None, :]                  # [N, W-1]
+    from_state = src < start[:, None]
+    state_rows = jnp.take_along_axis(
+        conv0, jnp.clip(length[:, None] + m[None, :], 0, kw1 - 1)[..., None], axis=1)
+    conv_new = jnp.where(from_state[..., None], state_rows,
+                         qkv[jnp.clip(src, 0, t_len - 1)].astype(_F32))
 
-  q, k, v = base.split_heads(act, dims)
-  keep = mine[:, None, None]
-  q = jnp.where(keep, gdn_prologue.l2norm(q), 0.0).astype(qkv.dtype)
-  k = jnp.where(keep, gdn_prologue.l2norm(k), 0.0).astype(qkv.dtype)
-  v = jnp.where(keep, v, 0.0).astype(qkv.dtype)
   beta, g = base.gates(b, a, a_log, dt_bias)
   g = jnp.where(mine[:, None], jnp.maximum(g, gdn_prologue.CHUNKED_LOG_DECAY_FLOOR), 0.0)
   beta = jnp.where(mine[:, None], beta, 0.0)
@@ -275,14 +312,22 @@ def _chunked_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log,
   kernel_args = dict(scale=dims.scale, chunk=cfg.chunk_size, interleave=interleave,
                      interpret=interpret, vmem_limit_bytes=min(_vmem_cap(), need * 5 // 4))
   if n_max == 1:
-    # One request: no segments needed. The masked tokens around it pass the
-    # state through unchanged, so a plain row with its initial state gives
-    # its final state (and no chunk-aligned layout, no padding).
+    # One request: no segments needed. The masked tokens around it (beta 0,
+    # log-decay 0) pass the state through unchanged, so a plain row with its
+    # initial state gives its final state (and no chunk-aligned layout, no
+    # padding). The kernel reads q, k, v as lane ranges of the conv output,
+    # L2-normalises q and k itself and reads k, v of the masked tokens as 0
+    # (`beta_guard`): no XLA pass over the activations.
     h0 = jnp.where(init[0], rec_pool[read[0]].astype(_F32), 0.0)
-    out, final, _ = gdn_kernel.gdn_fwd(q[None], k[None], v[None], g[None], beta[None],
-                                       initial_state=h0[None], **kernel_args)
-    slot_of_seg = jnp.where(used, reqs.write_slot[req], rec_pool.shape[0])
-    finals = final                                                          # [1, Hv, K, V]
+    out, final = gdn_kernel.gdn_fwd_packed(
+        act[None], g[None], beta[None], hk=dims.n_kq, hv=hv, dim_k=dims.d_k, dim_v=dims.d_v,
+        initial_state=h0[None], qk_l2norm=True, beta_guard=True, **kernel_args)
+    # Its slots by dynamic-update-slices (row scatters cost ~3.5k cycles each
+    # on the v6e estimate, with their bounds checks): without a chunked
+    # request, the slot's own contents go back.
+    slot = reqs.write_slot[req[0]]
+    rec_pool = _put_slot(rec_pool, slot, final[0], used[0])
+    conv_pool = _put_slot(conv_pool, slot, conv_new[0], used[0])
   else:
     n_states = n_max + 1
     seg = jnp.arange(n_states) - lead                                       # request of segment
@@ -290,17 +335,33 @@ def _chunked_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log,
     seg_req = jnp.clip(seg, 0, n_max - 1)
     h0 = rec_pool[read[seg_req]].astype(_F32)
     h0 = jnp.where((seg_ok & init[seg_req])[:, None, None, None], h0, 0.0)
+    # q, k, v [T, H, D] (normalised and masked in XLA), not packed: the
+    # chunk-aligned layout's token gathers cost more on [T, D] rows than on
+    # whole (H, D) tiles (v6e estimate at tp8_mixed_3x512: packed 22.4 k in +
+    # 8.2 k out vs 13.4 k + 2.5 k; the call 152.1 k vs 146.6 k).
+    q, k, v = base.split_heads(act, dims)
+    keep = mine[:, None, None]
+    q = jnp.where(keep, gdn_prologue.l2norm(q), 0.0).astype(qkv.dtype)
+    k = jnp.where(keep, gdn_prologue.l2norm(k), 0.0).astype(qkv.dtype)
+    v = jnp.where(keep, v, 0.0).astype(qkv.dtype)
     out, final, _ = gdn_kernel.gdn_fwd(q[None], k[None], v[None], g[None], beta[None],
                                        initial_state=h0[None], segment_ids=seg_ids,
                                        **kernel_args)
     slot_of_seg = jnp.where(seg_ok & used[seg_req], reqs.write_slot[req[seg_req]],
                             rec_pool.shape[0])
     finals = final[0]                                                       # [N + 1, ...]
-  rec_pool = rec_pool.at[slot_of_seg].set(finals.astype(rec_pool.dtype), mode="drop")
-  conv_pool = conv_pool.at[jnp.where(used, reqs.write_slot[req], conv_pool.shape[0])].set(
-      conv_new.astype(conv_pool.dtype), mode="drop")
+    rec_pool = rec_pool.at[slot_of_seg].set(finals.astype(rec_pool.dtype), mode="drop")
+    conv_pool = conv_pool.at[jnp.where(used, reqs.write_slot[req], conv_pool.shape[0])].set(
+        conv_new.astype(conv_pool.dtype), mode="drop")
   out = jnp.where(mine[:, None], out[0].reshape(t_len, -1), 0).astype(qkv.dtype)
   return out, conv_pool, rec_pool
+
+
+def _put_slot(pool, slot, value, write):
+  """pool with pool[slot] = value (in the pool's dtype) where `write`, else
+  unchanged (the slot read and written back)."""
+  value = jnp.where(write, value.astype(pool.dtype), pool[slot])
+  return jax.lax.dynamic_update_slice(pool, value[None], (slot,) + (0,) * value.ndim)
 
 
 def _check_supported(qkv: jax.Array, dims: base.Dims) -> bool:
@@ -345,7 +406,7 @@ class PallasMosaicTpuCausalConv1dGatedDeltaRule(config_hooks.PallasTpuHooks,
     if n_chunked:
       out_c, conv_pool, rec_pool = _chunked_path(
           qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, dt_bias, reqs,
-          chunked, n_chunked, dims, config, interpret)
+          chunked, n_chunked, min_chunked, dims, config, interpret)
       out = out + out_c          # disjoint rows: each token is zero in one of them
     return (conv_pool, rec_pool), out
 

@@ -78,6 +78,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int  # pylint: disable=g-multiple-import,g-importing-member
 
 from tokamax_gdn.ops import numerics
+from tokamax_gdn.ops.gated_delta_rule import prologue
 from tokamax_gdn.ops.gated_delta_rule import segments
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -330,6 +331,13 @@ class _Static:
   # The in-kernel half of `isolation.SegmentGuard` (its gates and states are
   # sanitised in XLA): non-finite k, v (and q, dO in the backward) count as 0.
   sanitize: bool = False
+  # `gdn_fwd_packed`: q, k, v are lane ranges of one [B, T, 2 Hk K + Hv V]
+  # input and the output is [B, T, Hv V] (heads are lane slices of a block: no
+  # relayout); q, k L2-normalised in the kernel (`qk_l2norm`); `beta_guard`:
+  # k and v read as 0 at tokens whose beta is 0 (`_packed_heads`).
+  packed: bool = False
+  qk_l2norm: bool = False
+  beta_guard: bool = False
 
   @property
   def group(self) -> int:
@@ -380,6 +388,37 @@ class _Operand:
 def _heads(ref):
   """A (C, H, D) block as H head-major (C, D) f32 tiles (one relayout)."""
   return pltpu.einshape("chd->hcd", ref[...].astype(F32))
+
+
+def _packed_heads(x_ref, b_ref, qh_scr, kh_scr, vh_scr, st: _Static, c_idx):
+  """The head tiles of a packed (C, 2 Hk K + Hv V) block into the head-major
+  scratch: aligned lane slices of the block (no relayout), q and k
+  L2-normalised under `st.qk_l2norm`.
+
+  `st.beta_guard`: v of value head u reads as 0 where beta_u is 0, k of a key
+  head where beta is 0 on every value head of its group. Exact: a token's k
+  and v reach the other tokens' outputs and the state only through its V''
+  row, which is used scaled by its beta; a select makes NaN, inf or huge
+  values there count as nothing (the serving op's tokens of other requests
+  come with beta 0). A query reaches its own output only and is read as it is.
+  """
+  kd, vd, hk = st.dim_k, st.dim_v, st.hk
+  live = None
+  if st.beta_guard:
+    beta = _tail_mask(b_ref[...].astype(F32), st, c_idx)                 # (C, Hv)
+    live = [beta[:, i:i + 1] != 0.0 for i in range(st.hv)]
+  lanes = lambda start, width: _tail_mask(x_ref[:, start:start + width].astype(F32), st, c_idx)
+  for j in range(hk):
+    q, k = lanes(j * kd, kd), lanes((hk + j) * kd, kd)
+    if st.qk_l2norm:
+      q, k = prologue.l2norm(q), prologue.l2norm(k)
+    if live is not None:
+      heads = live[j * st.group:(j + 1) * st.group]
+      k = jnp.where(functools.reduce(jnp.logical_or, heads), k, 0.0)
+    qh_scr[j], kh_scr[j] = q, k
+  for i in range(st.hv):
+    v = lanes(2 * hk * kd + i * vd, vd)
+    vh_scr[i] = v if live is None else jnp.where(live[i], v, 0.0)
 
 
 def _tail_mask(x, st: _Static, c_idx):
@@ -458,8 +497,11 @@ def _fwd_kernel(*refs, names: tuple[str, ...], st: _Static, write_out: bool, emi
   # NaN would reach earlier tokens through 0-coefficients; a select over a
   # whole block took scoped VMEM past the tpu7x limit). A query reaches only
   # its own output, so it stays as it is.
-  for ref, scr in ((q_ref, qh_scr), (k_ref, kh_scr), (v_ref, vh_scr)):
-    scr[...] = _tail_mask(_heads(ref), st, c_idx)
+  if st.packed:
+    _packed_heads(r.qkv, b_ref, qh_scr, kh_scr, vh_scr, st, c_idx)
+  else:
+    for ref, scr in ((q_ref, qh_scr), (k_ref, kh_scr), (v_ref, vh_scr)):
+      scr[...] = _tail_mask(_heads(ref), st, c_idx)
   if poison_ref is not None:
     c_iota = lax.broadcasted_iota(jnp.int32, (c, c), 0)
     diag = c_iota == lax.broadcasted_iota(jnp.int32, (c, c), 1)
@@ -508,7 +550,10 @@ def _fwd_kernel(*refs, names: tuple[str, ...], st: _Static, write_out: bool, emi
     return carry
 
   lax.fori_loop(0, st.hv // st.interleave, group, 0)
-  if write_out:
+  if write_out and st.packed:
+    for i in range(st.hv):
+      o_ref[:, i * st.dim_v:(i + 1) * st.dim_v] = out_scr[i].astype(o_ref.dtype)
+  elif write_out:
     o_ref[...] = pltpu.einshape("hcd->chd", out_scr[...]).astype(o_ref.dtype)
 
   @pl.when(leave)
@@ -879,13 +924,66 @@ def gdn_fwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
                  if poison is not None and write_out else None)
   inputs = _common_inputs(q, k, v, log_decay, beta, starts, st, lambda i: i,
                           poison=poison_rows)
+  out_block = _token_block(st, lambda i: i, st.hv, st.dim_v)
+  out_shape = jax.ShapeDtypeStruct((b, t, st.hv, st.dim_v), v.dtype)
+  return _run_fwd(inputs, h0, st, seg, nc, b, out_block if write_out else None, out_shape,
+                  emit_residuals=emit_residuals, interpret=interpret,
+                  vmem_limit_bytes=vmem_limit_bytes)
+
+
+def gdn_fwd_packed(qkv: Float[Array, "B T D"], log_decay: Float[Array, "B T Hv"],
+                   beta: Float[Array, "B T Hv"], *, hk: int, hv: int, dim_k: int, dim_v: int,
+                   scale: float, initial_state: Float[Array, "B Hv K V"] | None = None,
+                   chunk=128, interleave=16, newton=None, qk_l2norm: bool = False,
+                   beta_guard: bool = False, interpret=False, vmem_limit_bytes=None):
+  """`gdn_fwd` (no segments, no residuals) on q, k, v packed along lanes:
+  qkv [B, T, D = 2 Hk K + Hv V] holds q in lanes [0, Hk K), k in [Hk K,
+  2 Hk K), v after them (the serving op's conv output as it is). K and V are
+  multiples of 128 (heads are aligned lane slices of a block).
+
+  `qk_l2norm`: q, k L2-normalised in the kernel (`prologue.l2norm`, float32);
+  `beta_guard`: k and v read as 0 at tokens whose beta is 0 (`_packed_heads`),
+  so masking another request's tokens takes only beta = 0 (and a log-decay
+  of 0 to pass the state through).
+
+  Returns (out [B, T, Hv V] in qkv's dtype, final_state [B, Hv, K, V] f32).
+  """
+  b, t, width = qkv.shape
+  if width != 2 * hk * dim_k + hv * dim_v:
+    raise ValueError(f"qkv {qkv.shape}: expected 2 hk dim_k + hv dim_v ="
+                     f" {2 * hk * dim_k + hv * dim_v} lanes.")
+  passes = 1 if qkv.dtype == BF16 else 3
+  st = _Static(t_len=t, chunk=chunk, hk=hk, hv=hv, dim_k=dim_k, dim_v=dim_v,
+               scale=float(scale), passes=passes,
+               newton=(1 if passes == 1 else 2) if newton is None else newton,
+               interleave=normalize_interleave(interleave, hv, hv // hk), has_seg=False,
+               has_h0=initial_state is not None, packed=True, qk_l2norm=qk_l2norm,
+               beta_guard=beta_guard)
+  block = lambda width: pl.BlockSpec((None, chunk, width), lambda b, i, *_: (b, i, 0))
+  inputs = [_Operand("qkv", qkv, block=block(width)),
+            _Operand("log_decay", log_decay, block=_token_block(st, lambda i: i, hv)),
+            _Operand("beta", beta, block=_token_block(st, lambda i: i, hv))]
+  out, final, _ = _run_fwd(inputs, initial_state, st, None, -(-t // chunk), b,
+                           block(hv * dim_v),
+                           jax.ShapeDtypeStruct((b, t, hv * dim_v), qkv.dtype),
+                           emit_residuals=False, interpret=interpret,
+                           vmem_limit_bytes=vmem_limit_bytes)
+  return out, final
+
+
+def _run_fwd(inputs: list[_Operand], h0, st: _Static, seg: "_Segments | None", nc: int, b: int,
+             out_block, out_shape, *, emit_residuals: bool, interpret, vmem_limit_bytes):
+  """The forward kernel's call on prepared inputs: adds the initial state, the
+  outputs (`out` when `out_block` is given, the final state, the residuals)
+  and the scratch; returns (out, final_state, residuals) as `gdn_fwd`."""
+  write_out = out_block is not None
+  chunk = st.chunk
   state_spec = _state_spec(st, lambda i: i)
   if st.has_h0:
     inputs.append(_Operand("h0", h0.astype(F32), block=state_spec))
   outputs = []
   if write_out:
-    outputs.append(_Operand("out", block=_token_block(st, lambda i: i, st.hv, st.dim_v),
-                            shape=jax.ShapeDtypeStruct((b, t, st.hv, st.dim_v), v.dtype)))
+    outputs.append(_Operand("out", block=out_block, shape=out_shape))
   outputs.append(_Operand("final", block=state_spec, shape=_state_shape(st, b)))
   if emit_residuals:
     outputs += [
