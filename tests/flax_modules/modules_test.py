@@ -50,13 +50,17 @@ def test_gdn_module_equals_functional_layer_exactly():
   # Initialised as the functional API initialises (HF's init).
   _assert_trees_equal(params, layers.init_params(nnx.Rngs(3).params(), GDN_CFG))
   x = _x()
+  # Both sides jitted (eager dispatch compiles each primitive on its own:
+  # ~800 compiles here).
   np.testing.assert_array_equal(
-      module(x), layers.gated_deltanet(params, x, GDN_CFG, implementation="xla"))
+      nnx.jit(lambda m, x: m(x))(module, x),
+      jax.jit(lambda p, x: layers.gated_deltanet(p, x, GDN_CFG, implementation="xla"))(
+          params, x))
 
   cot = _x(seed=1)
-  grads = nnx.grad(lambda m: jnp.sum(m(x) * cot))(module)
-  want = jax.grad(lambda p: jnp.sum(layers.gated_deltanet(p, x, GDN_CFG, implementation="xla")
-                                    * cot))(params)
+  grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x) * cot)))(module)
+  want = jax.jit(jax.grad(lambda p: jnp.sum(
+      layers.gated_deltanet(p, x, GDN_CFG, implementation="xla") * cot)))(params)
   for name, g in want.items():
     np.testing.assert_array_equal(getattr(grads, name)[...], g, err_msg=name)
 
@@ -64,12 +68,13 @@ def test_gdn_module_equals_functional_layer_exactly():
 def test_gdn_module_decode_cache_matches_layer():
   module = GatedDeltaNet(GDN_CFG, rngs=nnx.Rngs(0), implementation="xla")
   x = _x()
-  y, cache = module(x[:, :8], return_cache=True)
-  y2, _ = module(x[:, 8:], cache=cache, return_cache=True)
-  want, cache_w = layers.gated_deltanet(module.params(), x[:, :8], GDN_CFG, implementation="xla",
-                                        return_cache=True)
-  want2 = layers.gated_deltanet(module.params(), x[:, 8:], GDN_CFG, implementation="xla",
-                                cache=cache_w)
+  step = nnx.jit(lambda m, x, cache: m(x, cache=cache, return_cache=True))
+  y, cache = step(module, x[:, :8], None)
+  y2, _ = step(module, x[:, 8:], cache)
+  layer = jax.jit(lambda p, x, cache: layers.gated_deltanet(
+      p, x, GDN_CFG, implementation="xla", cache=cache, return_cache=True))
+  want, cache_w = layer(module.params(), x[:, :8], None)
+  want2, _ = layer(module.params(), x[:, 8:], cache_w)
   np.testing.assert_array_equal(y, want)
   np.testing.assert_array_equal(y2, want2)
 
