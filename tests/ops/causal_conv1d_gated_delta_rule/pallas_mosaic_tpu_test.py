@@ -57,11 +57,15 @@ def test_routing_decode_kernel_and_chunked_path():
   assert_close(conv, r_conv, jnp.float32, "conv")
 
 
-def test_fresh_groups_and_zeroed_rows():
+@pytest.mark.parametrize("resident", [True, False], ids=["resident_out", "two_outputs"])
+def test_fresh_groups_and_zeroed_rows(resident, monkeypatch):
   """Groups of requests that all start from zeros take the kernel's
   state-free steps (group 0 here, with a fresh short prefill whose tokens
   push the later requests' tokens off their rows), a group with one
-  continuing request the full ones; rows of padding tokens are zero."""
+  continuing request the full ones; rows of padding tokens are zero. With
+  the output resident in VMEM and, as for large T, as two outputs summed."""
+  if not resident:
+    monkeypatch.setattr(pallas_mosaic_tpu, "_RESIDENT_OUT_BYTES", 0)
   lay = arg_specs.layout(lengths=[1, 1, 1, 6] + [1] * 8,
                          context_lens=[0] * 9 + [2, 0, 0], max_reqs=14, **TINY, **F32)
   args, kwargs = make(lay, seed=5)

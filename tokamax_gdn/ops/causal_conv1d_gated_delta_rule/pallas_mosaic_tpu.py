@@ -123,13 +123,25 @@ def _vmem_cap() -> int:
   return gdn_pallas.vmem_cap(gdn_config.target_generation())
 
 
-def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool, *, num_requests: int = 1,
-                   num_slots: int = 1, min_chunked: int = 0, has_bias: bool = True,
-                   has_reads: bool = False, has_offsets: bool = False
+# Direct mode keeps the whole output in VMEM up to this size (one buffer).
+_RESIDENT_OUT_BYTES = 1 << 20
+
+
+def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool, *, num_requests: int,
+                   num_tokens: int, act_itemsize: int, num_slots: int = 1, min_chunked: int = 0,
+                   has_bias: bool = True, has_reads: bool = False, has_offsets: bool = False
                    ) -> decode_kernel.DecodeStatic:
+  direct = mid and window == 1
+  blk = decode_kernel.BLOCK_ROWS
+  tile = min(tile, round_up(num_requests, 8))
+  r_pad = round_up(num_requests, tile)
+  rows = max(round_up(num_tokens, blk), r_pad)
+  resident = (direct and rows * dims.n_v * dims.d_v * act_itemsize <= _RESIDENT_OUT_BYTES
+              and (tile % blk == 0 or tile == r_pad))
   return decode_kernel.DecodeStatic(n_kq=dims.n_kq, n_v=dims.n_v, d_k=dims.d_k, d_v=dims.d_v,
                                     kernel_size=dims.kernel_size, window=window, tile=tile,
-                                    mid_tokens=mid, direct=mid and window == 1,
+                                    mid_tokens=mid, direct=direct,
+                                    resident_rows=rows if resident else 0, num_tokens=num_tokens,
                                     num_requests=num_requests, num_slots=num_slots,
                                     min_chunked=min_chunked, has_bias=has_bias,
                                     has_reads=has_reads, has_offsets=has_offsets,
@@ -140,9 +152,11 @@ def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool, *, num_re
 def _decode_vmem(args, tile: int, window: int) -> int:
   rec = args["recurrent_state"]
   dims = base.Dims(args["n_kq"], args["n_v"], args["d_k"], args["d_v"], args["kernel_size"])
-  return decode_kernel.vmem_bytes(_decode_static(dims, window, tile, True),
-                                  jnp.dtype(rec.dtype).itemsize,
-                                  jnp.dtype(args["qkv"].dtype).itemsize)
+  qkv = args["qkv"]
+  act = jnp.dtype(qkv.dtype).itemsize
+  st = _decode_static(dims, window, tile, True, num_requests=args["state_indices"].shape[0],
+                      num_tokens=qkv.shape[0], act_itemsize=act)
+  return decode_kernel.vmem_bytes(st, jnp.dtype(rec.dtype).itemsize, act)
 
 
 def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, dt_bias,
@@ -159,9 +173,9 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, 
   costs ~0.6-1.8 k cycles on the v6e estimate, more than its work)."""
   t_len = qkv.shape[0]
   n_req, window = reqs.start.shape[0], reqs.window
-  tile = min(cfg.decode_tile, round_up(n_req, 8))
   index = [x for x in dataclasses.astuple(reqs.index) if x is not None]
-  st = _decode_static(dims, window, tile, mid, num_requests=n_req,
+  st = _decode_static(dims, window, cfg.decode_tile, mid, num_requests=n_req, num_tokens=t_len,
+                      act_itemsize=jnp.dtype(qkv.dtype).itemsize,
                       num_slots=rec_pool.shape[0], min_chunked=min_chunked,
                       has_bias=conv_bias is not None,
                       has_reads=reqs.index.read_state_indices is not None,
@@ -186,6 +200,9 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, 
       *((qkv, b, a) if mid else ()), st=st, interpret=interpret,
       vmem_limit_bytes=min(_vmem_cap(), decode_kernel.vmem_bytes(
           st, jnp.dtype(rec_pool.dtype).itemsize, jnp.dtype(qkv.dtype).itemsize)))
+  if st.resident_rows:
+    out = out_rows if out_rows.shape[0] == t_len else out_rows[:t_len]
+    return out, conv_pool, rec_pool
   if st.direct:
     # Each token row is non-zero in at most one of the two.
     home = out_rows[:t_len] if r_pad >= t_len else jnp.pad(out_rows, ((0, t_len - r_pad), (0, 0)))

@@ -102,6 +102,13 @@ class DecodeStatic:
   # output row by the mid tokens' block DMAs (a decode batch, its requests
   # first, one token each, has none).
   direct: bool = False
+  # Direct mode with the whole output as one block that stays in VMEM for
+  # the grid (this many rows, 0: not resident): every row is written where
+  # it is (a request's rows merged in by its own grid step, mid tokens'
+  # rows by in-VMEM read-modify-writes), so the op needs no second output,
+  # no zero fill in HBM and no add in XLA.
+  resident_rows: int = 0
+  num_tokens: int = 0   # T (direct mode's zero fill of `out_mid`)
   # Cost model only: compile as if every request ran with one token and an
   # initial state (no per-request branches). libtpu's static estimate skips
   # the bodies of data-dependent branches, so this is how the cost of a full
@@ -307,6 +314,7 @@ def _token(st: DecodeStatic, x_row, b_row, a_row, prm: _Params, win_scr, act_scr
 
 _GROUP = 8    # requests whose state DMAs one wait covers (n_w = 1)
 _BLOCK = 16   # rows of the aligned blocks mid tokens move in (a bf16 tile)
+BLOCK_ROWS = _BLOCK
 
 
 def _pick_row(block, r):
@@ -332,7 +340,8 @@ def _kernel(*refs, st: DecodeStatic):
     qkv_any, b_any, a_any = refs.pop(0), refs.pop(0), refs.pop(0)
   conv_in, rec_in = refs.pop(0), refs.pop(0)
   o_ref = refs.pop(0)
-  o_mid = refs.pop(0) if st.mid_tokens else None
+  resident = st.resident_rows > 0
+  o_mid = refs.pop(0) if st.mid_tokens and not resident else None
   conv_out, rec_out = refs.pop(0), refs.pop(0)
   (conv_ibuf, rec_ibuf, conv_obuf, rec_obuf, win_scr, act_scr, bcast_scr, s_scr, sem_in,
    sem_out, meta_scr) = refs[:11]
@@ -403,9 +412,11 @@ def _kernel(*refs, st: DecodeStatic):
     x_blk, b_blk, a_blk, o_blk, sem_blk = blk_bufs[:5]
     blk = pl.multiple_of((pos // _BLOCK) * _BLOCK, _BLOCK)
     rows = pl.ds(blk, _BLOCK)
+    pairs = [(qkv_any, x_blk), (b_any, b_blk), (a_any, a_blk)]
+    if not resident:
+      pairs.append((o_mid, o_blk))
     cps = [pltpu.make_async_copy(src.at[rows], dst, sem_blk.at[i])
-           for i, (src, dst) in enumerate(((qkv_any, x_blk), (b_any, b_blk), (a_any, a_blk),
-                                           (o_mid, o_blk)))]
+           for i, (src, dst) in enumerate(pairs)]
     for cp in cps:
       cp.start()
     for cp in cps:
@@ -421,6 +432,10 @@ def _kernel(*refs, st: DecodeStatic):
     o_blk, sem_blk = blk_bufs[3], blk_bufs[4]
     blk = pl.multiple_of((pos // _BLOCK) * _BLOCK, _BLOCK)
     sel = lax.broadcasted_iota(jnp.int32, o_blk.shape, 0) == r
+    if resident:
+      rows = pl.ds(blk, _BLOCK)
+      o_ref[rows, :] = jnp.where(sel, out, o_ref[rows, :].astype(F32)).astype(o_ref.dtype)
+      return
     o_blk[...] = jnp.where(sel, out, o_blk[...].astype(F32)).astype(o_blk.dtype)
     cp = pltpu.make_async_copy(o_blk, o_mid.at[pl.ds(blk, _BLOCK)], sem_blk.at[4])
     cp.start()
@@ -452,13 +467,20 @@ def _kernel(*refs, st: DecodeStatic):
       read_conv(j).start()
       read_rec(j).start()
 
-  if st.direct:
+  first_step = pl.program_id(0) == 0
+  o_rows = blk_bufs[-1] if resident else o_ref     # the tile's rows
+  if resident:
+    @when(first_step)
+    def _():
+      o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+  elif st.direct:
     # `o_mid` holds every token row the blocks do not, zeros where no request
     # runs, so that the op's output is the blocks plus `o_mid`: the first
     # step zeroes it (waited for before any row of it is written).
-    first_step = pl.program_id(0) == 0
     zbuf = blk_bufs[-1]
-    fills = [pltpu.make_async_copy(zbuf, o_mid, blk_bufs[4].at[5])]
+    n = zbuf.shape[0]
+    fills = [pltpu.make_async_copy(zbuf, o_mid.at[pl.ds(i, n)], blk_bufs[4].at[5])
+             for i in range(0, o_mid.shape[0], n)]
 
     @when(first_step)
     def _():
@@ -528,7 +550,7 @@ def _kernel(*refs, st: DecodeStatic):
         out = _heads(st, prep, j, bcast_scr.at[j], None if fresh else first_read(j), s_write)
         if not st.all_run:
           out = jnp.where(runs(j), out, 0.0)
-        o_ref[j:j + 1, :] = out.astype(o_ref.dtype)
+        o_rows[j:j + 1, :] = out.astype(o_rows.dtype)
 
     for g0 in range(0, st.tile, _GROUP):
       group = range(g0, min(g0 + _GROUP, st.tile))
@@ -546,10 +568,10 @@ def _kernel(*refs, st: DecodeStatic):
           def _():
             zero_unread(j)      # (a fresh group's steps left it unread)
             win_scr[...] = wins[j]
-            o_ref[j:j + 1, :] = _token(
+            o_rows[j:j + 1, :] = _token(
                 st, x[j:j + 1], b_rows[j:j + 1], a_rows[j:j + 1],
                 prm, win_scr, act_scr.at[0:1], bcast_scr.at[j],
-                first_read(j), scr_write).astype(o_ref.dtype)
+                first_read(j), scr_write).astype(o_rows.dtype)
 
             def store(t):
               del t   # short prefills keep only their final state
@@ -564,13 +586,29 @@ def _kernel(*refs, st: DecodeStatic):
           def _():
             pos = meta(START, j)
             _, _, _, r = fetch_row(pos)
-            put_row(pos, r, o_ref[j:j + 1, :].astype(F32))
-            o_ref[j:j + 1, :] = jnp.zeros((1, o_ref.shape[1]), o_ref.dtype)
+            put_row(pos, r, o_rows[j:j + 1, :].astype(F32))
+            o_rows[j:j + 1, :] = jnp.zeros((1, o_rows.shape[1]), o_rows.dtype)
 
         @when(runs(j))
         def _():
           for cp in writes(j, 0):
             cp.start()
+
+    if resident:
+      # Rows base.. of the output: request j's row where it runs and its token
+      # is there; others keep what the other requests' steps wrote there.
+      n = min(_BLOCK, st.tile)    # (a tile of 8 is a single grid step: base 0)
+      for c in range(0, st.tile, n):
+        rows = pl.ds(pl.multiple_of(base + c, n), n)
+        mine = o_rows[c:c + n, :].astype(F32)
+        if not st.all_run:
+          iota = lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+          home = jnp.zeros((n, 1), jnp.int32)
+          for k in range(n):
+            here = jnp.logical_and(runs(c + k), jnp.logical_not(elsewhere(c + k)))
+            home = jnp.where(iota == k, here.astype(jnp.int32), home)
+          mine = jnp.where(home > 0, mine, o_ref[rows, :].astype(F32))
+        o_ref[rows, :] = mine.astype(o_ref.dtype)
 
   for j in range(st.tile if n_w > 1 else 0):
     @when(runs(j))
@@ -619,7 +657,7 @@ def _kernel(*refs, st: DecodeStatic):
           for cp in writes(j, c):
             cp.start()
 
-  if st.direct:
+  if st.direct and not resident:
     @when(first_step)
     def _():
       for cp in fills:
@@ -686,9 +724,16 @@ def decode(index, xs, bs, as_, taps, bias, a_log, dt_bias, conv_pool, rec_pool, 
   in_specs += [anyspace, anyspace]
   args += [conv_pool, rec_pool]
   out_dtype = xs.dtype
-  out_specs = [block(hv * st.d_v)]
-  out_shape = [jax.ShapeDtypeStruct((r_pad * n_w, hv * st.d_v), out_dtype)]
-  if st.mid_tokens:
+  resident = st.resident_rows > 0
+  if resident:
+    assert st.direct and st.resident_rows == n_rows
+    assert st.tile % _BLOCK == 0 or st.tile == r_pad, "resident rows move in whole blocks"
+    out_specs = [full(n_rows, hv * st.d_v)]
+    out_shape = [jax.ShapeDtypeStruct((n_rows, hv * st.d_v), out_dtype)]
+  else:
+    out_specs = [block(hv * st.d_v)]
+    out_shape = [jax.ShapeDtypeStruct((r_pad * n_w, hv * st.d_v), out_dtype)]
+  if st.mid_tokens and not resident:
     out_specs.append(anyspace)
     out_shape.append(jax.ShapeDtypeStruct((t_pad, hv * st.d_v), out_dtype))
   out_specs += [anyspace, anyspace]
@@ -716,7 +761,8 @@ def decode(index, xs, bs, as_, taps, bias, a_log, dt_bias, conv_pool, rec_pool, 
                 pltpu.SemaphoreType.DMA((6,))]
   if st.direct:
     scratch += [pltpu.VMEM((tile, dim), F32), pltpu.VMEM((tile, hv), F32),
-                pltpu.VMEM((tile, hv), F32), pltpu.VMEM((t_pad, hv * st.d_v), out_dtype)]
+                pltpu.VMEM((tile, hv), F32),
+                pltpu.VMEM((tile if resident else _fill_rows(t_pad), hv * st.d_v), out_dtype)]
   res = pl.pallas_call(
       functools.partial(_kernel, st=st),
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -729,12 +775,23 @@ def decode(index, xs, bs, as_, taps, bias, a_log, dt_bias, conv_pool, rec_pool, 
       interpret=interpret,
       name="gdn_serve_decode",
   )(*index, *args)
-  if st.mid_tokens:
+  if resident:
+    (out, conv_pool, rec_pool), out_mid = res, None
+  elif st.mid_tokens:
     out, out_mid, conv_pool, rec_pool = res
     out_mid = out_mid if t_pad == t_len else out_mid[:t_len]
   else:
     (out, conv_pool, rec_pool), out_mid = res, None
   return out, out_mid, conv_pool, rec_pool
+
+
+def _fill_rows(t_pad: int) -> int:
+  """Rows of the zero block direct mode fills `out_mid` with (a divisor of
+  t_pad, a multiple of _BLOCK, at most 256)."""
+  n = min(t_pad, 256)
+  while t_pad % n:
+    n -= _BLOCK
+  return n
 
 
 def vmem_bytes(st: DecodeStatic, pool_itemsize: int, act_itemsize: int) -> int:
@@ -748,4 +805,11 @@ def vmem_bytes(st: DecodeStatic, pool_itemsize: int, act_itemsize: int) -> int:
   bcast = (st.tile if st.window == 1 else 1) * 2 * st.d_k * st.d_v
   rows = st.tile * (st.dim + 2 * st.n_v) if st.direct else 0   # direct mode's f32 rows
   scratch = 4 * (state + conv + st.dim + bcast + rows)
-  return bufs + acts + scratch + 2 * 4 * state + (4 << 20)
+  out_row = st.n_v * st.d_v * act_itemsize
+  if st.resident_rows:
+    outs = (2 * st.resident_rows + st.tile) * out_row
+  elif st.direct:
+    outs = _fill_rows(-(-st.num_tokens // _BLOCK) * _BLOCK) * out_row
+  else:
+    outs = 0
+  return bufs + acts + scratch + outs + 2 * 4 * state + (4 << 20)
