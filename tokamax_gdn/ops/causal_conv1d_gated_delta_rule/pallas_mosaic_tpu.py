@@ -168,9 +168,10 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, 
   conv_pool, rec_pool).
 
   With one-token decodes (`direct`) the kernel reads the index arrays, the
-  token arrays and the weights as passed, and `out` is the sum of its two
-  outputs: no XLA op builds metadata or converts an operand (each such op
-  costs ~0.6-1.8 k cycles on the v6e estimate, more than its work)."""
+  token arrays and the weights as passed, and `out` is its output (kept in
+  VMEM up to _RESIDENT_OUT_BYTES) or the sum of its two outputs: no XLA op
+  builds metadata or converts an operand (each such op costs ~0.6-1.8 k
+  cycles on the v6e estimate, more than its work)."""
   t_len = qkv.shape[0]
   n_req, window = reqs.start.shape[0], reqs.window
   index = [x for x in dataclasses.astuple(reqs.index) if x is not None]

@@ -36,9 +36,11 @@ Activations: for one-token decodes (`direct`) the kernel's blocks are the
 token arrays themselves, request r's row being token r (a decode batch:
 decode requests first, one token each); a request whose token is elsewhere
 (a short prefill after the decodes) reads its row and writes its output row
-by the aligned block DMAs of `mid_tokens` into a second output, zeroed by
-the first grid step, so that the op's output is the sum of the two. This
-drops the XLA row gathers
+by the aligned block DMAs of `mid_tokens`. The output stays in VMEM for the
+whole grid where it is small (`resident_rows`: every row written where it
+is, no XLA op after the kernel); else those rows go to a second output,
+zeroed by the first grid step, and the op's output is the sum of the two.
+This drops the XLA row gathers
 of qkv / b / a and of the output (v6e estimate, tokamax's tp8_decode_64:
 46.5 -> 43.1 k cycles in all). Verify windows take gathered blocks (row
 r * window + t).
@@ -697,7 +699,9 @@ def decode(index, xs, bs, as_, taps, bias, a_log, dt_bias, conv_pool, rec_pool, 
   undefined); with `st.direct`, every token row that is not `out`'s own
   (row t of `out` is request t's token if that request runs and starts at
   t, else zero) and zeros where no request runs, so that the output is
-  out + out_mid.
+  out + out_mid. With `st.resident_rows`, out is the whole output
+  [resident_rows, Hv V] (token rows first, zeros where no request runs) and
+  out_mid is None.
   """
   r_pad = padded_requests(st)
   tile, n_w, dim, hv = st.tile, st.window, st.dim, st.n_v
