@@ -113,6 +113,36 @@ def test_chunked_requests_after_decodes(lengths, context, chunked):
       assert np.isnan(np.asarray(b_out)[qsl[first]:qsl[first + 1]]).any()
 
 
+@pytest.mark.parametrize("resident", [True, False], ids=["resident_out", "two_outputs"])
+def test_fresh_groups_and_zeroed_rows(resident, monkeypatch):
+  """Groups of requests that all start from zeros take the kernel's
+  state-free steps (group 0 here, with a fresh short prefill whose tokens
+  push the later requests' tokens off their rows), a group with one
+  continuing request the full ones; rows of padding tokens are zero. With
+  the output resident in VMEM and, as for large T, as two outputs summed."""
+  if not resident:
+    monkeypatch.setattr(pallas_mosaic_tpu, "_RESIDENT_OUT_BYTES", 0)
+  lay = arg_specs.layout(lengths=[1, 1, 1, 6] + [1] * 8,
+                         context_lens=[0] * 9 + [2, 0, 0], max_reqs=14, **TINY, **F32)
+  args, kwargs = make(lay, seed=5)
+  args = list(args)
+  # Two padding tokens past the valid ones (rows that no request owns).
+  for i in range(3):
+    args[i] = jnp.concatenate([args[i], jnp.full((2, args[i].shape[1]), 7.0, args[i].dtype)])
+  static = {k: v for k, v in kwargs.items() if k in STATIC}
+  cfg = pallas_mosaic_tpu.Config(decode_tile=16, chunk_size=64, min_chunked_tokens=128)
+  impl = pallas_mosaic_tpu.IMPLEMENTATION.replace(config=cfg)
+  with config.interpret_mode():   # jitted: one compile, not op-by-op dispatch
+    (conv, rec), out = jax.jit(lambda a: impl(*a, **static))(tuple(args))
+  (r_conv, r_rec), r_out = jax.jit(lambda a: __import__(
+      "tokamax_gdn").causal_conv1d_gated_delta_rule(*a, **static, implementation="reference"))(
+          tuple(args))
+  assert_close(out, r_out, jnp.float32, "out")
+  assert_close(rec, r_rec, jnp.float32, "recurrent")
+  assert_close(conv, r_conv, jnp.float32, "conv")
+  np.testing.assert_array_equal(np.asarray(out)[-2:], 0)
+
+
 # ---------------------------------------------------------------- AOT
 _AOT_SPEC = "tp8_decode_64"     # tokamax's qwen3_5_397b TP8 decode: Hv=8, K=V=128, bf16
 

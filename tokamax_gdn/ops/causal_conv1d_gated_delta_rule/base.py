@@ -63,7 +63,7 @@ Output: TypeAlias = tuple[tuple[jax.Array, jax.Array], jax.Array]
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["start", "length", "valid", "decode", "has_init", "read_slot",
-                 "write_slot", "num_checkpoints", "valid_tokens_end"],
+                 "write_slot", "num_checkpoints", "valid_tokens_end", "index"],
     meta_fields=["window"])
 @dataclasses.dataclass(frozen=True)
 class Requests:
@@ -79,6 +79,9 @@ class Requests:
   num_checkpoints: states written: min(length, window) for decode requests,
     1 for the other valid ones, 0 for invalid ones.
   valid_tokens_end: scalar, qsl[mixed_end]: `out` rows from there on are zero.
+  index: the call's index arrays as int32 (`Index`), for a backend that
+    derives the fields above itself (the Pallas decode kernel does, from
+    SMEM, so that they cost no XLA ops; XLA drops the fields nothing reads).
   window: num_spec_tokens + 1 (static).
   """
 
@@ -91,6 +94,7 @@ class Requests:
   write_slot: jax.Array
   num_checkpoints: jax.Array
   valid_tokens_end: jax.Array
+  index: "Index"
   window: int
 
   @classmethod
@@ -118,9 +122,32 @@ class Requests:
     read_slot = jnp.clip(read_slot, 0, num_slots - 1)
     write_slot = state_indices.astype(jnp.int32)
     num_checkpoints = jnp.where(decode, jnp.minimum(length, window), valid.astype(jnp.int32))
+    as_i32 = lambda x: None if x is None else x.astype(jnp.int32)
+    index = Index(query_start_loc=qsl, state_indices=write_slot, distribution=dist,
+                  seq_lens=seq_lens.astype(jnp.int32),
+                  read_state_indices=as_i32(read_state_indices),
+                  read_offsets=as_i32(read_offsets))
     return cls(start=start, length=length, valid=valid, decode=decode, has_init=has_init,
                read_slot=read_slot, write_slot=write_slot, num_checkpoints=num_checkpoints,
-               valid_tokens_end=qsl[num_valid], window=window)
+               valid_tokens_end=qsl[num_valid], index=index, window=window)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["query_start_loc", "state_indices", "distribution", "seq_lens",
+                 "read_state_indices", "read_offsets"],
+    meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Index:
+  """The index arrays of a call, int32, as passed (`bind`'s names and shapes;
+  the optional ones None when not given). `Requests` holds what they mean."""
+
+  query_start_loc: jax.Array
+  state_indices: jax.Array
+  distribution: jax.Array
+  seq_lens: jax.Array
+  read_state_indices: jax.Array | None
+  read_offsets: jax.Array | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +274,9 @@ class CausalConv1dGatedDeltaRule[C, K](ShippedAutotuningCacheMixin,
 
   # Pools of these dtypes only (tokamax's: bf16 and float32).
   pool_dtypes: ClassVar[tuple[Any, ...]] = (jnp.bfloat16, jnp.float32)
+  # Whether `_serve`'s `out` is already zero on every token outside the valid
+  # requests (then `_fwd` adds no select of its own).
+  serve_zeroes_other_rows: ClassVar[bool] = False
 
   def bind(
       self,
@@ -385,8 +415,10 @@ class CausalConv1dGatedDeltaRule[C, K](ShippedAutotuningCacheMixin,
     (conv_pool, rec_pool), out = self._serve(
         qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
         reqs, dims=dims, config=config)
-    token = jnp.arange(qkv.shape[0])
-    out = jnp.where((token < reqs.valid_tokens_end)[:, None], out, 0).astype(qkv.dtype)
+    if not self.serve_zeroes_other_rows:
+      token = jnp.arange(qkv.shape[0])
+      out = jnp.where((token < reqs.valid_tokens_end)[:, None], out, 0)
+    out = out.astype(qkv.dtype)
     return ((conv_pool.astype(conv_state.dtype), rec_pool.astype(recurrent_state.dtype)),
             out), None
 
@@ -397,7 +429,7 @@ class CausalConv1dGatedDeltaRule[C, K](ShippedAutotuningCacheMixin,
     The arrays are `_fwd`'s (shapes in `bind`); `reqs` is the request
     metadata built from its `query_start_loc` ... `read_offsets`. Rows of
     `out` at or past `reqs.valid_tokens_end` may hold anything finite or not
-    (`_fwd` zeroes them); every other row and every slot follows the module
-    docstring.
+    (`_fwd` zeroes them, unless `serve_zeroes_other_rows`); every other row
+    and every slot follows the module docstring.
     """
     raise NotImplementedError

@@ -137,10 +137,28 @@ def _vmem_cap() -> int:
   return gdn_pallas.vmem_cap(gdn_config.target_generation())
 
 
-def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool) -> decode_kernel.DecodeStatic:
+# Direct mode keeps the whole output in VMEM up to this size (one buffer).
+_RESIDENT_OUT_BYTES = 1 << 20
+
+
+def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool, *, num_requests: int,
+                   num_tokens: int, act_itemsize: int, num_slots: int = 1, min_chunked: int = 0,
+                   has_bias: bool = True, has_reads: bool = False, has_offsets: bool = False
+                   ) -> decode_kernel.DecodeStatic:
+  direct = mid and window == 1
+  blk = decode_kernel.BLOCK_ROWS
+  tile = min(tile, round_up(num_requests, 8))
+  r_pad = round_up(num_requests, tile)
+  rows = max(round_up(num_tokens, blk), r_pad)
+  resident = (direct and rows * dims.n_v * dims.d_v * act_itemsize <= _RESIDENT_OUT_BYTES
+              and (tile % blk == 0 or tile == r_pad))
   return decode_kernel.DecodeStatic(n_kq=dims.n_kq, n_v=dims.n_v, d_k=dims.d_k, d_v=dims.d_v,
                                     kernel_size=dims.kernel_size, window=window, tile=tile,
-                                    mid_tokens=mid, direct=mid and window == 1,
+                                    mid_tokens=mid, direct=direct,
+                                    resident_rows=rows if resident else 0, num_tokens=num_tokens,
+                                    num_requests=num_requests, num_slots=num_slots,
+                                    min_chunked=min_chunked, has_bias=has_bias,
+                                    has_reads=has_reads, has_offsets=has_offsets,
                                     all_run=_all_run is not None,
                                     all_init=_all_run is not False)
 
@@ -148,37 +166,62 @@ def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool) -> decode
 def _decode_vmem(args, tile: int, window: int) -> int:
   rec = args["recurrent_state"]
   dims = base.Dims(args["n_kq"], args["n_v"], args["d_k"], args["d_v"], args["kernel_size"])
-  return decode_kernel.vmem_bytes(_decode_static(dims, window, tile, True),
-                                  jnp.dtype(rec.dtype).itemsize,
-                                  jnp.dtype(args["qkv"].dtype).itemsize)
+  qkv = args["qkv"]
+  act = jnp.dtype(qkv.dtype).itemsize
+  st = _decode_static(dims, window, tile, True, num_requests=args["state_indices"].shape[0],
+                      num_tokens=qkv.shape[0], act_itemsize=act)
+  return decode_kernel.vmem_bytes(st, jnp.dtype(rec.dtype).itemsize, act)
 
 
-def _decode_path(qkv, b, a, conv_pool, rec_pool, taps, bias, gate, reqs: base.Requests,
-                 runs: jax.Array, dims: base.Dims, cfg: Config, mid: bool, interpret: bool):
-  """The decode kernel over the requests where `runs`; returns (out [T, Hv V]
-  with their tokens' rows (zeros elsewhere), conv_pool, rec_pool)."""
+def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, dt_bias,
+                 reqs: base.Requests, runs: jax.Array, min_chunked: int, dims: base.Dims,
+                 cfg: Config, mid: bool, interpret: bool):
+  """The decode kernel over the requests where `runs` (valid ones, less the
+  chunked path's: non-decodes of at least `min_chunked` tokens, 0 for none);
+  returns (out [T, Hv V] with their tokens' rows, zeros elsewhere,
+  conv_pool, rec_pool).
+
+  With one-token decodes (`direct`) the kernel reads the index arrays, the
+  token arrays and the weights as passed, and `out` is its output (kept in
+  VMEM up to _RESIDENT_OUT_BYTES) or the sum of its two outputs: no XLA op
+  builds metadata or converts an operand (each such op costs ~0.6-1.8 k
+  cycles on the v6e estimate, more than its work)."""
   t_len = qkv.shape[0]
   n_req, window = reqs.start.shape[0], reqs.window
-  tile = min(cfg.decode_tile, round_up(n_req, 8))
-  r_pad = round_up(n_req, tile)
-  length = jnp.where(runs, reqs.length, 0)
-  meta = jnp.stack([reqs.start, length, reqs.has_init.astype(jnp.int32), reqs.read_slot,
-                    reqs.write_slot, reqs.num_checkpoints]).astype(jnp.int32)
-  meta = jnp.pad(meta, ((0, 0), (0, r_pad - n_req)))
-  st = _decode_static(dims, window, tile, mid)
+  index = [x for x in dataclasses.astuple(reqs.index) if x is not None]
+  st = _decode_static(dims, window, cfg.decode_tile, mid, num_requests=n_req, num_tokens=t_len,
+                      act_itemsize=jnp.dtype(qkv.dtype).itemsize,
+                      num_slots=rec_pool.shape[0], min_chunked=min_chunked,
+                      has_bias=conv_bias is not None,
+                      has_reads=reqs.index.read_state_indices is not None,
+                      has_offsets=reqs.index.read_offsets is not None)
+  r_pad = decode_kernel.padded_requests(st)
+  # [dim, 1, W] -> [W, dim]: XLA's TPU layout of the weight is already W-major
+  # (a bitcast, no copy).
+  taps = jnp.transpose(conv_weight[:, 0, :])
+  bias = None if conv_bias is None else conv_bias[None]
   if st.direct:
     # The kernel's blocks are the token rows (request r's block row is token
     # r, as in a decode batch): no gathered copy of the activations.
-    rows = (qkv, b, a)
+    rows = (None, None, None)
   else:
+    length = jnp.where(runs, reqs.length, 0)
     pos = jnp.arange(window)
-    tok = jnp.clip(meta[decode_kernel.START][:, None] + pos[None, :], 0, t_len - 1).reshape(-1)
+    tok = jnp.clip(jnp.pad(reqs.start, (0, r_pad - n_req))[:, None] + pos[None, :],
+                   0, t_len - 1).reshape(-1)
     rows = (qkv[tok], b[tok], a[tok])
   out_rows, out_mid, conv_pool, rec_pool = decode_kernel.decode(
-      meta, *rows, taps, bias, gate, conv_pool, rec_pool,
+      index, *rows, taps, bias, a_log[None], dt_bias[None], conv_pool, rec_pool,
       *((qkv, b, a) if mid else ()), st=st, interpret=interpret,
       vmem_limit_bytes=min(_vmem_cap(), decode_kernel.vmem_bytes(
           st, jnp.dtype(rec_pool.dtype).itemsize, jnp.dtype(qkv.dtype).itemsize)))
+  if st.resident_rows:
+    out = out_rows if out_rows.shape[0] == t_len else out_rows[:t_len]
+    return out, conv_pool, rec_pool
+  if st.direct:
+    # Each token row is non-zero in at most one of the two.
+    home = out_rows[:t_len] if r_pad >= t_len else jnp.pad(out_rows, ((0, t_len - r_pad), (0, 0)))
+    return home + out_mid, conv_pool, rec_pool
   # Token -> the kernel's output row (a row gather: XLA's row scatters cost
   # several times more on the estimate); `none` for tokens it did not run,
   # `mid` for tokens past a short request's window (they are in `out_mid`).
@@ -186,16 +229,6 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, taps, bias, gate, reqs: base.Re
   # disjoint, so at most one matches): a single fusion, where scatters and a
   # cumsum cost ~1k cycles each on the estimate.
   k = jnp.arange(t_len, dtype=jnp.int32)[:, None] - reqs.start[None, :]          # [T, R]
-  if st.direct:
-    # Token t is block row t where request t runs and starts there; the
-    # other tokens the kernel ran are in `out_mid`.
-    ran = jnp.any((k >= 0) & (k < length[None, :]), axis=1)
-    n = min(t_len, n_req)
-    at_home = jnp.zeros((t_len,), bool).at[:n].set(
-        (reqs.start[:n] == jnp.arange(n, dtype=jnp.int32)) & (length[:n] > 0))
-    home = out_rows[:t_len] if r_pad >= t_len else jnp.pad(out_rows, ((0, t_len - r_pad), (0, 0)))
-    out = jnp.where(at_home[:, None], home, jnp.where(ran[:, None], out_mid, 0))
-    return out, conv_pool, rec_pool
   none, mid_row = r_pad * window, r_pad * window + 1
   in_win = (k >= 0) & (k < jnp.minimum(length, window)[None, :])
   row = jnp.sum(jnp.where(in_win, jnp.arange(n_req, dtype=jnp.int32)[None, :] * window + k, 0),
@@ -382,6 +415,7 @@ class PallasMosaicTpuCausalConv1dGatedDeltaRule(config_hooks.PallasTpuHooks,
   """Decode kernel + chunked GDN kernel on state pools (see the module doc)."""
 
   config_cls: ClassVar[type[Config]] = Config
+  serve_zeroes_other_rows: ClassVar[bool] = True
   heuristics = _heuristics
   autotuning_configs = _autotuning_configs
 
@@ -396,13 +430,9 @@ class PallasMosaicTpuCausalConv1dGatedDeltaRule(config_hooks.PallasTpuHooks,
                if n_chunked else jnp.zeros_like(reqs.valid))
     runs = reqs.valid & ~chunked
     mid = min(min_chunked - 1, t_len) > window      # short prefills longer than a window
-    taps = base.conv_weight_taps(conv_weight)
-    bias = (jnp.zeros((dims.dim,), _F32) if conv_bias is None
-            else conv_bias.astype(_F32))[None]
-    gate = jnp.stack([a_log.astype(_F32), dt_bias.astype(_F32)])
     out, conv_pool, rec_pool = _decode_path(
-        qkv, b, a, conv_state, recurrent_state, taps, bias, gate, reqs, runs, dims, config,
-        mid, interpret)
+        qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias, reqs,
+        runs, min_chunked if n_chunked else 0, dims, config, mid, interpret)
     if n_chunked:
       out_c, conv_pool, rec_pool = _chunked_path(
           qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, dt_bias, reqs,

@@ -1,6 +1,10 @@
 """Pallas Mosaic TPU decode kernel of the serving GDN: conv window + GDN step, fused.
 
-One grid step takes a tile of `tile` requests. Each request's states live in
+One grid step takes a tile of `tile` requests; it derives their metadata
+(token range, read and write slots, whether each runs here) from the call's
+index arrays in SMEM, and reads the layer's weights in their own dtypes, so
+that no XLA op prepares either (each such op cost ~0.6-1.8 k cycles on the
+v6e estimate, more than its work). Each request's states live in
 the pools (HBM, `memory_space=ANY`, aliased in place): the step starts one DMA
 per request and state (recurrent [Hv, K, V], conv [W-1, D]) from the read slot
 (scalar-prefetched) and waits for the write-backs at its end. Requests that
@@ -14,7 +18,9 @@ between them (so the scheduler interleaves the requests' MXU and update
 chains), then the group's write-backs start. Later groups' reads and earlier
 groups' writes overlap the compute. Requests that do not run compute on
 whatever their buffers hold; their output rows are selected away and none
-of their states is written back. A wait (and a `pl.when`) per request had
+of their states is written back. A group none of whose requests reads a
+state (all start from zeros) takes state-free steps: S' = k v_new^T, no
+product with S and no decay of it. A wait (and a `pl.when`) per request had
 left each request's chain exposed: v6e static estimate, tokamax's
 tp8_decode_cached_64_ctx8192 (64 requests, Hv=8, K=V=128, bf16 pools, tile
 16), 40.2 k cycles per request-wise waits -> 29.7 k in groups of 8; the
@@ -30,7 +36,11 @@ Activations: for one-token decodes (`direct`) the kernel's blocks are the
 token arrays themselves, request r's row being token r (a decode batch:
 decode requests first, one token each); a request whose token is elsewhere
 (a short prefill after the decodes) reads its row and writes its output row
-by the aligned block DMAs of `mid_tokens`. This drops the XLA row gathers
+by the aligned block DMAs of `mid_tokens`. The output stays in VMEM for the
+whole grid where it is small (`resident_rows`: every row written where it
+is, no XLA op after the kernel); else those rows go to a second output,
+zeroed by the first grid step, and the op's output is the sum of the two.
+This drops the XLA row gathers
 of qkv / b / a and of the output (v6e estimate, tokamax's tp8_decode_64:
 46.5 -> 43.1 k cycles in all). Verify windows take gathered blocks (row
 r * window + t).
@@ -55,6 +65,7 @@ converted once.
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
@@ -79,12 +90,27 @@ class DecodeStatic:
   window: int        # token positions per request held in the activation block
   tile: int          # requests per grid step
   mid_tokens: bool   # requests may hold more than `window` tokens (block DMAs)
+  num_requests: int  # R (the index arrays' length)
+  num_slots: int     # pool slots (read slots are clipped into them)
+  # Requests that are not decodes and hold at least this many tokens do not
+  # run here (the chunked path's); 0: every valid request runs here.
+  min_chunked: int = 0
+  has_bias: bool = True
+  has_reads: bool = False     # read_state_indices given (else state_indices)
+  has_offsets: bool = False   # read_offsets given
   # Window 1 with `mid_tokens`: the activation blocks are the token rows
   # themselves (request r's block row is token r), no gathered copy; a
   # request whose token is elsewhere (start != r) reads it and writes its
   # output row by the mid tokens' block DMAs (a decode batch, its requests
   # first, one token each, has none).
   direct: bool = False
+  # Direct mode with the whole output as one block that stays in VMEM for
+  # the grid (this many rows, 0: not resident): every row is written where
+  # it is (a request's rows merged in by its own grid step, mid tokens'
+  # rows by in-VMEM read-modify-writes), so the op needs no second output,
+  # no zero fill in HBM and no add in XLA.
+  resident_rows: int = 0
+  num_tokens: int = 0   # T (direct mode's zero fill of `out_mid`)
   # Cost model only: compile as if every request ran with one token and an
   # initial state (no per-request branches). libtpu's static estimate skips
   # the bodies of data-dependent branches, so this is how the cost of a full
@@ -107,9 +133,46 @@ class DecodeStatic:
     return self.d_k ** -0.5
 
 
-# Rows of the int32 metadata (scalar prefetch, [_META, R_padded]).
+# Rows of the per-step int32 metadata (SMEM scratch [_META, tile]), derived
+# in the kernel from the call's index arrays (`_step_metadata`).
 START, LENGTH, HAS_INIT, READ_SLOT, WRITE_SLOT, CHECKPOINTS = range(6)
 _META = 6
+
+
+def _step_metadata(st: DecodeStatic, base, idx, meta_scr):
+  """Fills meta_scr[:, j] for requests base + j of this grid step from the
+  index arrays in SMEM (`idx`: qsl, state_indices, distribution, seq_lens
+  and, when given, read_state_indices, read_offsets), as
+  `base.Requests.build` does in XLA; LENGTH is 0 for requests that do not
+  run here (invalid, padding, past R, or the chunked path's). Scalar work,
+  where the same values built in XLA cost several small ops."""
+  idx = list(idx)
+  qsl, slots, dist, seq_lens = idx[:4]
+  reads = idx[4] if st.has_reads else slots
+  offsets = idx[-1] if st.has_offsets else None
+  r_max = st.num_requests
+  num_valid = jnp.clip(dist[2], 0, r_max)
+  num_decode = jnp.clip(dist[0], 0, num_valid)
+  exact = r_max % st.tile == 0
+  for j in range(st.tile):
+    r = base + j
+    rc = r if exact else jnp.minimum(r, r_max - 1)
+    start = qsl[rc]
+    length = qsl[rc + 1] - start
+    valid = jnp.logical_and(r < num_valid, length > 0)
+    decode = jnp.logical_and(valid, r < num_decode)
+    length = jnp.where(valid, length, 0)
+    read = reads[rc] if offsets is None else reads[rc] + offsets[rc]
+    runs = valid
+    if st.min_chunked:
+      runs = jnp.logical_and(valid, jnp.logical_or(decode, length < st.min_chunked))
+    meta_scr[START, j] = jnp.where(valid, start, 0)
+    meta_scr[LENGTH, j] = jnp.where(runs, length, 0)
+    meta_scr[HAS_INIT, j] = jnp.logical_and(valid, seq_lens[rc] > length).astype(jnp.int32)
+    meta_scr[READ_SLOT, j] = jnp.clip(read, 0, st.num_slots - 1)
+    meta_scr[WRITE_SLOT, j] = slots[rc]
+    meta_scr[CHECKPOINTS, j] = jnp.where(decode, jnp.minimum(length, st.window),
+                                         valid.astype(jnp.int32))
 
 
 def _split(x):
@@ -138,22 +201,37 @@ def _l2norm(x):
   return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2_EPS)
 
 
+class _Params(NamedTuple):
+  """The layer's weights, in their dtypes as passed: conv taps (W, D) (tap w
+  multiplies the input W-1-w back), conv bias (1, D) or None, a_log and
+  dt_bias (1, Hv)."""
+
+  taps: Any
+  bias: Any
+  a_log: Any
+  dt_bias: Any
+
+
 class _Prepared:
   """The per-token values every head needs, for n tokens at once (rows)."""
 
-  def __init__(self, st: DecodeStatic, x, windows, b, a, w_ref, bias_ref, gate_ref, act_scr):
+  def __init__(self, st: DecodeStatic, x, windows, b, a, prm: _Params, act_scr):
     """x (n, D), b / a (n, Hv) float32; windows: W-1 arrays (n, D), the conv
     window's rows oldest first."""
     kw = st.kernel_size
-    pre = bias_ref[...] + w_ref[kw - 1:kw, :] * x
+    taps = prm.taps[...].astype(F32)
+    pre = taps[kw - 1:kw, :] * x
+    if prm.bias is not None:
+      pre = pre + prm.bias[...].astype(F32)
     for w in range(kw - 1):
-      pre = pre + w_ref[w:w + 1, :] * windows[w]
+      pre = pre + taps[w:w + 1, :] * windows[w]
     # Through VMEM: libtpu's estimator rejects a loaded value that reaches an
     # MXU operand through elementwise float32 math without a store between.
     act_scr[...] = pre * jax.nn.sigmoid(pre)
     self.act = act_scr[...]
     self.beta = jax.nn.sigmoid(b)
-    g = -jnp.exp(gate_ref[0:1, :]) * jax.nn.softplus(a + gate_ref[1:2, :])
+    g = (-jnp.exp(prm.a_log[...].astype(F32))
+         * jax.nn.softplus(a + prm.dt_bias[...].astype(F32)))
     self.decay = jnp.exp(g)                                              # (n, Hv)
     dk, kd = st.d_k, st.n_kq * st.d_k
     self.q, self.k, self.qk, self.q_cols, self.k_cols = [], [], [], [], []
@@ -176,9 +254,10 @@ def _pad_rows(x):
 def _heads(st: DecodeStatic, p: _Prepared, row: int, bcast_scr, s_read, s_write):
   """The GDN step of every value head for token `row` of `p`: returns its
   output row (1, Hv V) float32. `s_read(h)` gives head h's state (K, V)
-  (float32, or the bf16 pool's values as read), `s_write(h, s)` stores the
-  new one (float32). `bcast_scr` (2, K, V) f32 is this token's own: the
-  tokens of a group of requests run interleaved, so they must not share it."""
+  (float32, or the bf16 pool's values as read), or is None for a request
+  that starts from zeros; `s_write(h, s)` stores the new one (float32).
+  `bcast_scr` (2, K, V) f32 is this token's own: the tokens of a group of
+  requests run interleaved, so they must not share it."""
   dk, dv, kd = st.d_k, st.d_v, st.n_kq * st.d_k
   one = lambda x: x[row:row + 1]
   beta, decay = one(p.beta), one(p.decay)
@@ -186,19 +265,28 @@ def _heads(st: DecodeStatic, p: _Prepared, row: int, bcast_scr, s_read, s_write)
   for i in range(st.n_kq):
     q, k, qk = one(p.q[i]), one(p.k[i]), one(p.qk[i])
     heads = range(i * st.group, (i + 1) * st.group)
-    states = [s_read(h) for h in heads]
+    states = [None if s_read is None else s_read(h) for h in heads]
     # Lane broadcasts run on the XLU, the scarce unit here: once per key
     # head into VMEM, then every head of the GVA group loads them. q's only
     # for float32 states (bf16 ones take q S on the MXU).
-    if any(x.dtype != BF16 for x in states):
+    if any(x is not None and x.dtype != BF16 for x in states):
       bcast_scr[0] = jnp.broadcast_to(p.q_cols[i][:, row:row + 1], (dk, dv))
     bcast_scr[1] = jnp.broadcast_to(p.k_cols[i][:, row:row + 1], (dk, dv))
-    q_hi, q_lo = _split(q)
-    k_hi, k_lo = _split(k)
-    lhs = _rows([q_hi, q_lo, k_hi, k_lo], dk)
+    if s_read is not None:
+      q_hi, q_lo = _split(q)
+      k_hi, k_lo = _split(k)
+      lhs = _rows([q_hi, q_lo, k_hi, k_lo], dk)
     for h, s in zip(heads, states):
       e = decay[:, h:h + 1]
       k_col = bcast_scr[1]
+      v = p.act[row:row + 1, 2 * kd + h * dv:2 * kd + (h + 1) * dv]
+      if s is None:
+        # S = 0: qS = kS = 0 and S' = k v_new^T, no product and no decay of
+        # S (e * 0 keeps a NaN or inf decay in, as e * S would).
+        v_new = beta[:, h:h + 1] * (v + e * 0.0)
+        outs.append(qk * v_new)
+        s_write(h, k_col * v_new)
+        continue
       if s.dtype == BF16:
         # A bf16 pool's state is an exact MXU operand: [q; k] S in one
         # product (q, k as bf16 hi + lo rows), beside the VPU's update.
@@ -209,27 +297,26 @@ def _heads(st: DecodeStatic, p: _Prepared, row: int, bcast_scr, s_read, s_write)
         s = s.astype(F32)
         q_s = jnp.sum(bcast_scr[0] * s, axis=0, keepdims=True)         # (1, V)
         k_s = jnp.sum(k_col * s, axis=0, keepdims=True)
-      v = p.act[row:row + 1, 2 * kd + h * dv:2 * kd + (h + 1) * dv]
       v_new = beta[:, h:h + 1] * (v - e * k_s)                          # (1, V)
       outs.append(e * q_s + qk * v_new)
       s_write(h, e * s + k_col * v_new)
   return jnp.concatenate(outs, axis=1)
 
 
-def _token(st: DecodeStatic, x_row, b_row, a_row, w_ref, bias_ref, gate_ref, win_scr,
-           act_scr, bcast_scr, s_read, s_write):
+def _token(st: DecodeStatic, x_row, b_row, a_row, prm: _Params, win_scr, act_scr, bcast_scr,
+           s_read, s_write):
   """One token of one request (rows (1, ...) float32); advances the conv
   window in `win_scr` (W-1, D) f32; returns the output row (1, Hv V)."""
   kw = st.kernel_size
   win = win_scr[...]
-  p = _Prepared(st, x_row, [win[w:w + 1] for w in range(kw - 1)], b_row, a_row, w_ref,
-                bias_ref, gate_ref, act_scr)
+  p = _Prepared(st, x_row, [win[w:w + 1] for w in range(kw - 1)], b_row, a_row, prm, act_scr)
   win_scr[...] = jnp.concatenate([win[1:], x_row], axis=0) if kw > 2 else x_row
   return _heads(st, p, 0, bcast_scr, s_read, s_write)
 
 
 _GROUP = 8    # requests whose state DMAs one wait covers (n_w = 1)
 _BLOCK = 16   # rows of the aligned blocks mid tokens move in (a bf16 tile)
+BLOCK_ROWS = _BLOCK
 
 
 def _pick_row(block, r):
@@ -239,24 +326,36 @@ def _pick_row(block, r):
   return jnp.sum(jnp.where(rows == r, block, 0.0), axis=0, keepdims=True)
 
 
-def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st: DecodeStatic):
+def _n_index(st: DecodeStatic) -> int:
+  return 4 + st.has_reads + st.has_offsets
+
+
+def _kernel(*refs, st: DecodeStatic):
   refs = list(refs)
+  idx = refs[:_n_index(st)]
+  refs = refs[_n_index(st):]
+  x_ref, b_ref, a_ref, taps_ref = refs[:4]
+  refs = refs[4:]
+  bias_ref = refs.pop(0) if st.has_bias else None
+  prm = _Params(taps_ref, bias_ref, refs.pop(0), refs.pop(0))
   if st.mid_tokens:
     qkv_any, b_any, a_any = refs.pop(0), refs.pop(0), refs.pop(0)
   conv_in, rec_in = refs.pop(0), refs.pop(0)
   o_ref = refs.pop(0)
-  o_mid = refs.pop(0) if st.mid_tokens else None
+  resident = st.resident_rows > 0
+  o_mid = refs.pop(0) if st.mid_tokens and not resident else None
   conv_out, rec_out = refs.pop(0), refs.pop(0)
   (conv_ibuf, rec_ibuf, conv_obuf, rec_obuf, win_scr, act_scr, bcast_scr, s_scr, sem_in,
-   sem_out) = refs[:10]
-  blk_bufs = refs[10:]
+   sem_out, meta_scr) = refs[:11]
+  blk_bufs = refs[11:]
   base = pl.program_id(0) * st.tile
   del conv_out, rec_out     # aliased with conv_in / rec_in: the DMAs write those
   n_w = st.window
   kw1 = st.kernel_size - 1
+  _step_metadata(st, base, idx, meta_scr)
 
   def meta(field, j):
-    return meta_ref[field, base + j]
+    return meta_scr[field, j]
 
   def read_conv(j):
     return pltpu.make_async_copy(conv_in.at[meta(READ_SLOT, j)], conv_ibuf.at[j], sem_in.at[0, j])
@@ -315,9 +414,11 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
     x_blk, b_blk, a_blk, o_blk, sem_blk = blk_bufs[:5]
     blk = pl.multiple_of((pos // _BLOCK) * _BLOCK, _BLOCK)
     rows = pl.ds(blk, _BLOCK)
+    pairs = [(qkv_any, x_blk), (b_any, b_blk), (a_any, a_blk)]
+    if not resident:
+      pairs.append((o_mid, o_blk))
     cps = [pltpu.make_async_copy(src.at[rows], dst, sem_blk.at[i])
-           for i, (src, dst) in enumerate(((qkv_any, x_blk), (b_any, b_blk), (a_any, a_blk),
-                                           (o_mid, o_blk)))]
+           for i, (src, dst) in enumerate(pairs)]
     for cp in cps:
       cp.start()
     for cp in cps:
@@ -333,6 +434,10 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
     o_blk, sem_blk = blk_bufs[3], blk_bufs[4]
     blk = pl.multiple_of((pos // _BLOCK) * _BLOCK, _BLOCK)
     sel = lax.broadcasted_iota(jnp.int32, o_blk.shape, 0) == r
+    if resident:
+      rows = pl.ds(blk, _BLOCK)
+      o_ref[rows, :] = jnp.where(sel, out, o_ref[rows, :].astype(F32)).astype(o_ref.dtype)
+      return
     o_blk[...] = jnp.where(sel, out, o_blk[...].astype(F32)).astype(o_blk.dtype)
     cp = pltpu.make_async_copy(o_blk, o_mid.at[pl.ds(blk, _BLOCK)], sem_blk.at[4])
     cp.start()
@@ -350,7 +455,7 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
     def body(t, carry):
       pos = start + t
       x, b, a, r = fetch_row(pos)
-      out = _token(st, x, b, a, w_ref, bias_ref, gate_ref, win_scr, act_scr.at[0:1],
+      out = _token(st, x, b, a, prm, win_scr, act_scr.at[0:1],
                    bcast_scr.at[0], later_read, scr_write)
       put_row(pos, r, out)
       store(t)
@@ -363,6 +468,27 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
     def _():
       read_conv(j).start()
       read_rec(j).start()
+
+  first_step = pl.program_id(0) == 0
+  o_rows = blk_bufs[-1] if resident else o_ref     # the tile's rows
+  if resident:
+    @when(first_step)
+    def _():
+      o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+  elif st.direct:
+    # `o_mid` holds every token row the blocks do not, zeros where no request
+    # runs, so that the op's output is the blocks plus `o_mid`: the first
+    # step zeroes it (waited for before any row of it is written).
+    zbuf = blk_bufs[-1]
+    n = zbuf.shape[0]
+    fills = [pltpu.make_async_copy(zbuf, o_mid.at[pl.ds(i, n)], blk_bufs[4].at[5])
+             for i in range(0, o_mid.shape[0], n)]
+
+    @when(first_step)
+    def _():
+      zbuf[...] = jnp.zeros(zbuf.shape, zbuf.dtype)
+      for cp in fills:
+        cp.start()
 
   if n_w > 1:
     o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
@@ -406,14 +532,16 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
                            a_ref[...].astype(F32))
     prep = _Prepared(st, x, [jnp.concatenate([w[r:r + 1] for w in wins], axis=0)
                              for r in range(kw1)],
-                     b_rows, a_rows, w_ref, bias_ref, gate_ref, act_scr)
-    for g0 in range(0, st.tile, _GROUP):
-      group = range(g0, min(g0 + _GROUP, st.tile))
-      for j in group:
-        @when(loads(j))
-        def _():
-          read_rec(j).wait()
-        zero_unread(j)
+                     b_rows, a_rows, prm, act_scr)
+    def group_steps(group, fresh: bool):
+      """The GDN steps of a group; `fresh`: none of its requests reads a
+      state (each starts from zeros: no read, no product with S)."""
+      if not fresh:
+        for j in group:
+          @when(loads(j))
+          def _():
+            read_rec(j).wait()
+          zero_unread(j)
       for j in group:
         window = jnp.concatenate([wins[j][1:], x[j:j + 1]], axis=0)
         conv_obuf[j, 0] = window.astype(conv_obuf.dtype)
@@ -421,21 +549,31 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
         def s_write(h, s, j=j):
           rec_obuf[j, 0, h] = s.astype(rec_obuf.dtype)
 
-        out = _heads(st, prep, j, bcast_scr.at[j], first_read(j), s_write)
+        out = _heads(st, prep, j, bcast_scr.at[j], None if fresh else first_read(j), s_write)
         if not st.all_run:
           out = jnp.where(runs(j), out, 0.0)
-        o_ref[j:j + 1, :] = out.astype(o_ref.dtype)
+        o_rows[j:j + 1, :] = out.astype(o_rows.dtype)
+
+    for g0 in range(0, st.tile, _GROUP):
+      group = range(g0, min(g0 + _GROUP, st.tile))
+      if st.all_run:
+        group_steps(group, fresh=not st.all_init)
+      else:
+        any_read = functools.reduce(jnp.logical_or, [loads(j) for j in group])
+        pl.when(any_read)(lambda group=group: group_steps(group, fresh=False))
+        pl.when(jnp.logical_not(any_read))(lambda group=group: group_steps(group, fresh=True))
       for j in group:
         if st.mid_tokens and not st.all_run:
           # A short prefill (more than one token): token 0 again, token by
           # token from here, keeping the state in float32 between tokens.
           @pl.when(jnp.logical_and(runs(j), meta(LENGTH, j) > 1))
           def _():
+            zero_unread(j)      # (a fresh group's steps left it unread)
             win_scr[...] = wins[j]
-            o_ref[j:j + 1, :] = _token(
+            o_rows[j:j + 1, :] = _token(
                 st, x[j:j + 1], b_rows[j:j + 1], a_rows[j:j + 1],
-                w_ref, bias_ref, gate_ref, win_scr, act_scr.at[0:1], bcast_scr.at[j],
-                first_read(j), scr_write).astype(o_ref.dtype)
+                prm, win_scr, act_scr.at[0:1], bcast_scr.at[j],
+                first_read(j), scr_write).astype(o_rows.dtype)
 
             def store(t):
               del t   # short prefills keep only their final state
@@ -450,12 +588,29 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
           def _():
             pos = meta(START, j)
             _, _, _, r = fetch_row(pos)
-            put_row(pos, r, o_ref[j:j + 1, :].astype(F32))
+            put_row(pos, r, o_rows[j:j + 1, :].astype(F32))
+            o_rows[j:j + 1, :] = jnp.zeros((1, o_rows.shape[1]), o_rows.dtype)
 
         @when(runs(j))
         def _():
           for cp in writes(j, 0):
             cp.start()
+
+    if resident:
+      # Rows base.. of the output: request j's row where it runs and its token
+      # is there; others keep what the other requests' steps wrote there.
+      n = min(_BLOCK, st.tile)    # (a tile of 8 is a single grid step: base 0)
+      for c in range(0, st.tile, n):
+        rows = pl.ds(pl.multiple_of(base + c, n), n)
+        mine = o_rows[c:c + n, :].astype(F32)
+        if not st.all_run:
+          iota = lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+          home = jnp.zeros((n, 1), jnp.int32)
+          for k in range(n):
+            here = jnp.logical_and(runs(c + k), jnp.logical_not(elsewhere(c + k)))
+            home = jnp.where(iota == k, here.astype(jnp.int32), home)
+          mine = jnp.where(home > 0, mine, o_ref[rows, :].astype(F32))
+        o_ref[rows, :] = mine.astype(o_ref.dtype)
 
   for j in range(st.tile if n_w > 1 else 0):
     @when(runs(j))
@@ -490,7 +645,7 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
           row = j * n_w + t
           out = _token(st, x_ref[row:row + 1, :].astype(F32),
                        b_ref[row:row + 1, :].astype(F32), a_ref[row:row + 1, :].astype(F32),
-                       w_ref, bias_ref, gate_ref, win_scr, act_scr, bcast_scr.at[0],
+                       prm, win_scr, act_scr, bcast_scr.at[0],
                        first_read(j) if t == 0 else later_read, scr_write)
           o_ref[row:row + 1, :] = out.astype(o_ref.dtype)
           store(t)
@@ -504,6 +659,11 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
           for cp in writes(j, c):
             cp.start()
 
+  if st.direct and not resident:
+    @when(first_step)
+    def _():
+      for cp in fills:
+        cp.wait()
   for j in range(st.tile):
     for c in range(n_w):
       @when(writes_ckpt(j, c))
@@ -512,28 +672,43 @@ def _kernel(meta_ref, x_ref, b_ref, a_ref, w_ref, bias_ref, gate_ref, *refs, st:
           cp.wait()
 
 
-def decode(meta, xs, bs, as_, taps, bias, gate, conv_pool, rec_pool, qkv=None, b=None, a=None,
-           *, st: DecodeStatic, interpret=False, vmem_limit_bytes=None):
-  """Runs the decode kernel over R_padded = meta.shape[1] requests.
+def padded_requests(st: DecodeStatic) -> int:
+  """R_padded: the requests the grid covers (R rounded up to whole tiles)."""
+  return -(-st.num_requests // st.tile) * st.tile
 
-  meta: int32 [_META, R_padded] (rows START..CHECKPOINTS; LENGTH 0 = the
-    request does not run here). xs [R_padded * window, D], bs / as_
-    [R_padded * window, Hv]: each request's first `window` tokens (row
-    r * window + t); with `st.direct`, the token arrays themselves (qkv, b,
-    a: row r is request r's token where its start is r). taps
-    [W, D] f32, bias [1, D] f32, gate [2, Hv] f32 (a_log; dt_bias). With
-    `st.mid_tokens`, qkv / b / a are the whole [T, ...] arrays (rows past the
-    window are read from there).
 
-  Returns (out [R_padded * window, Hv V] in xs.dtype, out_mid [T, Hv V] or
-  None (rows of tokens past a request's window; others undefined),
-  conv_pool, rec_pool) with the pools updated in place.
+def decode(index, xs, bs, as_, taps, bias, a_log, dt_bias, conv_pool, rec_pool, qkv=None,
+           b=None, a=None, *, st: DecodeStatic, interpret=False, vmem_limit_bytes=None):
+  """Runs the decode kernel over R_padded = `padded_requests(st)` requests.
+
+  index: the call's int32 index arrays (query_start_loc [R + 1],
+    state_indices, distribution [3], seq_lens, then read_state_indices and
+    read_offsets [R] where `st.has_reads` / `st.has_offsets`); the kernel
+    derives each request's metadata from them. xs [R_padded * window, D],
+    bs / as_ [R_padded * window, Hv]: each request's first `window` tokens
+    (row r * window + t); with `st.direct`, None (the kernel's blocks are
+    the token arrays qkv, b, a: row r is request r's token where its start
+    is r). taps [W, D] (tap w multiplies the input W-1-w back), bias [1, D]
+    (None where not `st.has_bias`), a_log and dt_bias [1, Hv], in their
+    dtypes. With `st.mid_tokens`, qkv / b / a are the whole [T, ...] arrays
+    (rows past the window are read from there).
+
+  Returns (out [R_padded * window, Hv V] in the activations' dtype, out_mid
+  [T, Hv V] or None, conv_pool, rec_pool) with the pools updated in place.
+  out_mid holds the rows of tokens past a request's window (other rows
+  undefined); with `st.direct`, every token row that is not `out`'s own
+  (row t of `out` is request t's token if that request runs and starts at
+  t, else zero) and zeros where no request runs, so that the output is
+  out + out_mid. With `st.resident_rows`, out is the whole output
+  [resident_rows, Hv V] (token rows first, zeros where no request runs) and
+  out_mid is None.
   """
-  r_pad = meta.shape[1]
-  assert r_pad % st.tile == 0
+  r_pad = padded_requests(st)
   tile, n_w, dim, hv = st.tile, st.window, st.dim, st.n_v
-  block = lambda width: pl.BlockSpec((tile * n_w, width), lambda i, m: (i, 0))
-  full = lambda *shape: pl.BlockSpec(shape, lambda i, m: (0,) * len(shape))
+  n_idx = _n_index(st)
+  assert len(index) == n_idx
+  block = lambda width: pl.BlockSpec((tile * n_w, width), lambda i, *_: (i, 0))
+  full = lambda *shape: pl.BlockSpec(shape, lambda i, *_: (0,) * len(shape))
   anyspace = pl.BlockSpec(memory_space=pl.ANY)
   t_len = 0 if qkv is None else qkv.shape[0]
   t_pad = -(-t_len // _BLOCK) * _BLOCK
@@ -544,24 +719,31 @@ def decode(meta, xs, bs, as_, taps, bias, gate, conv_pool, rec_pool, qkv=None, b
   if st.direct:
     assert st.mid_tokens and n_w == 1
     xs, bs, as_ = pad(qkv), pad(b), pad(a)
-  in_specs = [block(dim), block(hv), block(hv), full(*taps.shape),
-              full(*bias.shape), full(*gate.shape)]
-  args = [xs, bs, as_, taps, bias, gate]
+  params = [taps] + ([bias] if st.has_bias else []) + [a_log, dt_bias]
+  in_specs = [block(dim), block(hv), block(hv)] + [full(*x.shape) for x in params]
+  args = [xs, bs, as_] + params
   if st.mid_tokens:
     in_specs += [anyspace] * 3
     args += [xs, bs, as_] if st.direct else [pad(x) for x in (qkv, b, a)]
   in_specs += [anyspace, anyspace]
   args += [conv_pool, rec_pool]
   out_dtype = xs.dtype
-  out_specs = [block(hv * st.d_v)]
-  out_shape = [jax.ShapeDtypeStruct((r_pad * n_w, hv * st.d_v), out_dtype)]
-  if st.mid_tokens:
+  resident = st.resident_rows > 0
+  if resident:
+    assert st.direct and st.resident_rows == n_rows
+    assert st.tile % _BLOCK == 0 or st.tile == r_pad, "resident rows move in whole blocks"
+    out_specs = [full(n_rows, hv * st.d_v)]
+    out_shape = [jax.ShapeDtypeStruct((n_rows, hv * st.d_v), out_dtype)]
+  else:
+    out_specs = [block(hv * st.d_v)]
+    out_shape = [jax.ShapeDtypeStruct((r_pad * n_w, hv * st.d_v), out_dtype)]
+  if st.mid_tokens and not resident:
     out_specs.append(anyspace)
     out_shape.append(jax.ShapeDtypeStruct((t_pad, hv * st.d_v), out_dtype))
   out_specs += [anyspace, anyspace]
   out_shape += [jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
                 jax.ShapeDtypeStruct(rec_pool.shape, rec_pool.dtype)]
-  n_in = 1 + len(args)            # + the scalar-prefetch operand
+  n_in = n_idx + len(args)        # + the scalar-prefetch operands
   aliases = {n_in - 2: len(out_shape) - 2, n_in - 1: len(out_shape) - 1}
   kw1 = st.kernel_size - 1
   scratch = [
@@ -575,18 +757,20 @@ def decode(meta, xs, bs, as_, taps, bias, gate, conv_pool, rec_pool, qkv=None, b
       pltpu.VMEM((hv, st.d_k, st.d_v), F32),
       pltpu.SemaphoreType.DMA((2, tile)),
       pltpu.SemaphoreType.DMA((2, tile, n_w)),
+      pltpu.SMEM((_META, tile), jnp.int32),
   ]
   if st.mid_tokens:
     scratch += [pltpu.VMEM((_BLOCK, dim), qkv.dtype), pltpu.VMEM((_BLOCK, hv), b.dtype),
                 pltpu.VMEM((_BLOCK, hv), a.dtype), pltpu.VMEM((_BLOCK, hv * st.d_v), out_dtype),
-                pltpu.SemaphoreType.DMA((5,))]
+                pltpu.SemaphoreType.DMA((6,))]
   if st.direct:
     scratch += [pltpu.VMEM((tile, dim), F32), pltpu.VMEM((tile, hv), F32),
-                pltpu.VMEM((tile, hv), F32)]
+                pltpu.VMEM((tile, hv), F32),
+                pltpu.VMEM((tile if resident else _fill_rows(t_pad), hv * st.d_v), out_dtype)]
   res = pl.pallas_call(
       functools.partial(_kernel, st=st),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1, grid=(r_pad // tile,), in_specs=in_specs,
+          num_scalar_prefetch=n_idx, grid=(r_pad // tile,), in_specs=in_specs,
           out_specs=out_specs, scratch_shapes=scratch),
       out_shape=out_shape,
       input_output_aliases=aliases,
@@ -594,13 +778,24 @@ def decode(meta, xs, bs, as_, taps, bias, gate, conv_pool, rec_pool, qkv=None, b
                                            vmem_limit_bytes=vmem_limit_bytes),
       interpret=interpret,
       name="gdn_serve_decode",
-  )(meta, *args)
-  if st.mid_tokens:
+  )(*index, *args)
+  if resident:
+    (out, conv_pool, rec_pool), out_mid = res, None
+  elif st.mid_tokens:
     out, out_mid, conv_pool, rec_pool = res
     out_mid = out_mid if t_pad == t_len else out_mid[:t_len]
   else:
     (out, conv_pool, rec_pool), out_mid = res, None
   return out, out_mid, conv_pool, rec_pool
+
+
+def _fill_rows(t_pad: int) -> int:
+  """Rows of the zero block direct mode fills `out_mid` with (a divisor of
+  t_pad, a multiple of _BLOCK, at most 256)."""
+  n = min(t_pad, 256)
+  while t_pad % n:
+    n -= _BLOCK
+  return n
 
 
 def vmem_bytes(st: DecodeStatic, pool_itemsize: int, act_itemsize: int) -> int:
@@ -614,4 +809,11 @@ def vmem_bytes(st: DecodeStatic, pool_itemsize: int, act_itemsize: int) -> int:
   bcast = (st.tile if st.window == 1 else 1) * 2 * st.d_k * st.d_v
   rows = st.tile * (st.dim + 2 * st.n_v) if st.direct else 0   # direct mode's f32 rows
   scratch = 4 * (state + conv + st.dim + bcast + rows)
-  return bufs + acts + scratch + 2 * 4 * state + (4 << 20)
+  out_row = st.n_v * st.d_v * act_itemsize
+  if st.resident_rows:
+    outs = (2 * st.resident_rows + st.tile) * out_row
+  elif st.direct:
+    outs = _fill_rows(-(-st.num_tokens // _BLOCK) * _BLOCK) * out_row
+  else:
+    outs = 0
+  return bufs + acts + scratch + outs + 2 * 4 * state + (4 << 20)
