@@ -188,7 +188,7 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, 
   cycles on the v6e estimate, more than its work)."""
   t_len = qkv.shape[0]
   n_req, window = reqs.start.shape[0], reqs.window
-  index = [x for x in dataclasses.astuple(reqs.index) if x is not None]
+  index = jax.tree.leaves(reqs.index)   # field order, the absent ones (None) left out
   st = _decode_static(dims, window, cfg.decode_tile, mid, num_requests=n_req, num_tokens=t_len,
                       act_itemsize=jnp.dtype(qkv.dtype).itemsize,
                       num_slots=rec_pool.shape[0], min_chunked=min_chunked,
@@ -301,17 +301,10 @@ def _chunked_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log,
   length = jnp.where(used, reqs.length[req], 0)
   init = used & reqs.has_init[req]
   read = reqs.read_slot[req]
-  # Token labels: n + 1 from the start of chunked request n on (0 before the
-  # first); tokens between requests keep the previous label and are masked.
   # Compares of every token against the (sorted) starts: one fusion, where a
   # scatter + cumsum cost several.
   after = token[:, None] >= start[None, :]                                    # [T, N]
-  label = jnp.sum(after.astype(jnp.int32), axis=1)
   mine = jnp.any(after & (token[:, None] < (start + length)[None, :]), axis=1)
-  # align_segments numbers segments by label changes: request n is segment
-  # n + lead, lead = 1 when tokens before the first request form segment 0.
-  lead = (label[0] == 0).astype(jnp.int32)
-  seg_ids = label[None]
 
   conv0 = jnp.where(init[:, None, None], conv_pool[read].astype(_F32), 0.0)    # [N, W-1, D]
   taps = base.conv_weight_taps(conv_weight)                                   # [W, D]
@@ -362,6 +355,14 @@ def _chunked_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log,
     rec_pool = _put_slot(rec_pool, slot, final[0], used[0])
     conv_pool = _put_slot(conv_pool, slot, conv_new[0], used[0])
   else:
+    # Token labels: n + 1 from the start of chunked request n on (0 before
+    # the first); tokens between requests keep the previous label and are
+    # masked. align_segments numbers segments by label changes: request n is
+    # segment n + lead, lead = 1 when tokens before the first request form
+    # segment 0.
+    label = jnp.sum(after.astype(jnp.int32), axis=1)
+    lead = (label[0] == 0).astype(jnp.int32)
+    seg_ids = label[None]
     n_states = n_max + 1
     seg = jnp.arange(n_states) - lead                                       # request of segment
     seg_ok = (seg >= 0) & (seg < n_max)
