@@ -78,11 +78,29 @@ def _cost_model(implementation: str, spec_name: str):
   """pallas_mosaic_tpu: its decode kernel without per-request branches, as if
   every request ran, from a read state when any of the workload's requests
   continues one (libtpu's estimate leaves data-dependent branch bodies out;
-  see `pallas_mosaic_tpu.full_decode_cost`)."""
-  if implementation == "pallas_mosaic_tpu":
-    from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu  # pylint: disable=g-import-not-at-top
-    return pallas_mosaic_tpu.full_decode_cost(has_init=any_reads(arg_specs.by_name(spec_name)))
-  return contextlib.nullcontext()
+  see `pallas_mosaic_tpu.full_decode_cost`), and its chunked GDN kernel at
+  static block indices, every block running when any request is chunked
+  (`pallas_mosaic_tpu.full_chunk_cost`: the estimator aborts on the real
+  kernel's SMEM block indices)."""
+  if implementation != "pallas_mosaic_tpu":
+    return contextlib.nullcontext()
+  from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu  # pylint: disable=g-import-not-at-top
+  spec = arg_specs.by_name(spec_name)
+  stack = contextlib.ExitStack()
+  stack.enter_context(pallas_mosaic_tpu.full_decode_cost(has_init=any_reads(spec)))
+  stack.enter_context(pallas_mosaic_tpu.full_chunk_cost(run=any_chunked(spec)))
+  return stack
+
+
+def any_chunked(spec) -> bool:
+  """Whether a valid request of the spec takes the Pallas chunked path (a
+  non-decode of at least the heuristic's `min_chunked_tokens`)."""
+  from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu  # pylint: disable=g-import-not-at-top
+  lay = arg_specs.layout_of(spec.name)
+  qsl, dist = np.asarray(lay["query_start_loc"]), np.asarray(lay["distribution"])
+  n_valid = min(int(dist[2]), lay["state_indices"].shape[0])
+  lengths = np.diff(qsl[:n_valid + 1])[int(dist[0]):]
+  return bool(np.any(lengths >= pallas_mosaic_tpu.Config().min_chunked_tokens))
 
 
 def any_reads(spec) -> bool:

@@ -158,48 +158,70 @@ def _packed_inputs(seed, *, t, hk, hv, dk, dv, masked):
   return qkv, g, beta, h0
 
 
-def test_packed_forward_matches_gdn_fwd_on_prologue_inputs():
-  """gdn_fwd_packed (q, k, v as lane ranges, L2 norm in-kernel, beta guard)
-  = gdn_fwd on XLA's l2norm(q), l2norm(k) with the masked tokens' q, k, v
-  zeroed; T not a multiple of C (a partial last chunk)."""
+# Two requests sharing the first 64-token block (boundary at 40) and a
+# partial last block (T = 80): the first continues pool slot 1 into slot 2,
+# the second starts from zeros into slot 0; slot 3 is no one's.
+_REQS = dict(start=[5, 40, 80], length=[35, 30, 0], init=[True, False, False],
+             read=[1, 3, 0], write=[2, 0, 4])
+
+
+def _requests_call(qkv, g, beta, pool, base, *, hk, hv, dk, dv, c):
+  req = pk.PackedRequests(**{k: jnp.asarray(v, bool if k == "init" else jnp.int32)
+                             for k, v in _REQS.items()})
+  return jax.jit(lambda *a: pk.gdn_fwd_requests(
+      *a[:4], req, a[4], hk=hk, hv=hv, dim_k=dk, dim_v=dv, scale=dk**-0.5, chunk=c,
+      interleave=2, interpret=True))(*map(jnp.asarray, (qkv[0], g[0], beta[0], pool, base)))
+
+
+def test_requests_forward_matches_gdn_fwd_on_prologue_inputs():
+  """gdn_fwd_requests (q, k, v as lane ranges, L2 norm in-kernel, each request
+  from its pool slot, its own rows only) = gdn_fwd per request on XLA's
+  l2norm(q), l2norm(k) with the other tokens' q, k, v zeroed and their gates
+  0; rows and slots of no request are `base`'s and the pool's, bit for bit."""
   hk, hv, dk, dv, t, c = 1, 2, 16, 16, 80, 64
-  masked = np.r_[0:5, 70:80]
-  qkv, g, beta, h0 = _packed_inputs(0, t=t, hk=hk, hv=hv, dk=dk, dv=dv, masked=masked)
+  qkv, g, beta, _ = _packed_inputs(0, t=t, hk=hk, hv=hv, dk=dk, dv=dv, masked=[])
+  r = np.random.default_rng(1)
+  pool = (0.1 * r.standard_normal((4, hv, dk, dv))).astype(np.float32)
+  base = r.standard_normal((t, hv * dv)).astype(np.float32)
+  out, new_pool = _requests_call(qkv, g, beta, pool, base, hk=hk, hv=hv, dk=dk, dv=dv, c=c)
   kw = dict(scale=dk**-0.5, chunk=c, interleave=2, interpret=True)
-  out, final = pk.gdn_fwd_packed(jnp.asarray(qkv), jnp.asarray(g), jnp.asarray(beta), hk=hk,
-                                 hv=hv, dim_k=dk, dim_v=dv, initial_state=jnp.asarray(h0),
-                                 qk_l2norm=True, beta_guard=True, **kw)
-  keep = np.ones((1, t, 1, 1), bool)
-  keep[:, masked] = False
   x = jnp.asarray(qkv)
   q = prologue.l2norm(x[..., :hk * dk].reshape(1, t, hk, dk))
   k = prologue.l2norm(x[..., hk * dk:2 * hk * dk].reshape(1, t, hk, dk))
   v = x[..., 2 * hk * dk:].reshape(1, t, hv, dv)
-  q, k, v = (jnp.where(keep, y, 0.0) for y in (q, k, v))
-  want, want_final, _ = pk.gdn_fwd(q, k, v, jnp.asarray(g), jnp.asarray(beta),
-                                   initial_state=jnp.asarray(h0), **kw)
-  want = np.asarray(want).reshape(1, t, hv * dv)
-  live = np.setdiff1d(np.arange(t), masked)
-  np.testing.assert_allclose(np.asarray(out)[:, live], want[:, live], rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(final, want_final, rtol=1e-5, atol=1e-5)
+  mine = np.zeros(t, bool)
+  for n in range(2):
+    s, e = _REQS["start"][n], _REQS["start"][n] + _REQS["length"][n]
+    own = np.zeros((1, t), bool)
+    own[:, s:e] = True
+    mine |= own[0]
+    keep = own[..., None, None]
+    h0 = pool[_REQS["read"][n]] if _REQS["init"][n] else np.zeros_like(pool[0])
+    want, want_final, _ = pk.gdn_fwd(
+        *(jnp.where(keep, y, 0.0) for y in (q, k, v)), jnp.where(own[..., None], g, 0.0),
+        jnp.where(own[..., None], beta, 0.0), initial_state=jnp.asarray(h0)[None], **kw)
+    want = np.asarray(want).reshape(t, hv * dv)
+    np.testing.assert_allclose(np.asarray(out)[s:e], want[s:e], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(new_pool[_REQS["write"][n]], want_final[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(out)[~mine], base[~mine])
+  np.testing.assert_array_equal(np.asarray(new_pool)[[1, 3]], pool[[1, 3]])
 
 
-def test_packed_beta_guard_keeps_masked_tokens_out():
-  """NaN, inf and huge values in the q, k, v of tokens with beta 0 change no
-  other token's output and not the final state, bit for bit."""
-  hk, hv, dk, dv, t, c = 1, 2, 16, 16, 64, 32
-  masked = np.array([3, 4, 40, 41, 63])
-  qkv, g, beta, h0 = _packed_inputs(1, t=t, hk=hk, hv=hv, dk=dk, dv=dv, masked=masked)
-  run = lambda x: pk.gdn_fwd_packed(
-      jnp.asarray(x), jnp.asarray(g), jnp.asarray(beta), hk=hk, hv=hv, dim_k=dk, dim_v=dv,
-      scale=dk**-0.5, initial_state=jnp.asarray(h0), chunk=c, interleave=2, qk_l2norm=True,
-      beta_guard=True, interpret=True)
-  clean = qkv.copy()
-  clean[:, masked] = 0.0
-  bad = qkv.copy()
-  bad[:, masked] = np.array([np.nan, np.inf, -np.inf, 3e38, -3e38] * 100)[:qkv.shape[-1]]
-  (out, final), (ref, ref_final) = run(bad), run(clean)
-  live = np.setdiff1d(np.arange(t), masked)
-  np.testing.assert_array_equal(np.asarray(out)[:, live], np.asarray(ref)[:, live])
-  np.testing.assert_array_equal(final, ref_final)
-  assert np.all(np.isfinite(np.asarray(out)[:, live]))
+def test_requests_keep_other_tokens_out():
+  """NaN, inf and huge values in the q, k, v and gates of tokens outside the
+  requests change none of their output rows and final states, bit for bit."""
+  hk, hv, dk, dv, t, c = 1, 2, 16, 16, 80, 64
+  qkv, g, beta, _ = _packed_inputs(2, t=t, hk=hk, hv=hv, dk=dk, dv=dv, masked=[])
+  pool = (0.1 * np.random.default_rng(3).standard_normal((4, hv, dk, dv))).astype(np.float32)
+  base = np.zeros((t, hv * dv), np.float32)
+  other = np.r_[0:5, 70:80]
+  junk = np.array([np.nan, np.inf, -np.inf, 3e38, -3e38] * 100)
+  bad = [x.copy() for x in (qkv, g, beta)]
+  for x in bad:
+    x[:, other] = junk[:x.shape[-1]]
+  run = lambda a, b, d: _requests_call(a, b, d, pool, base, hk=hk, hv=hv, dk=dk, dv=dv, c=c)
+  (out, new_pool), (ref, ref_pool) = run(*bad), run(qkv, g, beta)
+  live = np.r_[5:70]
+  np.testing.assert_array_equal(np.asarray(out)[live], np.asarray(ref)[live])
+  np.testing.assert_array_equal(new_pool, ref_pool)
+  assert np.all(np.isfinite(np.asarray(out)[live]))

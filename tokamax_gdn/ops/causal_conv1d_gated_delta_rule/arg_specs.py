@@ -10,6 +10,8 @@
   cases (GVA 1:4, d_k = d_v = 128 at T = 24, padded batches, context > 0,
   verify windows, f32 and bf16 pools): four tagged 'conformance' (three also
   'interpret', for Pallas interpret mode), the others 'odd'.
+- The decode and prefill parts of the two mixed AOT workloads as separate
+  calls ('aot_parts'), to compare the mixed calls with.
 - The benchmark workloads of `tokamax-gdn bench` ('bench'): Hk=2, Hv=8,
   K=V=128, bf16 (a 2048-token prefill, decode_64, a mixed batch).
 
@@ -166,6 +168,13 @@ ARG_SPECS: list[ArgSpec] = [
          tags=_O, **_TINY),
     # tokamax's named workloads (Qwen3.5-397B and friends).
     *_tokamax(),
+    # The parts of the mixed AOT workloads, as separate calls (`tokamax-gdn
+    # aot --specs`): tp8_mixed_64_t8192 = 63 fresh decodes + one fresh
+    # 8129-token prefill; tp8_mixed_3x512 = fresh prefills of 256, 128, 128.
+    spec("tp8_mixed_64_t8192_decode_part", lengths=[1] * 63, tags=("aot_parts",), **_BENCH),
+    spec("tp8_mixed_64_t8192_prefill_part", lengths=[8129], tags=("aot_parts",), **_BENCH),
+    spec("tp8_prefill_256", lengths=[256], tags=("aot_parts",), **_BENCH),
+    spec("tp8_prefill_128", lengths=[128], tags=("aot_parts",), **_BENCH),
     # `tokamax-gdn bench` (CPU): ours vs tokamax's xla op.
     spec("bench_prefill_2048", lengths=[2048], tags=("bench",), **_BENCH),
     spec("bench_decode_64", lengths=[1] * 64, context_lens=1024, tags=("bench",), **_BENCH),

@@ -17,25 +17,25 @@ recompiles when the composition changes):
    `causal_conv1d` Pallas op over the packed tokens, with its SiLU and no
    segment ids, then each request's first W-1 rows (whose windows reach
    into the tokens before it) recomputed from its conv state and written in
-   place; then the chunked GDN forward kernel
-   (`gated_delta_rule/pallas_mosaic_tpu_kernel`). Tokens of other requests
-   enter it masked (beta and log-decay 0, k and v zero), so a NaN there
-   cannot reach a chunked request.
-   - N = 1 (one request in the call, or T < 2 min_chunked_tokens):
-     `gdn_fwd_packed` reads q, k, v as lane ranges of the conv output,
-     L2-normalises q and k itself and reads the masked tokens' k, v as 0
-     (its `beta_guard`: beta is 0 there), from the request's read state in a
-     plain row (the masked tokens pass the state through); slots written by
-     dynamic-update-slices. No XLA pass over the activations.
-   - N > 1: `gdn_fwd` with per-segment states on q, k, v normalised and
-     masked in XLA: each request's state is gathered from its read slot and
-     its final state scattered to its slot. Its static cost is that of
-     T + N (C - 1) tokens (`base.align_segments`).
+   place; then `gdn_fwd_requests` (`gated_delta_rule/pallas_mosaic_tpu_kernel`)
+   on the conv output as it is: a grid of work items, one per C-token block
+   and chunked request touching it (at most T/C + N - 1), each running its
+   request's rows of the block from the request's read slot (DMA'd from the
+   pool) and writing its rows of the output (updating the decode kernel's
+   output in place) and its final state (into the pool, in place). Tokens
+   of other requests count as beta 0 and log-decay 0 there, so a NaN there
+   cannot reach a chunked request. Items past the chunked requests' blocks
+   skip their body and fetch nothing: a decode batch whose T allows chunked
+   requests (tp8_decode_512) pays for their empty steps only.
    v6e estimates, kcycles (`tokamax-gdn aot --op causal_conv1d_gated_delta_rule
-   --target v6e`): tp8_prefill_4096 (N = 1) 427.3 before (the conv with
-   segment ids and XLA's SiLU, l2norm, masks and relayouts into `gdn_fwd`'s
-   [T, H, D] operands: ~190 k beside the kernel) -> 289.6;
-   tp8_mixed_3x512 (N = 3) 150.3 -> 146.6.
+   --target v6e`), the previous chunked path (`gdn_fwd_packed` for N = 1,
+   `gdn_fwd` on the chunk-aligned layout of per-request segments for N > 1)
+   -> this one: tp8_decode_512 (N = 4, none chunked) 269.2 -> 146.0 (the
+   chunked path's GDN kernel 62.2 -> 0.9, its XLA layout gathers and state
+   scatters gone), tp8_mixed_3x512 (N = 3) 141.0 -> 74.0, tp8_prefill_4096
+   (N = 1) 299.8 -> 294.3 (no XLA add of the two paths' outputs).
+   The estimator aborts on the kernel as it runs (block indices from SMEM);
+   the figures are of its cost model (`full_chunk_cost`).
 
 When T < min_chunked_tokens (every decode batch with the heuristic) the
 chunked path is not compiled at all.
@@ -63,6 +63,7 @@ from tokamax_gdn.ops.tiling import round_up
 _F32 = jnp.float32
 _MIB = 1 << 20
 _all_run: bool | None = None   # None: the real kernel; else full_decode_cost's has_init
+_chunk_cost: bool | None = None   # None: the real kernel; else full_chunk_cost's run
 
 
 @contextlib.contextmanager
@@ -83,6 +84,27 @@ def full_decode_cost(has_init: bool = True):
     yield
   finally:
     _all_run = old
+
+
+@contextlib.contextmanager
+def full_chunk_cost(run: bool):
+  """Compiles the chunked path's GDN kernel (`gdn_fwd_requests`) at static
+  block indices, every work item running if `run`, else every item skipped:
+  for static cycle estimates only (results meaningless).
+
+  libtpu's estimator aborts on the real kernel, whose block indices come
+  from SMEM ("No DMA issue node found for sync flag", v6e and tpu7x; the
+  same kernel at static indices is estimated). At static indices every item
+  moves its blocks, so the estimate is at least the real kernel's traffic;
+  with `run` it is that of a call whose items all run (a prefill), else that
+  of one whose requests hold no chunked token (a decode batch).
+  """
+  global _chunk_cost
+  old, _chunk_cost = _chunk_cost, bool(run)
+  try:
+    yield
+  finally:
+    _chunk_cost = old
 
 
 @pydantic.dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -281,15 +303,14 @@ def _requests_conv(qkv, conv_weight, conv_bias, taps, conv0, start, length, used
   return act.at[dest.reshape(-1)].set(rows.reshape(-1, dim), mode="drop")
 
 
-def _chunked_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, dt_bias,
+def _chunked_path(qkv, b, a, out, conv_pool, rec_pool, conv_weight, conv_bias, a_log, dt_bias,
                   reqs: base.Requests, chunked: jax.Array, n_max: int, min_chunked: int,
                   dims: base.Dims, cfg: Config, interpret: bool):
   """The chunked path over the (at most `n_max`) requests where `chunked`,
-  each at least `min_chunked` tokens long; returns (out [T, Hv V] on their
-  tokens (zeros elsewhere), pools)."""
+  each at least `min_chunked` tokens long; returns (`out` [T, Hv V] with
+  their tokens' rows written (in place), pools)."""
   t_len, dim = qkv.shape
   n_req, kw1 = reqs.start.shape[0], dims.kernel_size - 1
-  token = jnp.arange(t_len, dtype=jnp.int32)
   if n_max == 1:
     req = jnp.argmax(chunked)[None].astype(jnp.int32)     # 0 (unused) if none
   else:
@@ -301,11 +322,6 @@ def _chunked_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log,
   length = jnp.where(used, reqs.length[req], 0)
   init = used & reqs.has_init[req]
   read = reqs.read_slot[req]
-  # Compares of every token against the (sorted) starts: one fusion, where a
-  # scatter + cumsum cost several.
-  after = token[:, None] >= start[None, :]                                    # [T, N]
-  mine = jnp.any(after & (token[:, None] < (start + length)[None, :]), axis=1)
-
   conv0 = jnp.where(init[:, None, None], conv_pool[read].astype(_F32), 0.0)    # [N, W-1, D]
   taps = base.conv_weight_taps(conv_weight)                                   # [W, D]
   act = _requests_conv(qkv, conv_weight, conv_bias, taps, conv0, start, length, used,
@@ -325,8 +341,7 @@ def _chunked_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log,
                          qkv[jnp.clip(src, 0, t_len - 1)].astype(_F32))
 
   beta, g = base.gates(b, a, a_log, dt_bias)
-  g = jnp.where(mine[:, None], jnp.maximum(g, gdn_prologue.CHUNKED_LOG_DECAY_FLOOR), 0.0)
-  beta = jnp.where(mine[:, None], beta, 0.0)
+  g = jnp.maximum(g, gdn_prologue.CHUNKED_LOG_DECAY_FLOOR)
   hv = dims.n_v
   interleave = gdn_kernel.normalize_interleave(16, hv, hv // dims.n_kq)
   # The GDN op's own VMEM model for this kernel, with a quarter to spare: a
@@ -335,59 +350,24 @@ def _chunked_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log,
   need = gdn_pallas.vmem_estimate(chunk=cfg.chunk_size, hv=hv, hk=dims.n_kq, dim_k=dims.d_k,
                                   dim_v=dims.d_v, itemsize=jnp.dtype(qkv.dtype).itemsize,
                                   interleave=interleave, kernel="fwd")
-  kernel_args = dict(scale=dims.scale, chunk=cfg.chunk_size, interleave=interleave,
-                     interpret=interpret, vmem_limit_bytes=min(_vmem_cap(), need * 5 // 4))
+  # Each request's blocks, from its read slot (straight from the pool), its
+  # rows only (other tokens pass its state through, NaN or not); blocks that
+  # hold no chunked request are skipped and move nothing.
+  slot = jnp.where(used, reqs.write_slot[req], conv_pool.shape[0])
+  out, rec_pool = gdn_kernel.gdn_fwd_requests(
+      act, g, beta, rec_pool,
+      gdn_kernel.PackedRequests(start=start, length=length, init=init, read=read, write=slot),
+      out, hk=dims.n_kq, hv=hv, dim_k=dims.d_k, dim_v=dims.d_v, scale=dims.scale,
+      chunk=cfg.chunk_size, interleave=interleave, all_run=bool(_chunk_cost),
+      static_blocks=_chunk_cost is not None, interpret=interpret,
+      vmem_limit_bytes=min(_vmem_cap(), need * 5 // 4))
   if n_max == 1:
-    # One request: no segments needed. The masked tokens around it (beta 0,
-    # log-decay 0) pass the state through unchanged, so a plain row with its
-    # initial state gives its final state (and no chunk-aligned layout, no
-    # padding). The kernel reads q, k, v as lane ranges of the conv output,
-    # L2-normalises q and k itself and reads k, v of the masked tokens as 0
-    # (`beta_guard`): no XLA pass over the activations.
-    h0 = jnp.where(init[0], rec_pool[read[0]].astype(_F32), 0.0)
-    out, final = gdn_kernel.gdn_fwd_packed(
-        act[None], g[None], beta[None], hk=dims.n_kq, hv=hv, dim_k=dims.d_k, dim_v=dims.d_v,
-        initial_state=h0[None], qk_l2norm=True, beta_guard=True, **kernel_args)
-    # Its slots by dynamic-update-slices (row scatters cost ~3.5k cycles each
-    # on the v6e estimate, with their bounds checks): without a chunked
-    # request, the slot's own contents go back.
-    slot = reqs.write_slot[req[0]]
-    rec_pool = _put_slot(rec_pool, slot, final[0], used[0])
-    conv_pool = _put_slot(conv_pool, slot, conv_new[0], used[0])
+    # A dynamic-update-slice (row scatters cost ~3.5k cycles each on the v6e
+    # estimate, with their bounds checks): without a chunked request, the
+    # slot's own contents go back.
+    conv_pool = _put_slot(conv_pool, reqs.write_slot[req[0]], conv_new[0], used[0])
   else:
-    # Token labels: n + 1 from the start of chunked request n on (0 before
-    # the first); tokens between requests keep the previous label and are
-    # masked. align_segments numbers segments by label changes: request n is
-    # segment n + lead, lead = 1 when tokens before the first request form
-    # segment 0.
-    label = jnp.sum(after.astype(jnp.int32), axis=1)
-    lead = (label[0] == 0).astype(jnp.int32)
-    seg_ids = label[None]
-    n_states = n_max + 1
-    seg = jnp.arange(n_states) - lead                                       # request of segment
-    seg_ok = (seg >= 0) & (seg < n_max)
-    seg_req = jnp.clip(seg, 0, n_max - 1)
-    h0 = rec_pool[read[seg_req]].astype(_F32)
-    h0 = jnp.where((seg_ok & init[seg_req])[:, None, None, None], h0, 0.0)
-    # q, k, v [T, H, D] (normalised and masked in XLA), not packed: the
-    # chunk-aligned layout's token gathers cost more on [T, D] rows than on
-    # whole (H, D) tiles (v6e estimate at tp8_mixed_3x512: packed 22.4 k in +
-    # 8.2 k out vs 13.4 k + 2.5 k; the call 152.1 k vs 146.6 k).
-    q, k, v = base.split_heads(act, dims)
-    keep = mine[:, None, None]
-    q = jnp.where(keep, gdn_prologue.l2norm(q), 0.0).astype(qkv.dtype)
-    k = jnp.where(keep, gdn_prologue.l2norm(k), 0.0).astype(qkv.dtype)
-    v = jnp.where(keep, v, 0.0).astype(qkv.dtype)
-    out, final, _ = gdn_kernel.gdn_fwd(q[None], k[None], v[None], g[None], beta[None],
-                                       initial_state=h0[None], segment_ids=seg_ids,
-                                       **kernel_args)
-    slot_of_seg = jnp.where(seg_ok & used[seg_req], reqs.write_slot[req[seg_req]],
-                            rec_pool.shape[0])
-    finals = final[0]                                                       # [N + 1, ...]
-    rec_pool = rec_pool.at[slot_of_seg].set(finals.astype(rec_pool.dtype), mode="drop")
-    conv_pool = conv_pool.at[jnp.where(used, reqs.write_slot[req], conv_pool.shape[0])].set(
-        conv_new.astype(conv_pool.dtype), mode="drop")
-  out = jnp.where(mine[:, None], out[0].reshape(t_len, -1), 0).astype(qkv.dtype)
+    conv_pool = conv_pool.at[slot].set(conv_new.astype(conv_pool.dtype), mode="drop")
   return out, conv_pool, rec_pool
 
 
@@ -435,10 +415,9 @@ class PallasMosaicTpuCausalConv1dGatedDeltaRule(config_hooks.PallasTpuHooks,
         qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias, reqs,
         runs, min_chunked if n_chunked else 0, dims, config, mid, interpret)
     if n_chunked:
-      out_c, conv_pool, rec_pool = _chunked_path(
-          qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, dt_bias, reqs,
+      out, conv_pool, rec_pool = _chunked_path(
+          qkv, b, a, out, conv_pool, rec_pool, conv_weight, conv_bias, a_log, dt_bias, reqs,
           chunked, n_chunked, min_chunked, dims, config, interpret)
-      out = out + out_c          # disjoint rows: each token is zero in one of them
     return (conv_pool, rec_pool), out
 
 

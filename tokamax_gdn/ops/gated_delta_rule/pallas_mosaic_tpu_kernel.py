@@ -331,13 +331,18 @@ class _Static:
   # The in-kernel half of `isolation.SegmentGuard` (its gates and states are
   # sanitised in XLA): non-finite k, v (and q, dO in the backward) count as 0.
   sanitize: bool = False
-  # `gdn_fwd_packed`: q, k, v are lane ranges of one [B, T, 2 Hk K + Hv V]
+  # `gdn_fwd_requests`: q, k, v are lane ranges of one [T, 2 Hk K + Hv V]
   # input and the output is [B, T, Hv V] (heads are lane slices of a block: no
   # relayout); q, k L2-normalised in the kernel (`qk_l2norm`); `beta_guard`:
   # k and v read as 0 at tokens whose beta is 0 (`_packed_heads`).
   packed: bool = False
   qk_l2norm: bool = False
   beta_guard: bool = False
+  # `requests`: grid steps are work items (a block and a request touching
+  # it) described in SMEM; `gated`: items whose run flag is 0 do nothing
+  # (the cost model `all_run` compiles every item ungated).
+  requests: bool = False
+  gated: bool = False
 
   @property
   def group(self) -> int:
@@ -349,7 +354,8 @@ class _Static:
 
   @property
   def tail(self) -> bool:
-    return self.t_len % self.chunk != 0
+    # With `requests` a block's rows past T are outside every item's rows.
+    return not self.requests and self.t_len % self.chunk != 0
 
 
 class _Refs:
@@ -390,7 +396,7 @@ def _heads(ref):
   return pltpu.einshape("chd->hcd", ref[...].astype(F32))
 
 
-def _packed_heads(x_ref, b_ref, qh_scr, kh_scr, vh_scr, st: _Static, c_idx):
+def _packed_heads(x_ref, b_ref, qh_scr, kh_scr, vh_scr, st: _Static, c_idx, rows=None):
   """The head tiles of a packed (C, 2 Hk K + Hv V) block into the head-major
   scratch: aligned lane slices of the block (no relayout), q and k
   L2-normalised under `st.qk_l2norm`.
@@ -401,11 +407,12 @@ def _packed_heads(x_ref, b_ref, qh_scr, kh_scr, vh_scr, st: _Static, c_idx):
   row, which is used scaled by its beta; a select makes NaN, inf or huge
   values there count as nothing (the serving op's tokens of other requests
   come with beta 0). A query reaches its own output only and is read as it is.
+  `rows`: only rows [lo, hi) count (`_row_mask`), the others as beta 0.
   """
   kd, vd, hk = st.dim_k, st.dim_v, st.hk
   live = None
   if st.beta_guard:
-    beta = _tail_mask(b_ref[...].astype(F32), st, c_idx)                 # (C, Hv)
+    beta = _row_mask(_tail_mask(b_ref[...].astype(F32), st, c_idx), rows)   # (C, Hv)
     live = [beta[:, i:i + 1] != 0.0 for i in range(st.hv)]
   lanes = lambda start, width: _tail_mask(x_ref[:, start:start + width].astype(F32), st, c_idx)
   for j in range(hk):
@@ -429,6 +436,17 @@ def _tail_mask(x, st: _Static, c_idx):
   return jnp.where(pos < st.t_len, x, 0.0)
 
 
+def _row_mask(x, rows):
+  """Zero the rows of x (C, ...) outside [lo, hi) of `rows` = (lo, hi) (None:
+  none): the tokens of a work item's block that are not its request's
+  (`gdn_fwd_requests`); with beta and log-decay 0 they pass the state
+  through."""
+  if rows is None:
+    return x
+  row = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+  return jnp.where((row >= rows[0]) & (row < rows[1]), x, 0.0)
+
+
 def _finite(x, st: _Static):
   """x with NaN / inf as 0 under `st.sanitize` (one head's tile: a select over
   a whole block costs scoped VMEM)."""
@@ -440,13 +458,14 @@ _G_HI, _G_LO, _BETA, _KOUT, _DECAY_CHUNK, _DECAY_OUT = range(6)
 _N_ROWS = 6
 
 
-def _step_prologue(g_ref, b_ref, st_ref, rows_scr, st: _Static, c_idx):
+def _step_prologue(g_ref, b_ref, st_ref, rows_scr, st: _Static, c_idx, rows=None):
   """Gates of the chunk for every head, into `rows_scr`; returns (gate, masks).
 
   masks: (causal, strict) C×C, with segments restricted to one segment.
+  `rows`: see `_row_mask`.
   """
-  g_rows = _tail_mask(g_ref[...].astype(F32), st, c_idx).T
-  b_rows = _tail_mask(b_ref[...].astype(F32), st, c_idx).T
+  g_rows = _row_mask(_tail_mask(g_ref[...].astype(F32), st, c_idx), rows).T
+  b_rows = _row_mask(_tail_mask(b_ref[...].astype(F32), st, c_idx), rows).T
   starts = None
   if st.has_seg:
     starts = _tail_mask(st_ref[...].astype(F32).T, st, c_idx).T   # (1, C)
@@ -473,32 +492,98 @@ def _group_heads(st: _Static, gi):
 
 def _fwd_kernel(*refs, names: tuple[str, ...], st: _Static, write_out: bool, emit: bool):
   r = _Refs(names, refs)
-  code_ref, q_ref, k_ref, v_ref, g_ref, b_ref = r.code, r.q, r.k, r.v, r.log_decay, r.beta
-  st_ref, h0_ref, o_ref, ht_ref = r.starts, r.h0, r.out, r.final
-  states_ref, tm_ref = r.states, r.tmats
-  s_scr, rows_scr, qh_scr, kh_scr, vh_scr, out_scr = r.s, r.rows, r.qh, r.kh, r.vh, r.out_heads
-  c, c_idx = st.chunk, pl.program_id(1)
-  dim_k, mm, passes = st.dim_k, st.mm, st.passes
+  code_ref, c_idx = r.code, pl.program_id(1)
 
-  if st.n_states:     # a segment starts here: its own state (zeros from segment N on)
+  rows = init = run = None
+  if st.requests:     # a work item (`_item_table`)
+    flags = r.item_flags[c_idx]
+    run = (flags & 1) == 1
+    enter, leave, init = _flag(flags, 1), _flag(flags, 2), _flag(flags, 3)
+    rows = (lax.shift_right_logical(flags, jnp.int32(4)) & 255,
+            lax.shift_right_logical(flags, jnp.int32(12)) & 255)
+
+    @pl.when(_flag(flags, 20))
+    def _fresh():
+      # The first item of its block: the block's rows start as `base`'s (the
+      # output updates `base` in place; items merge their rows into it).
+      r.out[...] = r.base[...]
+  elif st.n_states:   # a segment starts here: its own state (zeros from segment N on)
     code = code_ref[pl.program_id(0) * pl.num_programs(1) + c_idx]
     enter, leave = _code_reset(code) == 1, _code_last(code) == 1
   else:
     enter, leave = c_idx == 0, c_idx == pl.num_programs(1) - 1
 
+  if not st.gated:
+    run = None
+  _fwd_step(r, st, write_out, emit, enter, leave, init, rows, run)
+
+
+def _flag(flags, bit: int):
+  return (lax.shift_right_logical(flags, jnp.int32(bit)) & 1) == 1
+
+
+def _fwd_step(r: _Refs, st: _Static, write_out: bool, emit: bool, enter, leave, init, rows,
+              run):
+  """One chunk of `_fwd_kernel`: `enter`/`leave` (scalars) take the
+  initial state / write the final one; with `requests`, `init` says whether
+  the initial state is the request's read state (else zeros) and only the
+  block's rows [lo, hi) = `rows` are the request's (the others pass the
+  state through, and their output rows are left as they are); `run` (None:
+  always) gates the whole step. The gate is folded into each branch rather
+  than put around them: the state DMAs in a branch nested in another made
+  libtpu's static estimator abort ("No DMA issue node found for sync
+  flag")."""
+  h0_ref, s_scr, c_idx = r.h0, r.s, pl.program_id(1)
+  if run is not None:
+    enter, leave = jnp.logical_and(run, enter), jnp.logical_and(run, leave)
+
   @pl.when(enter)
   def _init():
-    s_scr[...] = h0_ref[...].astype(F32) if st.has_h0 else jnp.zeros(s_scr.shape, F32)
+    if init is None:
+      s_scr[...] = h0_ref[...].astype(F32) if st.has_h0 else jnp.zeros(s_scr.shape, F32)
+    else:
+      # `requests`: the request's read slot of the pool (HBM) by a DMA here,
+      # and a select, so a NaN in an unread slot stays out. (As pipelined
+      # blocks with SMEM index maps, the state in and out made libtpu's
+      # static estimator abort: "No DMA issue node found for sync flag".)
+      cp = pltpu.make_async_copy(h0_ref.at[r.item_slot[c_idx]], r.h0_buf, r.sem.at[0])
+      cp.start()
+      cp.wait()
+      s_scr[...] = jnp.where(init, r.h0_buf[...].astype(F32), 0.0)
 
-  poison_ref = r.poison if "poison" in names and write_out else None
-  gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx)
+  if run is None:
+    _fwd_chunk(r, st, write_out, emit, rows)
+  else:
+    pl.when(run)(lambda: _fwd_chunk(r, st, write_out, emit, rows))
+
+  @pl.when(leave)
+  def _final():
+    if init is None:
+      r.final[...] = r.s[...]
+    else:   # `requests`: into the request's write slot of the pool, by a DMA
+      r.h0_buf[...] = r.s[...].astype(r.h0_buf.dtype)
+      cp = pltpu.make_async_copy(r.h0_buf, r.pool.at[r.item_write[c_idx]], r.sem.at[1])
+      cp.start()
+      cp.wait()
+
+
+def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
+  """`_fwd_step`'s compute: the chunk's outputs and the state update."""
+  q_ref, k_ref, v_ref, g_ref, b_ref = r.q, r.k, r.v, r.log_decay, r.beta
+  st_ref, o_ref = r.starts, r.out
+  states_ref, tm_ref = r.states, r.tmats
+  s_scr, rows_scr, qh_scr, kh_scr, vh_scr, out_scr = r.s, r.rows, r.qh, r.kh, r.vh, r.out_heads
+  c, c_idx = st.chunk, pl.program_id(1)
+  dim_k, mm, passes = st.dim_k, st.mm, st.passes
+  poison_ref = r.poison if write_out else None
+  gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx, rows)
   _, strict = masks
   # With `sanitize` the keys and values are sanitised per head in `group` (a
   # NaN would reach earlier tokens through 0-coefficients; a select over a
   # whole block took scoped VMEM past the tpu7x limit). A query reaches only
   # its own output, so it stays as it is.
   if st.packed:
-    _packed_heads(r.qkv, b_ref, qh_scr, kh_scr, vh_scr, st, c_idx)
+    _packed_heads(r.qkv, b_ref, qh_scr, kh_scr, vh_scr, st, c_idx, rows)
   else:
     for ref, scr in ((q_ref, qh_scr), (k_ref, kh_scr), (v_ref, vh_scr)):
       scr[...] = _tail_mask(_heads(ref), st, c_idx)
@@ -552,13 +637,17 @@ def _fwd_kernel(*refs, names: tuple[str, ...], st: _Static, write_out: bool, emi
   lax.fori_loop(0, st.hv // st.interleave, group, 0)
   if write_out and st.packed:
     for i in range(st.hv):
-      o_ref[:, i * st.dim_v:(i + 1) * st.dim_v] = out_scr[i].astype(o_ref.dtype)
+      lanes = slice(i * st.dim_v, (i + 1) * st.dim_v)
+      if rows is None:
+        o_ref[:, lanes] = out_scr[i].astype(o_ref.dtype)
+      else:
+        # Consecutive items of one block (a request's last, the next one's
+        # first) share the resident output block: each merges its own rows.
+        row = lax.broadcasted_iota(jnp.int32, (c, st.dim_v), 0)
+        o_ref[:, lanes] = jnp.where((row >= rows[0]) & (row < rows[1]),
+                                    out_scr[i].astype(o_ref.dtype), o_ref[:, lanes])
   elif write_out:
     o_ref[...] = pltpu.einshape("hcd->chd", out_scr[...]).astype(o_ref.dtype)
-
-  @pl.when(leave)
-  def _final():
-    ht_ref[...] = s_scr[...]
 
 
 def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
@@ -835,34 +924,34 @@ def _state_shape(st: _Static, b: int) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct((*lead, st.hv, st.dim_k, st.dim_v), F32)
 
 
-def _call(kernel, st: _Static, seg: "_Segments | None", *, grid, inputs: list[_Operand],
-          outputs: list[_Operand], scratch: list[_Operand], vmem_limit_bytes, interpret,
-          name) -> dict[str, jax.Array]:
+def _call(kernel, st: _Static, prefetch: dict[str, jax.Array] | None, *, grid,
+          inputs: list[_Operand], outputs: list[_Operand], scratch: list[_Operand],
+          vmem_limit_bytes, interpret, name, aliases: dict[str, str] | None = None
+          ) -> dict[str, jax.Array]:
   """pallas_call of `kernel` on named operands; returns the outputs by name.
 
-  The kernel gets its refs' names (`_Refs`); with
-  `seg`, the per-segment chunk codes come first, as scalar prefetch ("code").
+  The kernel gets its refs' names (`_Refs`); the `prefetch` arrays (the
+  per-segment chunk codes, "code", or `gdn_fwd_requests`' work items) come
+  first, as scalar prefetch into SMEM, readable by the index maps too.
+  `aliases`: input name -> the output name that updates it in place.
   """
   params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                 vmem_limit_bytes=vmem_limit_bytes)
-  names = (("code",) if seg is not None else ()) + tuple(
-      o.name for o in (*inputs, *outputs, *scratch))
+  prefetch = prefetch or {}
+  names = tuple(prefetch) + tuple(o.name for o in (*inputs, *outputs, *scratch))
   body = functools.partial(kernel, names=names, st=st)
   in_specs, args = [o.block for o in inputs], [o.array for o in inputs]
   out_specs, out_shape = [o.block for o in outputs], [o.shape for o in outputs]
-  scratch_shapes = [o.shape for o in scratch]
-  if seg is None:
-    res = pl.pallas_call(
-        body, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        scratch_shapes=scratch_shapes, compiler_params=params, interpret=interpret,
-        name=name)(*args)
-  else:
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1, grid=grid, in_specs=in_specs, out_specs=out_specs,
-        scratch_shapes=scratch_shapes)
-    res = pl.pallas_call(
-        body, grid_spec=grid_spec, out_shape=out_shape, compiler_params=params,
-        interpret=interpret, name=name)(seg.code, *args)
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs, out_specs=out_specs,
+      scratch_shapes=[o.shape for o in scratch])
+  in_index = {o.name: len(prefetch) + i for i, o in enumerate(inputs)}
+  out_index = {o.name: i for i, o in enumerate(outputs)}
+  res = pl.pallas_call(body, grid_spec=grid_spec, out_shape=out_shape, compiler_params=params,
+                       interpret=interpret, name=name,
+                       input_output_aliases={in_index[i]: out_index[o]
+                                             for i, o in (aliases or {}).items()}
+                       )(*prefetch.values(), *args)
   return dict(zip((o.name for o in outputs), res))
 
 
@@ -931,44 +1020,153 @@ def gdn_fwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
                   vmem_limit_bytes=vmem_limit_bytes)
 
 
-def gdn_fwd_packed(qkv: Float[Array, "B T D"], log_decay: Float[Array, "B T Hv"],
-                   beta: Float[Array, "B T Hv"], *, hk: int, hv: int, dim_k: int, dim_v: int,
-                   scale: float, initial_state: Float[Array, "B Hv K V"] | None = None,
-                   chunk=128, interleave=16, newton=None, qk_l2norm: bool = False,
-                   beta_guard: bool = False, interpret=False, vmem_limit_bytes=None):
-  """`gdn_fwd` (no segments, no residuals) on q, k, v packed along lanes:
-  qkv [B, T, D = 2 Hk K + Hv V] holds q in lanes [0, Hk K), k in [Hk K,
-  2 Hk K), v after them (the serving op's conv output as it is). K and V are
-  multiples of 128 (heads are aligned lane slices of a block).
+@dataclasses.dataclass(frozen=True)
+class PackedRequests:
+  """Up to N requests on one packed token row for `gdn_fwd_requests`.
 
-  `qk_l2norm`: q, k L2-normalised in the kernel (`prologue.l2norm`, float32);
-  `beta_guard`: k and v read as 0 at tokens whose beta is 0 (`_packed_heads`),
-  so masking another request's tokens takes only beta = 0 (and a log-decay
-  of 0 to pass the state through).
-
-  Returns (out [B, T, Hv V] in qkv's dtype, final_state [B, Hv, K, V] f32).
+  Lane n holds request [start_n, start_n + length_n) (length 0: an unused
+  lane), starting from the state pool's slot read_n where init_n (else from
+  zeros), its final state written to slot write_n. Used lanes are in token
+  order; no lane reads a slot another one writes.
   """
-  b, t, width = qkv.shape
+
+  start: jax.Array    # [N] int32
+  length: jax.Array   # [N] int32
+  init: jax.Array     # [N] bool
+  read: jax.Array     # [N] int32
+  write: jax.Array    # [N] int32
+
+
+def num_items(t_len: int, lanes: int, chunk: int) -> int:
+  """Work items of `lanes` requests on T tokens: the blocks each spans, at
+  most ceil(T / C) + lanes - 1 (two disjoint requests share a block at most
+  at their boundary)."""
+  return -(-t_len // chunk) + lanes - 1
+
+
+def _item_table(req: PackedRequests, t_len: int, chunk: int):
+  """Per work item j (a C-token block of the row and one request touching it,
+  in token order): (block, read slot, write slot, flags = run | enter << 1 |
+  leave << 2 | init << 3 | lo << 4 | hi << 12 | fresh << 20: the request's
+  rows [lo, hi) of the block; fresh: the block's first item), int32 [J] each.
+
+  Items past the last one repeat its block, lane and slot with run = 0: their
+  index maps fetch nothing new and the kernel skips them.
+  """
+  n = req.start.shape[0]
+  big = num_items(t_len, n, chunk)
+  used = req.length > 0
+  first = req.start // chunk
+  count = jnp.where(used, (req.start + req.length - 1) // chunk - first + 1, 0)
+  ends = jnp.cumsum(count)
+  total = ends[-1]
+  j = jnp.arange(big, dtype=jnp.int32)
+  jj = jnp.minimum(j, jnp.maximum(total - 1, 0))
+  lane = jnp.minimum(jnp.sum((ends[None, :] <= jj[:, None]).astype(jnp.int32), axis=1), n - 1)
+  i = jj - (ends - count)[lane]
+  block = jnp.clip(first[lane] + i, 0, -(-t_len // chunk) - 1)
+  lo = jnp.clip(req.start[lane] - block * chunk, 0, chunk)
+  hi = jnp.clip(req.start[lane] + req.length[lane] - block * chunk, 0, chunk)
+  fresh = jnp.concatenate([jnp.ones((1,), bool), block[1:] != block[:-1]])
+  flags = ((j < total).astype(jnp.int32) | (i == 0).astype(jnp.int32) << 1
+           | (i == count[lane] - 1).astype(jnp.int32) << 2
+           | req.init[lane].astype(jnp.int32) << 3 | lo << 4 | hi << 12
+           | fresh.astype(jnp.int32) << 20)
+  return block.astype(jnp.int32), req.read[lane], req.write[lane], flags
+
+
+def gdn_fwd_requests(qkv: Float[Array, "T D"], log_decay: Float[Array, "T Hv"],
+                     beta: Float[Array, "T Hv"], state_pool: Float[Array, "S Hv K V"],
+                     requests: PackedRequests, out_base: Float[Array, "T HvV"], *, hk: int,
+                     hv: int, dim_k: int, dim_v: int, scale: float, chunk=128, interleave=16,
+                     newton=None, all_run: bool = False, static_blocks: bool = False,
+                     interpret=False, vmem_limit_bytes=None):
+  """The chunked GDN forward over the requests of one packed token row (the
+  serving op's chunked path).
+
+  q, k, v are lane ranges of qkv [T, 2 Hk K + Hv V] (K, V multiples of 128:
+  heads are aligned lane slices of a block, no relayout); q and k are
+  L2-normalised in the kernel (`prologue.l2norm`, float32), k and v read as
+  0 where beta is 0 (`_packed_heads`). The grid is a list of work items
+  (`_item_table`, scalar-prefetched): one per C-token block and request
+  touching it, in token order, at most ceil(T / C) + N - 1. An item runs
+  its request's rows [lo, hi) of the block; the block's other tokens count
+  as beta 0 and log-decay 0 (they pass the state through; a NaN there is
+  selected away) and their output rows are left as they are: the output
+  block stays resident across the items of one block, its first item loads
+  it from `out_base` (aliased: the output updates it in place). A request's
+  first item DMAs its initial state from its read slot of `state_pool` (any
+  float dtype; zeros where not `init`), its last DMAs the final state into
+  its write slot (aliased, in place). Blocks stay aligned: Mosaic's pipeline
+  takes no element offset it cannot prove tile-aligned.
+
+  Items past the requests' blocks (all of them in a decode batch) do nothing
+  and move nothing: their index maps repeat the last block and the body is
+  under `pl.when` of the run flag. How libtpu's static estimate counts that
+  (measured on v6e, a 16-step kernel of four dependent 256x1024x1024 bf16
+  matmuls per step, blocks of 256 rows in and out): 76.6 k cycles; the body
+  under a pl.when on a scalar-prefetched flag 17.4 k (a skipped body costs
+  nothing, the block DMAs still count); block indices from SMEM that stay
+  the same 14.1 k (inputs) and 7.1 k (inputs and output): a DMA of a
+  data-dependent, repeated block index counts as nothing either. So a call
+  whose requests run no block costs its empty steps.
+
+  The estimator aborts on this kernel as it runs ("No DMA issue node found
+  for sync flag", v6e and tpu7x), whenever its blocks' indices come from
+  SMEM (with the state blocks pipelined too, and the final-state write and
+  initial-state read both under branches on SMEM flags); the same kernel at
+  static block indices is estimated. `static_blocks` compiles it so, item j
+  on block min(j, ceil(T/C) - 1), for estimates only (results meaningless):
+  every item then moves its blocks, at least the real kernel's traffic.
+  `all_run` runs every item (the cost model of a call whose items all run,
+  a prefill); without it the static-block estimate is that of a call whose
+  items are all skipped.
+
+  Returns (out [T, Hv V] in qkv's dtype, state_pool): `out_base` with the
+  requests' output rows written, and the pool with their final states.
+  """
+  t, width = qkv.shape
   if width != 2 * hk * dim_k + hv * dim_v:
     raise ValueError(f"qkv {qkv.shape}: expected 2 hk dim_k + hv dim_v ="
                      f" {2 * hk * dim_k + hv * dim_v} lanes.")
+  n = requests.start.shape[0]
+  items, blocks = num_items(t, n, chunk), -(-t // chunk)
   passes = 1 if qkv.dtype == BF16 else 3
   st = _Static(t_len=t, chunk=chunk, hk=hk, hv=hv, dim_k=dim_k, dim_v=dim_v,
                scale=float(scale), passes=passes,
                newton=(1 if passes == 1 else 2) if newton is None else newton,
                interleave=normalize_interleave(interleave, hv, hv // hk), has_seg=False,
-               has_h0=initial_state is not None, packed=True, qk_l2norm=qk_l2norm,
-               beta_guard=beta_guard)
-  block = lambda width: pl.BlockSpec((None, chunk, width), lambda b, i, *_: (b, i, 0))
-  inputs = [_Operand("qkv", qkv, block=block(width)),
-            _Operand("log_decay", log_decay, block=_token_block(st, lambda i: i, hv)),
-            _Operand("beta", beta, block=_token_block(st, lambda i: i, hv))]
-  out, final, _ = _run_fwd(inputs, initial_state, st, None, -(-t // chunk), b,
-                           block(hv * dim_v),
-                           jax.ShapeDtypeStruct((b, t, hv * dim_v), qkv.dtype),
-                           emit_residuals=False, interpret=interpret,
-                           vmem_limit_bytes=vmem_limit_bytes)
-  return out, final
+               has_h0=True, packed=True, qk_l2norm=True, beta_guard=True, requests=True,
+               gated=not all_run)
+  block, read, write, flags = _item_table(requests, t, chunk)
+  if all_run:
+    flags = flags | 1
+  if static_blocks:
+    pick = lambda j, _: jnp.minimum(j, blocks - 1)
+  else:
+    pick = lambda j, ref: ref[j]
+  # Index maps take (0, j, block, read, write, flags).
+  rows = lambda width: pl.BlockSpec((chunk, width), lambda b, j, *refs: (pick(j, refs[0]), 0))
+  state = pl.BlockSpec(memory_space=pl.ANY)    # moved by the kernel's DMAs
+  inputs = [_Operand("qkv", qkv, block=rows(width)),
+            _Operand("log_decay", log_decay, block=rows(hv)),
+            _Operand("beta", beta, block=rows(hv)),
+            _Operand("h0", state_pool, block=state),
+            _Operand("base", out_base.astype(qkv.dtype), block=rows(hv * dim_v))]
+  outputs = [_Operand("out", block=rows(hv * dim_v),
+                      shape=jax.ShapeDtypeStruct((t, hv * dim_v), qkv.dtype)),
+             _Operand("pool", block=state,
+                      shape=jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype))]
+  scratch = ([_Operand("s", shape=pltpu.VMEM((hv, dim_k, dim_v), F32))]
+             + _head_scratch(st, ("vh", "out_heads"))
+             + [_Operand("h0_buf", shape=pltpu.VMEM((hv, dim_k, dim_v), state_pool.dtype)),
+                _Operand("sem", shape=pltpu.SemaphoreType.DMA((2,)))])
+  res = _call(functools.partial(_fwd_kernel, write_out=True, emit=False), st,
+              dict(item_block=block, item_slot=read, item_write=write, item_flags=flags),
+              grid=(1, items), inputs=inputs, outputs=outputs, scratch=scratch,
+              vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, name="gdn_fwd_requests",
+              aliases=dict(base="out", h0="pool"))
+  return res["out"], res["pool"]
 
 
 def _run_fwd(inputs: list[_Operand], h0, st: _Static, seg: "_Segments | None", nc: int, b: int,
@@ -996,7 +1194,8 @@ def _run_fwd(inputs: list[_Operand], h0, st: _Static, seg: "_Segments | None", n
   scratch = ([_Operand("s", shape=pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32))]
              + _head_scratch(st, ("vh", "out_heads") if write_out else ("vh",)))
   res = _call(
-      functools.partial(_fwd_kernel, write_out=write_out, emit=emit_residuals), st, seg,
+      functools.partial(_fwd_kernel, write_out=write_out, emit=emit_residuals), st,
+      None if seg is None else dict(code=seg.code),
       grid=(b, nc), inputs=inputs, outputs=outputs, scratch=scratch,
       vmem_limit_bytes=vmem_limit_bytes, interpret=interpret,
       name="gdn_fwd" if write_out else "gdn_fwd_states")
@@ -1080,8 +1279,8 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
                 _Operand("dg_rows", shape=pltpu.VMEM((st.hv, chunk), F32)),
                 _Operand("db_rows", shape=pltpu.VMEM((st.hv, chunk), F32))])
   res = _call(
-      _bwd_kernel, st, seg, grid=(b, nc), inputs=inputs, outputs=outputs, scratch=scratch,
-      vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, name="gdn_bwd")
+      _bwd_kernel, st, None if seg is None else dict(code=seg.code), grid=(b, nc),
+      inputs=inputs, outputs=outputs, scratch=scratch, vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, name="gdn_bwd")
   grads = tuple(res[n] for n in grad_names)
   if seg is None:
     return grads
