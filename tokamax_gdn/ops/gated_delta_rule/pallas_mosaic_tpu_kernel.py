@@ -1129,6 +1129,8 @@ def gdn_fwd_requests(qkv: Float[Array, "T D"], log_decay: Float[Array, "T Hv"],
   if width != 2 * hk * dim_k + hv * dim_v:
     raise ValueError(f"qkv {qkv.shape}: expected 2 hk dim_k + hv dim_v ="
                      f" {2 * hk * dim_k + hv * dim_v} lanes.")
+  if chunk > 255:
+    raise ValueError(f"gdn_fwd_requests: chunk {chunk} > 255 (8-bit row bounds per item).")
   n = requests.start.shape[0]
   items, blocks = num_items(t, n, chunk), -(-t // chunk)
   passes = 1 if qkv.dtype == BF16 else 3
