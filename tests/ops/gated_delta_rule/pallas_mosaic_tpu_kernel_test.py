@@ -164,6 +164,8 @@ def test_round_bf16_is_a_nearest_bf16():
   err, cast_err = np.abs(wide - x.astype(np.float64)), np.abs(cast - x)
   np.testing.assert_array_equal(err, cast_err)   # as near as the round-to-even cast
   assert np.mean(wide == cast) > 0.99
+  exact = np.asarray(jnp.asarray(x).astype(jnp.bfloat16)).astype(np.float32)
+  np.testing.assert_array_equal(_call(pk.round_bf16, exact)[1], exact)   # bf16 values stay
 
 
 def _packed_inputs(seed, *, t, hk, hv, dk, dv, masked):
