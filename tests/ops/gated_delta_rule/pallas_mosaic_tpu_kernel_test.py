@@ -112,11 +112,13 @@ def test_chunk_cumsum_restarts_at_segment_starts(reverse):
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("v5e_forms", [False, True], ids=["", "v5e_forms"])
 @pytest.mark.parametrize("near_duplicates", [False, True])
 @pytest.mark.parametrize("newton", [1, 2])
-def test_invert_unit_lower_matches_xla_stage(newton, near_duplicates):
+def test_invert_unit_lower_matches_xla_stage(newton, near_duplicates, v5e_forms):
   """bf16 start + `newton` Newton steps against xla's substitution inverse
-  (f32 HIGHEST): one step suffices for bf16 inputs, two for float32."""
+  (f32 HIGHEST): one step suffices for bf16 inputs, two for float32; the same
+  with the forms the kernels take on v5e."""
   c, dk, h = 128, 64, 3
   r = np.random.default_rng(newton + 2 * near_duplicates)
   k = r.standard_normal((h, c, dk))
@@ -128,7 +130,8 @@ def test_invert_unit_lower_matches_xla_stage(newton, near_duplicates):
   gamma = _float64_gamma(g, None)
   a = np.tril(beta * (k @ np.swapaxes(k, -1, -2)) * gamma, -1).astype(np.float32)
 
-  got = _call(lambda a: jnp.stack(pk.invert_unit_lower(list(a), newton=newton)), a)
+  got = _call(lambda a: jnp.stack(pk.invert_unit_lower(list(a), newton=newton,
+                                                       v5e_forms=v5e_forms)), a)
   want = xk.invert_unit_lower(jnp.asarray(a), jax.lax.Precision.HIGHEST)
   exact = np.linalg.inv(np.eye(c) + a.astype(np.float64))
   err = np.linalg.norm(np.asarray(got) - exact) / np.linalg.norm(exact)
@@ -137,13 +140,32 @@ def test_invert_unit_lower_matches_xla_stage(newton, near_duplicates):
   np.testing.assert_allclose(got, want, atol=(2e-2 if newton == 1 else 2e-4))
 
 
-def test_rowsum_row_keeps_float32_precision():
+@pytest.mark.parametrize("v5e_forms", [False, True], ids=["", "v5e_forms"])
+@pytest.mark.parametrize("pieces", [2, 3])
+def test_rowsum_row_keeps_float32_precision(pieces, v5e_forms):
   x = np.random.default_rng(4).standard_normal((128, 256)).astype(np.float32)
   x[:, 0] *= 1e4
 
-  got = _call(pk.rowsum_row, x)
+  got = _call(lambda x: pk.rowsum_row(x, pieces, v5e_forms), x)
   want = np.sum(x.astype(np.float64), axis=1)
   np.testing.assert_allclose(got[0], want, rtol=0, atol=2e-5 * np.abs(x).sum(1).max())
+
+
+def test_round_bf16_is_a_nearest_bf16():
+  """`round_bf16` (f32 arithmetic) gives a bf16 value exactly, its f32 copy
+  equal to it, and a nearest one: the cast's, or its neighbour at a tie."""
+  r = np.random.default_rng(5)
+  x = (r.standard_normal(4096) * np.exp2(r.integers(-60, 60, 4096))).astype(np.float32)
+  ties = np.float32(1.0) + np.float32(2.0 ** -8) * np.arange(1, 65, 2, dtype=np.float32)
+  x = np.concatenate([x, ties, -ties, np.zeros(2, np.float32)])
+  bf, wide = _call(pk.round_bf16, x)
+  np.testing.assert_array_equal(bf.astype(np.float32), wide)
+  cast = np.asarray(jnp.asarray(x).astype(jnp.bfloat16)).astype(np.float64)
+  err, cast_err = np.abs(wide - x.astype(np.float64)), np.abs(cast - x)
+  np.testing.assert_array_equal(err, cast_err)   # as near as the round-to-even cast
+  assert np.mean(wide == cast) > 0.99
+  exact = np.asarray(jnp.asarray(x).astype(jnp.bfloat16)).astype(np.float32)
+  np.testing.assert_array_equal(_call(pk.round_bf16, exact)[1], exact)   # bf16 values stay
 
 
 def _packed_inputs(seed, *, t, hk, hv, dk, dv, masked):

@@ -93,6 +93,22 @@ def _run(op, args, kwargs, l2, seed=7):
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_matches_reference(case):
+  _check_matches_reference(case)
+
+
+def test_v5e_forms_match_reference():
+  """Traced for v5e the kernels take other forms of some bf16 steps (the ones
+  libtpu's estimator accepts there, `pallas_mosaic_tpu_kernel`): same
+  contract. The float32 case with segments runs every one of them (the
+  stages alone, bf16 and float32, are in pallas_mosaic_tpu_kernel_test.py)."""
+  tokamax_gdn.config.set_target_chip("v5e")
+  try:
+    _check_matches_reference(CASES[1])
+  finally:
+    tokamax_gdn.config.set_target_chip(None)
+
+
+def _check_matches_reference(case):
   (_, b, t, hk, hv, dk, dv, dtype, gate_mode, raw_gate, init, segments, l2, chunk,
    interleave) = case
   args, kwargs = _inputs(t + hv, b=b, t=t, hk=hk, hv=hv, dk=dk, dv=dv, dtype=dtype,

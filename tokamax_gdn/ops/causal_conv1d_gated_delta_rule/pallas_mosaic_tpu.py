@@ -182,7 +182,8 @@ def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool, *, num_re
                                     min_chunked=min_chunked, has_bias=has_bias,
                                     has_reads=has_reads, has_offsets=has_offsets,
                                     all_run=_all_run is not None,
-                                    all_init=_all_run is not False)
+                                    all_init=_all_run is not False,
+                                    v5e_forms=gdn_kernel._v5e_forms())  # pylint: disable=protected-access
 
 
 def _decode_vmem(args, tile: int, window: int) -> int:

@@ -73,6 +73,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
+from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as gdn_kernel
+
 F32, BF16 = jnp.float32, jnp.bfloat16
 _L2_EPS = 1e-6
 _ROWS = 8   # MXU row operand height (one f32 sublane tile)
@@ -119,6 +121,10 @@ class DecodeStatic:
   # With `all_run`: whether those requests start from a read state (else
   # from zeros, with no read DMA), as the measured workload's do.
   all_init: bool = True
+  # Traced for v5e: the bf16 pool's state and the hi / lo rows of q and k
+  # take the forms libtpu's cycle estimator accepts there (see
+  # `gated_delta_rule.pallas_mosaic_tpu_kernel`, "v5e forms").
+  v5e_forms: bool = False
 
   @property
   def dim(self) -> int:
@@ -181,11 +187,11 @@ def _split(x):
   return hi, (x - hi.astype(F32)).astype(BF16)
 
 
-def _rows(parts, width):
-  """(k, width) pieces stacked and zero-padded to (_ROWS, width)."""
+def _rows(parts, width, zero=0.0):
+  """(k, width) pieces stacked and padded with `zero` to (_ROWS, width)."""
   x = jnp.concatenate(parts, axis=0)
   pad = _ROWS - x.shape[0]
-  return jnp.concatenate([x, jnp.zeros((pad, width), x.dtype)], axis=0) if pad else x
+  return jnp.concatenate([x, jnp.full((pad, width), zero, x.dtype)], axis=0) if pad else x
 
 
 def _dot(a, b):
@@ -272,7 +278,11 @@ def _heads(st: DecodeStatic, p: _Prepared, row: int, bcast_scr, s_read, s_write)
     if any(x is not None and x.dtype != BF16 for x in states):
       bcast_scr[0] = jnp.broadcast_to(p.q_cols[i][:, row:row + 1], (dk, dv))
     bcast_scr[1] = jnp.broadcast_to(p.k_cols[i][:, row:row + 1], (dk, dv))
-    if s_read is not None:
+    if s_read is not None and st.v5e_forms:
+      # Stacked in f32 and cast once, padded with -0.0 (`gdn_kernel.lhs_masked`).
+      wides = [w for x in (q, k) for _, w in gdn_kernel._split(x, 2, True)]  # pylint: disable=protected-access
+      lhs = _rows(wides, dk, -0.0).astype(BF16)
+    elif s_read is not None:
       q_hi, q_lo = _split(q)
       k_hi, k_lo = _split(k)
       lhs = _rows([q_hi, q_lo, k_hi, k_lo], dk)
@@ -290,9 +300,15 @@ def _heads(st: DecodeStatic, p: _Prepared, row: int, bcast_scr, s_read, s_write)
       if s.dtype == BF16:
         # A bf16 pool's state is an exact MXU operand: [q; k] S in one
         # product (q, k as bf16 hi + lo rows), beside the VPU's update.
-        r = _dot(lhs, s)
+        # v5e forms: the operand is cast from the widened state (exact), not
+        # the value that is widened.
+        if st.v5e_forms:
+          s = s.astype(F32)
+          r = _dot(lhs, gdn_kernel.round_bf16(s)[0])
+        else:
+          r = _dot(lhs, s)
+          s = s.astype(F32)
         q_s, k_s = r[0:1] + r[1:2], r[2:3] + r[3:4]
-        s = s.astype(F32)
       else:
         s = s.astype(F32)
         q_s = jnp.sum(bcast_scr[0] * s, axis=0, keepdims=True)         # (1, V)

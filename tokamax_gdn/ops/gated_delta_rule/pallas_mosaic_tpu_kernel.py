@@ -51,6 +51,28 @@ T ← T + T (I − (I + A') T), the residual with A' split hi + lo: one step
 for bf16 inputs (errors of a bf16 T0, up to 1e-2 on correlated keys, fall to
 ~1e-4), two for float32 (~1e-5).
 
+v5e forms (`_Static.v5e_forms`, on when tracing for v5e). v5e has no bf16
+VPU, and Mosaic moves bf16 values between layouts there through 16-bit
+integer packing, which libtpu's static cycle estimator rejects (an LLO type
+check aborts the compile; the chip compile itself succeeds). Four constructs
+led there; for v5e the kernels avoid them, elsewhere they keep the bf16
+forms (v6e, Qwen3-Next heads, T=512: gdn_fwd / gdn_fwd_states / gdn_bwd
+78.3 / 70.0 / 112.9 k cycles in the bf16 forms, 80.0 / 72.1 / 116.1 k in
+the v5e forms):
+- a concatenation of bf16 arrays: matmul operands are concatenated in f32
+  and cast once (`_operand_cat`, `stacked_bf16`);
+- a bf16 value that is both a matmul operand and widened back to f32 (its
+  (8, 128) tiling is relaid out for the MXU): T and the base blocks of the
+  inverse, and the hi / lo pieces of float32 operands, are rounded in f32
+  arithmetic instead (`round_bf16`), so the bf16 value is an exact cast
+  that is never widened;
+- a select against +0.0 reaching a matmul's left operand (folded into a
+  masked matmul): it selects -0.0 (`lhs_masked`; the inverse's blocks, the
+  backward's dΓ-weighted QKᵀ, `sanitize`'s zeroed keys);
+- a bf16 residual stored in the (8, 128) tiling of its HBM block while the
+  same cast feeds a matmul: the store casts a value of its own (`_residual`).
+`tests/aot_test.py` checks that v5e has per-kernel estimates.
+
 Per-segment states ([B, N, Hv, K, V] with segment ids): the wrappers move
 the tokens to the chunk-aligned layout (`segments.align_segments`) and give the
 kernels one code per chunk in SMEM (scalar prefetch): take the segment's
@@ -77,6 +99,7 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int  # pylint: disable=g-multiple-import,g-importing-member
 
+from tokamax_gdn import config as gdn_config
 from tokamax_gdn.ops import numerics
 from tokamax_gdn.ops.gated_delta_rule import prologue
 from tokamax_gdn.ops.gated_delta_rule import segments
@@ -97,27 +120,70 @@ def _mm(a, b, *, ta=False, tb=False):
   return lax.dot_general(a, b, dims, preferred_element_type=F32)
 
 
-def split_bf16(x, n):
-  """x (f32) as n bf16 pieces whose sum is x (exactly for n = 3)."""
+def round_bf16(x):
+  """x (f32, |x| < 2¹¹¹) rounded to a nearest bf16: (bf16, the same in f32).
+
+  Rounded in f32 arithmetic (Veltkamp's split at 8 significant bits), so the
+  bf16 value is an exact cast of the f32 one and never widened back (the v5e
+  forms, see the module docstring). Ties may round either way.
+  """
+  c = x * 65537.0                                   # 2¹⁶ + 1
+  wide = c - (c - x)
+  return wide.astype(BF16), wide
+
+
+def _split(x, n, v5e_forms=False):
+  """x (f32) as n (bf16, f32) pieces: each f32 piece equals its bf16 one but
+  the last, which is the rest (its bf16 piece rounded); the f32 pieces sum
+  to x."""
   pieces, rest = [], x
-  for i in range(n):
-    piece = rest.astype(BF16)
-    pieces.append(piece)
-    if i + 1 < n:
-      rest = rest - piece.astype(F32)
-  return pieces
+  for _ in range(n - 1):
+    if v5e_forms:
+      piece, wide = round_bf16(rest)
+    else:
+      piece = rest.astype(BF16)
+      wide = piece.astype(F32)
+    pieces.append((piece, wide))
+    rest = rest - wide
+  return pieces + [(rest.astype(BF16), rest)]
 
 
-def mxu(a, b, *, passes, tb=False):
+def split_bf16(x, n, v5e_forms=False):
+  """x (f32) as n bf16 pieces whose sum is x (exactly for n = 3)."""
+  return [piece for piece, _ in _split(x, n, v5e_forms)]
+
+
+def stacked_bf16(x, n, v5e_forms=False):
+  """(`split_bf16(x, n)` stacked along rows, (n·rows, cols) bf16; its first piece).
+
+  v5e forms: stacked in f32 and cast once (no bf16 concatenation).
+  """
+  pieces = _split(x, n, v5e_forms)
+  if v5e_forms:
+    return jnp.concatenate([wide for _, wide in pieces], 0).astype(BF16), pieces[0][0]
+  return jnp.concatenate([piece for piece, _ in pieces], 0), pieces[0][0]
+
+
+def lhs_masked(mask, x, v5e_forms=False):
+  """x where mask, else zero, for a matmul's left operand.
+
+  v5e forms: the zero is -0.0 (a select against +0.0 there is folded into a
+  masked matmul); the product is the same.
+  """
+  return jnp.where(mask, x, -0.0 if v5e_forms else 0.0)
+
+
+def mxu(a, b, *, passes, tb=False, v5e_forms=False):
   """a @ b (b transposed if tb), f32 accumulation, in `passes` bf16 passes.
 
   1: both operands rounded to bf16. 3: each f32 operand split hi + lo and
   hi·hi + hi·lo + lo·hi summed (an exact bf16 operand is not split).
+  `v5e_forms`: the split by `round_bf16` (module docstring).
   """
   if passes == 1:
     return _mm(a.astype(BF16), b.astype(BF16), tb=tb)
-  ah, al = (a, None) if a.dtype == BF16 else split_bf16(a, 2)
-  bh, bl = (b, None) if b.dtype == BF16 else split_bf16(b, 2)
+  ah, al = (a, None) if a.dtype == BF16 else split_bf16(a, 2, v5e_forms)
+  bh, bl = (b, None) if b.dtype == BF16 else split_bf16(b, 2, v5e_forms)
   out = _mm(ah, bh, tb=tb)
   if bl is not None:
     out = out + _mm(ah, bl, tb=tb)
@@ -229,7 +295,7 @@ def gamma_decay_in(gate_rows, masks, dim_k: int):
   return gamma, decay_in
 
 
-def rowsum_row(x, pieces=2):
+def rowsum_row(x, pieces=2, v5e_forms=False):
   """Row sums of x (C×n f32) as a (1, C) row, by the MXU against ones (NT).
 
   A lane reduction on the vector units costs ~9 cycles per vreg; the MXU sums
@@ -238,7 +304,7 @@ def rowsum_row(x, pieces=2):
   """
   c = x.shape[0]
   ones = jnp.ones((8, x.shape[1]), BF16)
-  y = _mm(ones, jnp.concatenate(split_bf16(x, pieces), 0), tb=True)   # (8, pieces C)
+  y = _mm(ones, stacked_bf16(x, pieces, v5e_forms)[0], tb=True)   # (8, pieces C)
   return sum(y[0:1, p * c:(p + 1) * c] for p in range(pieces))
 
 
@@ -247,7 +313,7 @@ def rowsum_row(x, pieces=2):
 # ----------------------------------------------------------------------------
 
 
-def invert_unit_lower(a_list, *, newton):
+def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   """(I + a)⁻¹ for a list of strictly lower-triangular a (C×C f32).
 
   Level-major over the list (each stage for every matrix before the next),
@@ -256,19 +322,30 @@ def invert_unit_lower(a_list, *, newton):
   8 → 16 → … → C (a whole-chunk Neumann series is unstable: powers of a
   grow like binomials before they cancel; the merges do not), in bf16
   passes. Then `newton` steps T ← T + T (I − (I + a) T), the residual with a
-  split hi + lo, each of which squares the error of T.
+  split hi + lo, each of which squares the error of T. `v5e_forms`: see the
+  module docstring.
   """
   c = a_list[0].shape[0]
   row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
   col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
   block_of = lambda x, size: lax.shift_right_logical(x, jnp.int32(int(math.log2(size))))
   base = min(_INVERSE_BASE_BLOCK, c)
-  a_bf = [a.astype(BF16) for a in a_list]
-  zero = jnp.zeros((), BF16)
+  if not v5e_forms:
+    a_bf = [a.astype(BF16) for a in a_list]
+    zero = jnp.zeros((), BF16)
   diag = block_of(row, base) == block_of(col, base)
-  powers = [jnp.where(diag, -a, zero) for a in a_bf]
+  if v5e_forms:
+    rounded = [round_bf16(jnp.where(diag, -a, 0.0)) for a in a_list]
+    powers = [p for p, _ in rounded]
+    off_block = lambda off, i: lhs_masked(off, a_list[i], True).astype(BF16)
+  else:
+    powers = [jnp.where(diag, -a, zero) for a in a_bf]
+    off_block = lambda off, i: jnp.where(off, a_bf[i], zero)
   eye = (row == col).astype(F32)
-  invs = [eye + p.astype(F32) for p in powers]
+  if v5e_forms:
+    invs = [eye + wide for _, wide in rounded]
+  else:
+    invs = [eye + p.astype(F32) for p in powers]
   for _ in range(max(int(math.log2(base)) - 1, 0)):
     powers = [_mm(p, p).astype(BF16) for p in powers]
     invs = [inv + _mm(inv.astype(BF16), p) for inv, p in zip(invs, powers)]
@@ -277,22 +354,22 @@ def invert_unit_lower(a_list, *, newton):
     off = ((block_of(row, 2 * size) == block_of(col, 2 * size))
            & (block_of(row, size) != block_of(col, size)))
     inv_bf = [inv.astype(BF16) for inv in invs]
-    tmp = [_mm(jnp.where(off, a, zero), ib).astype(BF16) for a, ib in zip(a_bf, inv_bf)]
+    tmp = [_mm(off_block(off, i), ib).astype(BF16) for i, ib in enumerate(inv_bf)]
     invs = [inv - _mm(ib, t) for inv, ib, t in zip(invs, inv_bf, tmp)]
     size *= 2
   strict = row > col
-  ts = [inv.astype(BF16) for inv in invs]
+  ts = [round_bf16(inv) if v5e_forms else (inv.astype(BF16), None)
+        for inv in invs]                                   # (bf16 T, f32 T or None)
   for _ in range(newton):
     staged = []
     for t, a in zip(ts, a_list):
-      a_hi, a_lo = split_bf16(a, 2)
-      stacked = jnp.concatenate([a_hi, a_lo], axis=0)       # one weight push of T
-      if t.dtype == BF16:
-        t_parts, tf = [t], t.astype(F32)
-        at2 = _mm(stacked, t)
+      stacked, a_hi = stacked_bf16(a, 2, v5e_forms)        # [a_hi; a_lo]: one weight push of T
+      if isinstance(t, tuple):
+        t_parts, tf = [t[0]], t[0].astype(F32) if t[1] is None else t[1]
+        at2 = _mm(stacked, t[0])
         at = at2[:c] + at2[c:]
       else:
-        t_parts, tf = split_bf16(t, 2), t
+        t_parts, tf = split_bf16(t, 2, v5e_forms), t
         at2 = _mm(stacked, t_parts[0])
         at = at2[:c] + (at2[c:] + _mm(a_hi, t_parts[1]))
       staged.append((t_parts, tf, at))
@@ -303,7 +380,8 @@ def invert_unit_lower(a_list, *, newton):
       for p in t_parts[1:]:
         corr = corr + _mm(p, r)
       ts.append(tf + corr)
-  return [t.astype(F32) for t in ts]
+  return [(t[0].astype(F32) if t[1] is None else t[1]) if isinstance(t, tuple) else t
+          for t in ts]
 
 
 # ----------------------------------------------------------------------------
@@ -343,6 +421,9 @@ class _Static:
   # (the cost model `all_run` compiles every item ungated).
   requests: bool = False
   gated: bool = False
+  # Traced for v5e: the forms libtpu's cycle estimator accepts there (module
+  # docstring); the values are the same up to ties in rounding to bf16.
+  v5e_forms: bool = False
 
   @property
   def group(self) -> int:
@@ -450,7 +531,21 @@ def _row_mask(x, rows):
 def _finite(x, st: _Static):
   """x with NaN / inf as 0 under `st.sanitize` (one head's tile: a select over
   a whole block costs scoped VMEM)."""
-  return jnp.where(jnp.isfinite(x), x, 0.0) if st.sanitize else x
+  return lhs_masked(jnp.isfinite(x), x, st.v5e_forms) if st.sanitize else x
+
+
+def _operand_cat(parts, axis, st: _Static):
+  """A matmul operand concatenated from f32 parts: cast to the operand dtype
+  part by part, or (v5e forms) concatenated in f32 and cast by `mxu`."""
+  if st.v5e_forms:
+    return jnp.concatenate(parts, axis)
+  return jnp.concatenate([p.astype(st.mm) for p in parts], axis)
+
+
+def _residual(x, ref, st: _Static):
+  """x cast for a residual output `ref`. v5e forms: cast from a value of its
+  own (x + 0), not the cast a matmul reads in another tiling."""
+  return (x + 0.0 if st.v5e_forms else x).astype(ref.dtype)
 
 
 # Rows of the per-step row scratch (each (Hv, C) f32).
@@ -574,7 +669,8 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
   states_ref, tm_ref = r.states, r.tmats
   s_scr, rows_scr, qh_scr, kh_scr, vh_scr, out_scr = r.s, r.rows, r.qh, r.kh, r.vh, r.out_heads
   c, c_idx = st.chunk, pl.program_id(1)
-  dim_k, mm, passes = st.dim_k, st.mm, st.passes
+  dim_k = st.dim_k
+  dot = functools.partial(mxu, passes=st.passes, v5e_forms=st.v5e_forms)
   poison_ref = r.poison if write_out else None
   gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx, rows)
   _, strict = masks
@@ -603,14 +699,14 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
     for u, i in heads.items():
       gammas[u], dins[u] = gamma_decay_in(
           (_row(rows_scr, _G_HI, i), _row(rows_scr, _G_LO, i), gate.run), masks, dim_k)
-    qkk = {ku: mxu(jnp.concatenate([q[ku], k[ku]], 0), k[ku], passes=passes, tb=True)
+    qkk = {ku: dot(jnp.concatenate([q[ku], k[ku]], 0), k[ku], tb=True)
            for ku in kheads}                               # [Q; K] Kᵀ
     a_list = [jnp.where(strict, qkk[kj(u)][c:] * gammas[u] * beta[u], 0.0) for u in heads]
-    tmats = dict(zip(heads, invert_unit_lower(a_list, newton=st.newton)))   # T' = (I + M D_β)⁻¹
-    wu = {u: mxu(tmats[u], jnp.concatenate(
-        [(k[kj(u)] * dins[u]).astype(mm), v[u].astype(mm)], 1), passes=passes)
+    tmats = dict(zip(heads, invert_unit_lower(a_list, newton=st.newton,
+                                              v5e_forms=st.v5e_forms)))   # T' = (I + M D_β)⁻¹
+    wu = {u: dot(tmats[u], _operand_cat([k[kj(u)] * dins[u], v[u]], 1, st))
           for u in heads}                                  # [W̃ | Ũ]
-    v_new = {u: wu[u][:, dim_k:] - mxu(wu[u][:, :dim_k], s[u], passes=passes)
+    v_new = {u: wu[u][:, dim_k:] - dot(wu[u][:, :dim_k], s[u])
              for u in heads}                               # V″
     if write_out:
       for u, i in heads.items():
@@ -621,17 +717,16 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
           # column row, a sublane broadcast; a per-row select of the output
           # would be a lane broadcast).
           p_tilde = jnp.where(diag, p_tilde + poison_ref[pl.ds(i, 1), :], p_tilde)
-        lhs = jnp.concatenate([(q[kj(u)] * dins[u]).astype(mm), p_tilde.astype(mm)], 1)
-        rhs = jnp.concatenate([s[u].astype(mm), v_new[u].astype(mm)], 0)
-        out_scr[i] = st.scale * mxu(lhs, rhs, passes=passes)
+        lhs = _operand_cat([q[kj(u)] * dins[u], p_tilde], 1, st)
+        rhs = _operand_cat([s[u], v_new[u]], 0, st)
+        out_scr[i] = st.scale * dot(lhs, rhs)
     k_t = {ku: k[ku].T for ku in kheads}
     for u, i in heads.items():
       lam = _row(rows_scr, _DECAY_CHUNK, i)[:, 0:1]
-      s_scr[i] = lam * s[u] + mxu(k_t[kj(u)] * _row(rows_scr, _KOUT, i), v_new[u],
-                                  passes=passes)
+      s_scr[i] = lam * s[u] + dot(k_t[kj(u)] * _row(rows_scr, _KOUT, i), v_new[u])
       if emit:
-        states_ref[i] = s[u].astype(states_ref.dtype)
-        tm_ref[i] = tmats[u].astype(tm_ref.dtype)
+        states_ref[i] = _residual(s[u], states_ref, st)
+        tm_ref[i] = _residual(tmats[u], tm_ref, st)
     return carry
 
   lax.fori_loop(0, st.hv // st.interleave, group, 0)
@@ -660,7 +755,8 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
   dq_scr, dk_scr, dv_scr = r.dq_heads, r.dk_heads, r.dv_heads
   dgr_scr, dbr_scr = r.dg_rows, r.db_rows
   c, c_idx = st.chunk, pl.num_programs(1) - 1 - pl.program_id(1)
-  dim_k, mm, passes = st.dim_k, st.mm, st.passes
+  dim_k = st.dim_k
+  dot = functools.partial(mxu, passes=st.passes, v5e_forms=st.v5e_forms)
 
   if st.n_states:     # the segment ends here: dS is its final state's cotangent
     code = code_ref[pl.program_id(0) * pl.num_programs(1) + c_idx]
@@ -696,32 +792,31 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
     for u, i in heads.items():
       gammas[u], dins[u] = gamma_decay_in(
           (_row(rows_scr, _G_HI, i), _row(rows_scr, _G_LO, i), gate.run), masks, dim_k)
-    qkk = {ku: mxu(jnp.concatenate([q[ku], k[ku]], 0), k[ku], passes=passes, tb=True)
+    qkk = {ku: dot(jnp.concatenate([q[ku], k[ku]], 0), k[ku], tb=True)
            for ku in kheads}
     # Forward recompute: [W̃ | Ũ] = T' [K_in | V], V″ = Ũ − W̃ S.
-    wu = {u: mxu(tm[u], jnp.concatenate(
-        [(k[kj(u)] * dins[u]).astype(mm), v[u].astype(mm)], 1), passes=passes) for u in heads}
-    v_new = {u: wu[u][:, dim_k:] - mxu(wu[u][:, :dim_k], s[u], passes=passes) for u in heads}
+    wu = {u: dot(tm[u], _operand_cat([k[kj(u)] * dins[u], v[u]], 1, st))
+          for u in heads}
+    v_new = {u: wu[u][:, dim_k:] - dot(wu[u][:, :dim_k], s[u]) for u in heads}
     pq = {u: qkk[kj(u)][:c] * gammas[u] for u in heads}                 # (Q Kᵀ) ⊙ Γ
     mk = {u: jnp.where(strict, qkk[kj(u)][c:] * gammas[u], 0.0) for u in heads}   # M
     # State part: dV″ = P̃ᵀ dO + (K ⊙ kout_i) dS′;  dS = Q_inᵀ dO − W̃ᵀ dV″ + λ dS′.
     d_vnew = {}
     for u in heads:
       k_db = (kout[u] * k_t[kj(u)]).T                                   # K ⊙ (decay_out β)_i
-      d_vnew[u] = mxu(jnp.concatenate([(pq[u] * beta[u]).T.astype(mm), k_db.astype(mm)], 1),
-                      jnp.concatenate([do_s[u].astype(mm), dsn[u].astype(mm)], 0), passes=passes)
+      d_vnew[u] = dot(_operand_cat([(pq[u] * beta[u]).T, k_db], 1, st),
+                      _operand_cat([do_s[u], dsn[u]], 0, st))
     for u, i in heads.items():
       lhs_t = jnp.concatenate([q[kj(u)] * dins[u], -wu[u][:, :dim_k]], 0).T
-      ds_scr[i] = lam[u] * dsn[u] + mxu(
-          lhs_t, jnp.concatenate([do_s[u], d_vnew[u]], 0), passes=passes)
-    dqw = {u: mxu(jnp.concatenate([do_s[u], -d_vnew[u]], 0), s[u], passes=passes, tb=True)
+      ds_scr[i] = lam[u] * dsn[u] + dot(lhs_t, jnp.concatenate([do_s[u], d_vnew[u]], 0))
+    dqw = {u: dot(jnp.concatenate([do_s[u], -d_vnew[u]], 0), s[u], tb=True)
            for u in heads}                                              # [dO Sᵀ; dW̃]
-    dpk = {u: mxu(jnp.concatenate([do_s[u], dsn[u]], 0), v_new[u], passes=passes, tb=True)
+    dpk = {u: dot(jnp.concatenate([do_s[u], dsn[u]], 0), v_new[u], tb=True)
            for u in heads}                                              # [dP̃; d(Kᵀ kout)]
     # WY part: [dK_in | dV] = T'ᵀ [dW̃ | dŨ];  dA' = −[dK_in | dV] [W̃ | Ũ]ᵀ.
-    d_xin = {u: mxu(tm[u].T, jnp.concatenate([dqw[u][c:], d_vnew[u]], 1), passes=passes)
+    d_xin = {u: dot(tm[u].T, jnp.concatenate([dqw[u][c:], d_vnew[u]], 1))
              for u in heads}
-    d_a = {u: jnp.where(strict, -mxu(d_xin[u], wu[u], passes=passes, tb=True), 0.0)
+    d_a = {u: jnp.where(strict, -dot(d_xin[u], wu[u], tb=True), 0.0)
            for u in heads}
     dq_acc = {ku: jnp.zeros((c, dim_k), F32) for ku in kheads}
     dk_acc = {ku: jnp.zeros((c, dim_k), F32) for ku in kheads}
@@ -732,11 +827,11 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
       d_m = d_a[u] * beta[u]
       d_kk = d_m * gammas[u]
       d_pq = d_p * beta[u]
-      d_qk = jnp.where(causal, d_pq * gammas[u], 0.0)
+      d_qk = lhs_masked(causal, d_pq * gammas[u], st.v5e_forms)
       e = d_m * mk[u] + d_pq * pq[u]                                   # dΓ ⊙ Γ
       dqk = jnp.concatenate([d_qk, d_kk], 0)
-      both = mxu(dqk, k[ku], passes=passes)                            # [d_QK K; d_KK K]
-      back = mxu(dqk.T, jnp.concatenate([q[ku], k[ku]], 0), passes=passes)
+      both = dot(dqk, k[ku])                                           # [d_QK K; d_KK K]
+      back = dot(dqk.T, jnp.concatenate([q[ku], k[ku]], 0))
       dq_acc[ku] = dq_acc[ku] + dqw[u][:c] * dins[u] + both[:c]
       dk_acc[ku] = dk_acc[ku] + d_xin[u][:, :dim_k] * dins[u] + both[c:] + back + (
           d_kb * kout[u]).T
@@ -753,8 +848,9 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
           # e's pairs inside it): exact row sums, else the hi + lo truncation
           # (~2⁻¹⁶ of e) is left in every token's dg, large next to a strongly
           # decaying head's tiny true dg.
-          rowsum_row(e, pieces=3)
-          + rowsum_row((d_xin[u][:, :dim_k] * k[ku] + dqw[u][:c] * q[ku]) * dins[u])
+          rowsum_row(e, pieces=3, v5e_forms=st.v5e_forms)
+          + rowsum_row((d_xin[u][:, :dim_k] * k[ku] + dqw[u][:c] * q[ku]) * dins[u],
+                       v5e_forms=st.v5e_forms)
           - jnp.sum(e, axis=0, keepdims=True) - d_dout
           + jnp.where(lane == c - 1, jnp.sum(d_dout) + d_lam, 0.0))
     for ku, j in kheads.items():
@@ -857,6 +953,11 @@ def normalize_interleave(requested: int, hv: int, group: int) -> int:
   return max([n for n in ok if n <= requested] or [ok[0]])
 
 
+def _v5e_forms() -> bool:
+  """Whether the kernels are traced for v5e (`_Static.v5e_forms`)."""
+  return gdn_config.target_generation().name == "v5e"
+
+
 def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states=0):
   b, t, hk, dim_k = q.shape
   hv, dim_v = v.shape[2], v.shape[3]
@@ -866,7 +967,7 @@ def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states
   return _Static(t_len=t, chunk=chunk, hk=hk, hv=hv, dim_k=dim_k, dim_v=dim_v,
                  scale=float(scale), passes=passes, newton=newton,
                  interleave=normalize_interleave(interleave, hv, hv // hk),
-                 has_seg=has_seg, has_h0=has_h0, n_states=n_states)
+                 has_seg=has_seg, has_h0=has_h0, n_states=n_states, v5e_forms=_v5e_forms())
 
 
 def _head_scratch(st: _Static, values: tuple[str, ...]) -> list[_Operand]:
@@ -1139,7 +1240,7 @@ def gdn_fwd_requests(qkv: Float[Array, "T D"], log_decay: Float[Array, "T Hv"],
                newton=(1 if passes == 1 else 2) if newton is None else newton,
                interleave=normalize_interleave(interleave, hv, hv // hk), has_seg=False,
                has_h0=True, packed=True, qk_l2norm=True, beta_guard=True, requests=True,
-               gated=not all_run)
+               gated=not all_run, v5e_forms=_v5e_forms())
   block, read, write, flags = _item_table(requests, t, chunk)
   if all_run:
     flags = flags | 1
