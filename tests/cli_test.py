@@ -39,6 +39,17 @@ def test_console_script_runs_list():
       (o, i) for o in registry.list_ops() for i in registry.implementations(o)}
 
 
+
+def test_python_dash_m_runs_the_same_command():
+  """`python -m tokamax_gdn.cli` (no entry point needed) exits with the command's code."""
+  proc = subprocess.run([sys.executable, "-m", "tokamax_gdn.cli", "list", "--json"],
+                        capture_output=True, text=True, check=False, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert json.loads(proc.stdout)
+  proc = subprocess.run([sys.executable, "-m", "tokamax_gdn.cli", "validate", "--seq-len", "0"],
+                        capture_output=True, text=True, check=False, timeout=300)
+  assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
 @pytest.mark.parametrize("command", cli.COMMANDS)
 def test_every_subcommand_has_help(command, capsys):
   module = importlib.import_module(f"tokamax_gdn.cli.{cli.COMMANDS[command]}")
