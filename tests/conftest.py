@@ -41,3 +41,21 @@ def target_chip(request):
     yield request.param
   finally:
     config.set_target_chip(None)
+
+
+# Tests known to run for minutes (TPU compiles, multi-device subprocess
+# groups, training runs) go first: with `pytest -n 2` xdist hands tests out
+# in collection order, so a long test collected last would run alone at the
+# end while the other worker idles (longest-first keeps both busy).
+_LONG_FILES = ("tests/context_parallel_test.py", "tests/sharding_test.py",
+               "tests/models/sharding_test.py", "tests/training/", "tests/cli/")
+
+
+def _runs_long(item) -> bool:
+  return (item.get_closest_marker("aot") is not None
+          or item.get_closest_marker("slow") is not None
+          or item.nodeid.startswith(_LONG_FILES))
+
+
+def pytest_collection_modifyitems(items):
+  items.sort(key=lambda item: not _runs_long(item))   # stable: order kept within each group
