@@ -107,12 +107,14 @@ def test_decoder_block_equals_functional_block(kind):
   params = block.params()
   _assert_trees_equal(params, models.init_block(nnx.Rngs(5).params(), MODEL_CFG, kind))
   x = _x()
-  (y, _), (y_want, _) = block(x), models.block(params, x, MODEL_CFG, kind, implementation="xla")
+  # Both sides jitted (eagerly the block compiled ~870 tiny XLA programs).
+  functional = lambda p, x: models.block(p, x, MODEL_CFG, kind, implementation="xla")
+  (y, _), (y_want, _) = nnx.jit(lambda m, x: m(x))(block, x), jax.jit(functional)(params, x)
   np.testing.assert_array_equal(y, y_want)
 
   loss = lambda y_stats: jnp.sum(y_stats[0] ** 2) + y_stats[1]["aux_loss"]
-  grads = nnx.grad(lambda m: loss(m(x)))(block)
-  want = jax.grad(lambda p: loss(models.block(p, x, MODEL_CFG, kind, implementation="xla")))(params)
+  grads = nnx.jit(nnx.grad(lambda m, x: loss(m(x))))(block, x)
+  want = jax.jit(jax.grad(lambda p, x: loss(functional(p, x))))(params, x)
   got = dict(input_norm=grads.input_norm[...], post_norm=grads.post_norm[...],
              moe={k: getattr(grads.moe, k)[...] for k in want["moe"]})
   mixer = "gdn" if kind == "gdn" else "attn"
