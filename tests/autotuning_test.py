@@ -131,7 +131,7 @@ def test_result_as_context_manager_sets_default_config(grad_result):
   fake = tokamax.AutotuningResult.loads(_fake_result(bound, best).dumps())
   with fake:
     assert [ba.default_config for ba in bound] == [best] * len(bound)
-    out = _forward(*_inputs(TINY))  # runs with the overlaid config
+    out = jax.jit(_forward)(*_inputs(TINY))  # traced (and run) with the overlaid config
   assert [ba.default_config for ba in bound] == heuristics
   assert jnp.all(jnp.isfinite(out))
   # The measured result overlays the same way.

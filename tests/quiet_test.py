@@ -50,7 +50,8 @@ def test_cache_miss_of_our_op_is_a_debug_line(caplog):
   _capture_all(caplog)
   x = jnp.ones((1, 24, 1, 16)); v = jnp.ones((1, 24, 2, 16))  # a shape with nothing tuned
   g, beta = -jnp.ones((1, 24, 2)), jnp.full((1, 24, 2), 0.5)
-  jax.block_until_ready(tokamax_gdn.gated_delta_rule(x, x, v, g, beta, implementation="xla"))
+  jax.block_until_ready(jax.jit(   # jitted: the lookup (and its miss) happens when traced
+      lambda *a: tokamax_gdn.gated_delta_rule(*a, implementation="xla"))(x, x, v, g, beta))
   misses = [r for r in caplog.records if "autotuning cache miss" in r.getMessage().lower()]
   assert misses, "no cache-miss record at all: the check below would prove nothing"
   assert all(r.levelno == logging.DEBUG and r.name == "tokamax_gdn.autotuning.cache"
