@@ -20,7 +20,7 @@ from tokamax_gdn.ops.causal_conv1d import arg_specs  # pylint: disable=g-import-
 from tokamax_gdn.ops.causal_conv1d import pallas_mosaic_tpu as pallas  # pylint: disable=g-import-not-at-top
 from tokamax_gdn.testing.specs import rel_rms  # pylint: disable=g-import-not-at-top
 
-from .test_base import ConvTestBase, check_nan_isolation  # pylint: disable=relative-beyond-top-level,g-import-not-at-top
+from .test_base import ConvTestBase, check_nan_isolation, fwd_and_vjp  # pylint: disable=relative-beyond-top-level,g-import-not-at-top
 
 
 def _interpret():
@@ -50,14 +50,17 @@ def test_multi_tile_vs_reference(t, d, w, segments):
   def run(impl, x, weight, bias, s0):
     return api.causal_conv1d(x, weight, bias, initial_state=s0, implementation=impl, **kwargs)
 
-  ref, ref_vjp = jax.vjp(lambda *a: run("reference", *a), x, weight, bias, s0)
+  primals = (x, weight, bias, s0)
+  shapes = jax.eval_shape(lambda *a: run("reference", *a), *primals)
+  cot = jax.tree.map(lambda r: jax.random.normal(jax.random.key(9), r.shape), shapes)
+  vjp_of = lambda impl: jax.jit(functools.partial(
+      fwd_and_vjp, lambda *a: run(impl, *a)))(primals, cot)
+  ref, ref_grads = vjp_of("reference")
   with _interpret():
-    out, vjp = jax.vjp(lambda *a: run(SMALL_TILES, *a), x, weight, bias, s0)
-    cot = jax.tree.map(lambda r: jax.random.normal(jax.random.key(9), r.shape), ref)
-    grads = vjp(cot)
+    out, grads = vjp_of(SMALL_TILES)
   assert rel_rms(out[0], ref[0]) < 2e-4
   np.testing.assert_array_equal(out[1], ref[1])
-  for n, g, rg in zip(("x", "weight", "bias", "initial_state"), grads, ref_vjp(cot)):
+  for n, g, rg in zip(("x", "weight", "bias", "initial_state"), grads, ref_grads):
     assert rel_rms(g, rg) < 2e-3, n
 
 

@@ -6,6 +6,7 @@ segment change.
 """
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +80,7 @@ def check_nan_isolation(call, context=contextlib.nullcontext):
   ct_s = jax.random.normal(jax.random.key(9), s0.shape)
   bad = (slice(None), slice(13, 27))
 
+  @jax.jit   # one compile for both runs (eager dispatch compiles every primitive)
   def run(x, ct_y):
     with context():
       out, vjp = jax.vjp(lambda x, s0: call(x, weight, bias, initial_state=s0, **kwargs), x, s0)
@@ -98,6 +100,21 @@ def check_nan_isolation(call, context=contextlib.nullcontext):
   np.testing.assert_array_equal(ds0_p, ds0, err_msg="initial state gradient")
 
 
+@functools.cache
+def _jitted(impl, static):
+  """causal_conv1d(*args, **arrays, **static) under jit, one per (impl, static
+  keywords): a compile per shape, reused by every call of the tests (eager
+  dispatch compiles each primitive on its own: most of these tests' time)."""
+  return jax.jit(lambda args, arrays: api.causal_conv1d(*args, implementation=impl, **arrays,
+                                                         **dict(static)))
+
+
+def fwd_and_vjp(f, primals, cotangent):
+  """f(*primals) and its VJP of `cotangent`, in one jitted program."""
+  out, vjp = jax.vjp(f, *primals)
+  return out, vjp(cotangent)
+
+
 _CONFORMANCE_SPECS = [s.name for s in arg_specs.ARG_SPECS if "conformance" in s.tags]
 
 
@@ -113,8 +130,11 @@ class ConvTestBase:
     return contextlib.nullcontext()
 
   def call(self, *args, **kwargs):
+    """The op under jit (`_jitted`): arrays traced, other keywords static."""
+    arrays = {k: v for k, v in kwargs.items() if hasattr(v, "shape")}
+    static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in arrays))
     with self.context():
-      return api.causal_conv1d(*args, implementation=self.IMPL, **kwargs)
+      return _jitted(self.IMPL, static)(args, arrays)
 
   def spec(self, name: str):
     """The conformance spec `name`; skipped unless also tagged SPEC_TAG."""
@@ -144,13 +164,15 @@ class ConvTestBase:
       return api.causal_conv1d(x, weight, bias, implementation=impl,
                                **dict(kwargs, initial_state=s0))
 
-    ref, ref_vjp = jax.vjp(lambda *a: run("reference", *a), x, weight, bias, s0)
+    primals = (x, weight, bias, s0)
+    shapes = jax.eval_shape(lambda *a: run("reference", *a), *primals)
     cot = jax.tree.map(lambda r: jax.random.normal(jax.random.key(2), r.shape).astype(r.dtype),
-                       ref)
-    ref_grads = ref_vjp(cot)
+                       shapes)
+    vjp_of = lambda impl: jax.jit(functools.partial(
+        fwd_and_vjp, lambda *a: run(impl, *a)))(primals, cot)
+    ref, ref_grads = vjp_of("reference")
     with self.context():   # the backward runs under it too (interpret mode)
-      out, vjp = jax.vjp(lambda *a: run(self.IMPL, *a), x, weight, bias, s0)
-      grads = vjp(cot)
+      out, grads = vjp_of(self.IMPL)
     assert rel_rms(out[0], ref[0]) < _tol(x.dtype)
     for n, g, rg in zip(("x", "weight", "bias", "initial_state"), grads, ref_grads):
       if rg is None:
