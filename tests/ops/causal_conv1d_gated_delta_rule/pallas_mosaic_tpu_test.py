@@ -129,19 +129,27 @@ def test_fresh_groups_and_zeroed_rows(resident, monkeypatch):
   """Groups of requests that all start from zeros take the kernel's
   state-free steps (group 0 here, with a fresh short prefill whose tokens
   push the later requests' tokens off their rows), a group with one
-  continuing request the full ones; rows of padding tokens are zero. With
-  the output resident in VMEM and, as for large T, as two outputs summed."""
-  if not resident:
+  continuing request the full ones (both groups in one tile of 16); rows of
+  padding tokens are zero. With the output resident in VMEM and, as for
+  large T, as two outputs summed (one tile of 8 requests there: interpret
+  mode compiles a tile of 16 twice as long, and the groups are the first
+  case's)."""
+  if resident:
+    lay = arg_specs.layout(lengths=[1, 1, 1, 6] + [1] * 8,
+                           context_lens=[0] * 9 + [2, 0, 0], max_reqs=14, **TINY, **F32)
+    tile = 16
+  else:
     monkeypatch.setattr(pallas_mosaic_tpu, "_RESIDENT_OUT_BYTES", 0)
-  lay = arg_specs.layout(lengths=[1, 1, 1, 6] + [1] * 8,
-                         context_lens=[0] * 9 + [2, 0, 0], max_reqs=14, **TINY, **F32)
+    lay = arg_specs.layout(lengths=[1, 1, 1, 6] + [1] * 4,
+                           context_lens=[0] * 5 + [2, 0, 0], max_reqs=8, **TINY, **F32)
+    tile = 8
   args, kwargs = make(lay, seed=5)
   args = list(args)
   # Two padding tokens past the valid ones (rows that no request owns).
   for i in range(3):
     args[i] = jnp.concatenate([args[i], jnp.full((2, args[i].shape[1]), 7.0, args[i].dtype)])
   static = {k: v for k, v in kwargs.items() if k in STATIC}
-  cfg = pallas_mosaic_tpu.Config(decode_tile=16, chunk_size=64, min_chunked_tokens=128)
+  cfg = pallas_mosaic_tpu.Config(decode_tile=tile, chunk_size=64, min_chunked_tokens=128)
   impl = pallas_mosaic_tpu.IMPLEMENTATION.replace(config=cfg)
   with config.interpret_mode():   # jitted: one compile, not op-by-op dispatch
     (conv, rec), out = jax.jit(lambda a: impl(*a, **static))(tuple(args))
