@@ -109,14 +109,16 @@ class ServingTestBase:
   def context(self):
     return contextlib.nullcontext()
 
-  def call(self, args, kwargs):
-    """The op under jit (index arrays traced: one compile per shape)."""
+  def call(self, args, kwargs, impl=None):
+    """The op (`impl`, default IMPL) under jit (index arrays traced: one
+    compile per shape)."""
+    impl = impl or self.IMPL
     static = {k: v for k, v in kwargs.items() if k in STATIC}
     arrays = {k: v for k, v in kwargs.items() if k not in STATIC}
-    key = (self.IMPL, tuple(sorted(static.items())))
+    key = (impl, tuple(sorted(static.items())))
     if key not in _JITTED:
       _JITTED[key] = jax.jit(lambda a, kw: api.causal_conv1d_gated_delta_rule(
-          *a, **kw, **static, implementation=self.IMPL))
+          *a, **kw, **static, implementation=impl))
     with self.context():
       return jax.block_until_ready(_JITTED[key](args, arrays))
 
@@ -164,7 +166,9 @@ class ServingTestBase:
     self._check_against_ours_and_tokamax(case_id, lay, tokamax_fn, tokamax_jit=False)
 
   def test_window_checkpoints_are_single_token_decodes(self):
-    """Checkpoint j of a 3-token window = the state after j + 1 one-token calls."""
+    """Checkpoint j of a 3-token window = the state after j + 1 one-token
+    calls, of the reference (the window is the implementation's: a second
+    program of the implementation would double its interpret-mode compile)."""
     if not self.PROPERTIES:
       pytest.skip("property tests run for the implementations, not the oracle")
     lay = arg_specs.layout(lengths=[3], context_lens=5, num_spec_tokens=2, **TINY, **F32)
@@ -177,7 +181,8 @@ class ServingTestBase:
       step_args = (args[0][j:j + 1], args[1][j:j + 1], args[2][j:j + 1], *pools, *args[5:9],
                    jnp.asarray(one["query_start_loc"]), jnp.asarray(one["state_indices"]),
                    jnp.asarray(one["distribution"]), jnp.asarray(one["seq_lens"]))
-      pools, o = self.call(step_args, {n: one[n] for n in STATIC if n in one})
+      pools, o = self.call(step_args, {n: one[n] for n in STATIC if n in one},
+                           impl="reference")
       assert_close(out[j], o[0], jnp.float32, f"out {j}")
       assert_close(rec[1 + j], pools[1][1], jnp.float32, f"recurrent checkpoint {j}")
       assert_close(conv[1 + j], pools[0][1], jnp.float32, f"conv checkpoint {j}")
