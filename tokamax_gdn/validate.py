@@ -77,15 +77,22 @@ def _runnable(impl_name: str, interpret: bool) -> str | None:
   return None
 
 
-def _check(op_name, impl_name, case, key):
+def _prepare(op_name, case, key):
+  """What every implementation of `op_name` is checked against, computed once:
+  the case's differentiable arguments, the call, and the reference's output
+  and gradients (jitted)."""
   args, kwargs, diff_names, shape = case
   spec = autotuning.ArgSpec(name=op_name, make=lambda _: (args, kwargs),
                            diff_argnames=diff_names)
   ref = registry.get(op_name, "reference")
-  impl = registry.get(op_name, impl_name)
   diff, call = conformance.split_diff(spec, ref, args, kwargs)
   dtype = conformance.lowest_float_dtype(args, kwargs)
-  expected, expected_grads = conformance.loss_and_grads(ref, call, diff, key)
+  return diff, call, dtype, shape, conformance.loss_and_grads(ref, call, diff, key)
+
+
+def _check(op_name, impl_name, prepared, key):
+  diff, call, dtype, shape, (expected, expected_grads) = prepared
+  impl = registry.get(op_name, impl_name)
   with conformance.execution_context(impl_name):
     run = jax.jit(lambda d: conformance.loss_and_grads(impl, call, d, key))
     out, grads = jax.block_until_ready(run(diff))
@@ -103,12 +110,20 @@ def _check(op_name, impl_name, case, key):
               fwd_bwd_ms=f"{ms:.1f}", status="PASS" if ok else "FAIL")
 
 
-def _check_layer(cfg, impl_name, batch, seq_len, key):
+def _prepare_layer(cfg, batch, seq_len, key):
+  """The layer's parameters, input and reference output (jitted), once."""
   from tokamax_gdn import layers as layer  # pylint: disable=g-import-not-at-top
   kp, kx = jax.random.split(key)
   params = layer.init_params(kp, cfg)
   x = jax.random.normal(kx, (batch, seq_len, cfg.hidden_size), jnp.float32)
-  expected = layer.gated_deltanet(params, x, cfg, implementation="reference")
+  expected = jax.jit(lambda p, x: layer.gated_deltanet(p, x, cfg, implementation="reference"))(
+      params, x)
+  return params, x, expected
+
+
+def _check_layer(cfg, impl_name, prepared):
+  from tokamax_gdn import layers as layer  # pylint: disable=g-import-not-at-top
+  params, x, expected = prepared
   with conformance.execution_context(impl_name):
     fn = jax.jit(lambda p, x: layer.gated_deltanet(p, x, cfg, implementation=impl_name))
     y = jax.block_until_ready(fn(params, x))
@@ -117,6 +132,7 @@ def _check_layer(cfg, impl_name, batch, seq_len, key):
     ms = (time.perf_counter() - start) * 1e3
   err = specs_lib.rel_rms(y, expected)
   ok = bool(jnp.all(jnp.isfinite(y))) and err <= specs_lib.tolerance(jnp.float32, grad=False)
+  batch, seq_len = x.shape[:2]
   return dict(op="layer:gated_deltanet", implementation=impl_name,
               shape=f"B{batch} T{seq_len} hidden{cfg.hidden_size}",
               fwd_rel_rms=f"{err:.2e}", grad_rel_rms="-", fwd_bwd_ms=f"{ms:.1f} (fwd)",
@@ -135,6 +151,7 @@ def run(cfg, *, seq_len: int = 64, batch: int = 1, interpret: bool = False,
   jobs += [("layer", n, None) for n in layer_impls]
   rows = []
   key = jax.random.key(0)
+  prepared = {}   # per op: its case and reference results, shared by its implementations
   for op_name, impl_name, make_case in progress_lib.bar(jobs, disable=not progress, desc="validate"):
     why = _runnable(impl_name, interpret)
     if why is not None:
@@ -143,10 +160,13 @@ def run(cfg, *, seq_len: int = 64, batch: int = 1, interpret: bool = False,
                        grad_rel_rms="-", fwd_bwd_ms="-", status=why))
       continue
     try:
+      if op_name not in prepared:
+        prepared[op_name] = (_prepare_layer(cfg, batch, seq_len, key) if op_name == "layer"
+                             else _prepare(op_name, make_case(cfg, batch, seq_len, key), key))
       if op_name == "layer":
-        rows.append(_check_layer(cfg, impl_name, batch, seq_len, key))
+        rows.append(_check_layer(cfg, impl_name, prepared[op_name]))
       else:
-        rows.append(_check(op_name, impl_name, make_case(cfg, batch, seq_len, key), key))
+        rows.append(_check(op_name, impl_name, prepared[op_name], key))
     except Exception as e:  # pylint: disable=broad-except
       rows.append(dict(op=op_name, implementation=impl_name, shape="-", fwd_rel_rms="-",
                        grad_rel_rms="-", fwd_bwd_ms="-",
