@@ -49,35 +49,18 @@ def test_v5e_forms_against_tokamax_reference():
     config.set_target_chip(None)
 
 
-def test_routing_decode_kernel_and_chunked_path():
-  """One batch through both paths: decodes and a short prefill (decode
-  kernel, the prefill token by token past its window) and two prefills of
-  at least `min_chunked_tokens` (the chunked path with per-request segment
-  states), f32 so the match is tight."""
-  lay = arg_specs.layout(lengths=[1, 1, 5, 20, 17], context_lens=[3, 0, 2, 4, 0],
-                         max_reqs=6, **TINY, **F32)
-  args, kwargs = make(lay, seed=11)
-  static = {k: v for k, v in kwargs.items() if k in STATIC}
-  cfg = pallas_mosaic_tpu.Config(decode_tile=8, chunk_size=64, min_chunked_tokens=16)
-  impl = pallas_mosaic_tpu.IMPLEMENTATION.replace(config=cfg)
-  with config.interpret_mode():   # jitted: one compile, not op-by-op dispatch
-    (conv, rec), out = jax.jit(lambda a: impl(*a, **static))(args)
-  (r_conv, r_rec), r_out = jax.jit(lambda a: __import__(
-      "tokamax_gdn").causal_conv1d_gated_delta_rule(*a, **static, implementation="reference"))(args)
-  assert_close(out, r_out, jnp.float32, "out")
-  assert_close(rec, r_rec, jnp.float32, "recurrent")
-  assert_close(conv, r_conv, jnp.float32, "conv")
-
-
-@pytest.mark.parametrize("lengths,context,chunked", [
-    ([1, 1, 70, 5], [3, 0, 4, 2], [2]),               # T // 64 = 1: N = 1
-    ([1, 1, 70, 3, 66], [3, 0, 4, 2, 5], [2, 4]),     # N = 2
-], ids=["one", "two"])
-def test_chunked_requests_after_decodes(lengths, context, chunked):
-  """Chunked requests (64 tokens and more) that start after decodes and
-  continue their slots, with a short prefill among them: the conv with its
-  SiLU and no segment ids (each request's first W-1 rows redone from its conv
-  state); for N = 1 q, k, v read packed by the GDN kernel. Against the
+@pytest.mark.parametrize("lengths,context,chunked,min_chunked", [
+    ([1, 1, 70, 5], [3, 0, 4, 2], [2], 64),                   # T // 64 = 1: N = 1
+    ([1, 1, 70, 3, 20, 17], [3, 0, 4, 2, 5, 0], [2, 4, 5], 16),  # N = 3, one block shared
+], ids=["one", "three"])
+def test_chunked_requests_after_decodes(lengths, context, chunked, min_chunked):
+  """One batch through both paths: chunked requests (`min_chunked_tokens`
+  and more) that start after decodes and continue their slots, with a short
+  prefill among them (the decode kernel, token by token past its window):
+  the conv with its SiLU and no segment ids (each request's first W-1 rows
+  redone from its conv state); for N = 1 q, k, v read packed by the GDN
+  kernel; for N = 3 a request of two chunks (the second partial) and two
+  shorter than a chunk, all three in its second block. Against the
   reference; a NaN in the tokens of a neighbour (inside a request's first
   conv window) or in a slot a neighbour reads stays out of the chunked
   requests, and one in a chunked request's read slot out of every other
@@ -85,8 +68,7 @@ def test_chunked_requests_after_decodes(lengths, context, chunked):
   lay = arg_specs.layout(lengths=lengths, context_lens=context, max_reqs=6, **TINY, **F32)
   args, kwargs = make(lay, seed=13)
   static = {k: v for k, v in kwargs.items() if k in STATIC}
-  # A request of 70 tokens is two chunks (the second partial).
-  cfg = pallas_mosaic_tpu.Config(decode_tile=8, chunk_size=64, min_chunked_tokens=64)
+  cfg = pallas_mosaic_tpu.Config(decode_tile=8, chunk_size=64, min_chunked_tokens=min_chunked)
   op = jax.jit(lambda *a: pallas_mosaic_tpu.IMPLEMENTATION.replace(config=cfg)(*a, **static))
   with config.interpret_mode():
     (conv, rec), out = op(*args)
