@@ -261,8 +261,12 @@ def test_chunk_gate_compensated_cumsum(c):
   g = np.concatenate([np.full(n_floor, -30.0), -np.geomspace(1e-6, 1e-4, c - n_floor)])
   g = g.astype(np.float32)
   for starts in (None, np.arange(c) == c // 3):
-    gate = xla_chunked_kernel.chunk_gate(
+    # Jitted, as the chunked kernels run it (and one compile, not one per primitive).
+    names = ("gamma", "decay_out", "decay_in")
+    fields = jax.jit(lambda g, s: [getattr(xla_chunked_kernel.chunk_gate(g, s), n)
+                                   for n in names])(
         jnp.asarray(g), None if starts is None else jnp.asarray(starts))
+    gate = dict(zip(names, fields))
     g64 = g.astype(np.float64)
     seg = np.zeros(c, int) if starts is None else np.cumsum(starts)
     gcum = np.array([g64[(seg == seg[i]) & (np.arange(c) <= i)].sum() for i in range(c)])
@@ -272,5 +276,5 @@ def test_chunk_gate_compensated_cumsum(c):
     decay_out = np.where(last, np.exp(np.where(last, gcum[-1] - gcum, 0)), 0)
     decay_in = np.where(seg == 0, np.exp(gcum), 0)
     for name, want in (("gamma", gamma), ("decay_out", decay_out), ("decay_in", decay_in)):
-      got = np.asarray(getattr(gate, name), np.float64)
+      got = np.asarray(gate[name], np.float64)
       np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30, err_msg=name)
