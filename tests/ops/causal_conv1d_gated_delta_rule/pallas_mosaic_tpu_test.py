@@ -38,6 +38,15 @@ class TestPallasMosaicTpu(ServingTestBase):
     super().test_spec_windows_against_tokamax(case_id, lay)
 
 
+def _assert_matches_reference(args, static, conv, rec, out):
+  """The op's results (f32) against the reference implementation's (jitted)."""
+  (r_conv, r_rec), r_out = jax.jit(lambda a: __import__(
+      "tokamax_gdn").causal_conv1d_gated_delta_rule(*a, **static, implementation="reference"))(args)
+  assert_close(out, r_out, jnp.float32, "out")
+  assert_close(rec, r_rec, jnp.float32, "recurrent")
+  assert_close(conv, r_conv, jnp.float32, "conv")
+
+
 def test_v5e_forms_against_tokamax_reference():
   """Traced for v5e the decode kernel takes other forms of its bf16 pool
   products (`DecodeStatic.v5e_forms`): same contract (bf16 pools, GVA 1:4)."""
@@ -62,11 +71,7 @@ def test_routing_decode_kernel_and_chunked_path():
   impl = pallas_mosaic_tpu.IMPLEMENTATION.replace(config=cfg)
   with config.interpret_mode():   # jitted: one compile, not op-by-op dispatch
     (conv, rec), out = jax.jit(lambda a: impl(*a, **static))(args)
-  (r_conv, r_rec), r_out = jax.jit(lambda a: __import__(
-      "tokamax_gdn").causal_conv1d_gated_delta_rule(*a, **static, implementation="reference"))(args)
-  assert_close(out, r_out, jnp.float32, "out")
-  assert_close(rec, r_rec, jnp.float32, "recurrent")
-  assert_close(conv, r_conv, jnp.float32, "conv")
+  _assert_matches_reference(args, static, conv, rec, out)
 
 
 @pytest.mark.parametrize("lengths,context,chunked", [
@@ -90,11 +95,7 @@ def test_chunked_requests_after_decodes(lengths, context, chunked):
   op = jax.jit(lambda *a: pallas_mosaic_tpu.IMPLEMENTATION.replace(config=cfg)(*a, **static))
   with config.interpret_mode():
     (conv, rec), out = op(*args)
-  (r_conv, r_rec), r_out = jax.jit(lambda a: __import__(
-      "tokamax_gdn").causal_conv1d_gated_delta_rule(*a, **static, implementation="reference"))(args)
-  assert_close(out, r_out, jnp.float32, "out")
-  assert_close(rec, r_rec, jnp.float32, "recurrent")
-  assert_close(conv, r_conv, jnp.float32, "conv")
+  _assert_matches_reference(args, static, conv, rec, out)
 
   qsl, slots = lay["query_start_loc"], lay["state_indices"]
   mine = np.zeros(out.shape[0], bool)
@@ -137,11 +138,7 @@ def test_chunked_path_with_token_arrays_in_hbm(monkeypatch):
   with config.interpret_mode():
     assert "memory_space_constraint" in str(jax.make_jaxpr(op)(*args))
     (conv, rec), out = op(*args)
-  (r_conv, r_rec), r_out = jax.jit(lambda a: __import__(
-      "tokamax_gdn").causal_conv1d_gated_delta_rule(*a, **static, implementation="reference"))(args)
-  assert_close(out, r_out, jnp.float32, "out")
-  assert_close(rec, r_rec, jnp.float32, "recurrent")
-  assert_close(conv, r_conv, jnp.float32, "conv")
+  _assert_matches_reference(args, static, conv, rec, out)
 
 
 @pytest.mark.parametrize("resident", [True, False], ids=["resident_out", "two_outputs"])
