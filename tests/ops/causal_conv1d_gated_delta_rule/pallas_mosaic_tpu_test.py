@@ -38,6 +38,15 @@ class TestPallasMosaicTpu(ServingTestBase):
     super().test_spec_windows_against_tokamax(case_id, lay)
 
 
+def _assert_matches_reference(args, static, conv, rec, out):
+  """The op's results (f32) against the reference implementation's (jitted)."""
+  (r_conv, r_rec), r_out = jax.jit(lambda a: __import__(
+      "tokamax_gdn").causal_conv1d_gated_delta_rule(*a, **static, implementation="reference"))(args)
+  assert_close(out, r_out, jnp.float32, "out")
+  assert_close(rec, r_rec, jnp.float32, "recurrent")
+  assert_close(conv, r_conv, jnp.float32, "conv")
+
+
 def test_v5e_forms_against_tokamax_reference():
   """Traced for v5e the decode kernel takes other forms of its bf16 pool
   products (`DecodeStatic.v5e_forms`): same contract (bf16 pools, GVA 1:4)."""
@@ -72,11 +81,7 @@ def test_chunked_requests_after_decodes(lengths, context, chunked, min_chunked):
   op = jax.jit(lambda *a: pallas_mosaic_tpu.IMPLEMENTATION.replace(config=cfg)(*a, **static))
   with config.interpret_mode():
     (conv, rec), out = op(*args)
-  (r_conv, r_rec), r_out = jax.jit(lambda a: __import__(
-      "tokamax_gdn").causal_conv1d_gated_delta_rule(*a, **static, implementation="reference"))(args)
-  assert_close(out, r_out, jnp.float32, "out")
-  assert_close(rec, r_rec, jnp.float32, "recurrent")
-  assert_close(conv, r_conv, jnp.float32, "conv")
+  _assert_matches_reference(args, static, conv, rec, out)
 
   qsl, slots = lay["query_start_loc"], lay["state_indices"]
   mine = np.zeros(out.shape[0], bool)
@@ -104,6 +109,22 @@ def test_chunked_requests_after_decodes(lengths, context, chunked, min_chunked):
     np.testing.assert_array_equal(np.asarray(b_conv)[keep], np.asarray(conv)[keep], poison)
     if poison == "own_slot":
       assert np.isnan(np.asarray(b_out)[qsl[first]:qsl[first + 1]]).any()
+
+
+def test_chunked_path_with_token_arrays_in_hbm(monkeypatch):
+  """Long calls keep the chunked path's token arrays in HBM (the conv's x
+  and y at 512-token tiles, `gdn_fwd_requests`' qkv; `_HBM_TOKEN_BYTES`):
+  the same results, here forced on a small call with two chunked requests."""
+  monkeypatch.setattr(pallas_mosaic_tpu, "_HBM_TOKEN_BYTES", 0)
+  lay = arg_specs.layout(lengths=[1, 70, 3, 66], context_lens=[3, 4, 2, 0], **TINY, **F32)
+  args, kwargs = make(lay, seed=17)
+  static = {k: v for k, v in kwargs.items() if k in STATIC}
+  cfg = pallas_mosaic_tpu.Config(decode_tile=8, chunk_size=64, min_chunked_tokens=64)
+  op = jax.jit(lambda *a: pallas_mosaic_tpu.IMPLEMENTATION.replace(config=cfg)(*a, **static))
+  with config.interpret_mode():
+    assert "memory_space_constraint" in str(jax.make_jaxpr(op)(*args))
+    (conv, rec), out = op(*args)
+  _assert_matches_reference(args, static, conv, rec, out)
 
 
 @pytest.mark.parametrize("resident", [True, False], ids=["resident_out", "two_outputs"])
@@ -135,12 +156,7 @@ def test_fresh_groups_and_zeroed_rows(resident, monkeypatch):
   impl = pallas_mosaic_tpu.IMPLEMENTATION.replace(config=cfg)
   with config.interpret_mode():   # jitted: one compile, not op-by-op dispatch
     (conv, rec), out = jax.jit(lambda a: impl(*a, **static))(tuple(args))
-  (r_conv, r_rec), r_out = jax.jit(lambda a: __import__(
-      "tokamax_gdn").causal_conv1d_gated_delta_rule(*a, **static, implementation="reference"))(
-          tuple(args))
-  assert_close(out, r_out, jnp.float32, "out")
-  assert_close(rec, r_rec, jnp.float32, "recurrent")
-  assert_close(conv, r_conv, jnp.float32, "conv")
+  _assert_matches_reference(tuple(args), static, conv, rec, out)
   np.testing.assert_array_equal(np.asarray(out)[-2:], 0)
 
 

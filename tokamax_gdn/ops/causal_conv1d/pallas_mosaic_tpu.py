@@ -41,10 +41,24 @@ _SUBLANES = 16     # bf16 native tiling; also a multiple of the 8-row halo
 
 @pydantic.dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Config:
-  """Tiling: block_d channels (lanes, a multiple of 128) x block_t tokens (a multiple of 16)."""
+  """Tiling: block_d channels (lanes, a multiple of 128) x block_t tokens (a
+  multiple of 16).
+
+  in_hbm: the forward kernel's x and y stay in HBM. Without it XLA may place
+    them in VMEM where the program leaves room (the serving op's chunked
+    path, a long prefill: x and y of 12-24 MiB each), and libtpu's static
+    cycle estimator then takes time and host memory that grow faster than
+    T on this kernel (v6e, D=1536: ~70 s of the serving op's compile at one
+    4096-token prefill, ~4 min at 8129 tokens; this op alone at 4096, in
+    HBM, 2 s). The blocks are streamed either way; at 512-token tiles the
+    estimate is the same (v6e, T=4096, D=1536: 33.6 k cycles at 256-token
+    tiles in VMEM inside the serving op, 33.3 k at 512 in HBM, 39.2 k at
+    256 in HBM).
+  """
 
   block_d: Annotated[int, pydantic.Field(gt=0, multiple_of=_LANES)] = 512
   block_t: Annotated[int, pydantic.Field(gt=0, multiple_of=_SUBLANES)] = 256
+  in_hbm: bool = False
 
 
 def _tiles(cfg: Config, t: int, d: int) -> tuple[int, int]:
@@ -53,14 +67,19 @@ def _tiles(cfg: Config, t: int, d: int) -> tuple[int, int]:
           min(cfg.block_d, round_up(d, _LANES)))
 
 
-def _heuristics(ba: op.BoundArguments) -> Config:
-  x = ba.arguments["x"]
-  t, d = x.shape[1], x.shape[2]
+def heuristic_tiles(t: int, d: int, block_t: int = 256) -> Config:
+  """The heuristic tiling of x [B, t, d]: the widest of 512 / 256 / 128
+  lanes that divides d (rounded up to lanes), `block_t` tokens at most."""
   dp = round_up(d, _LANES)
   block_d = next(c for c in (512, 256, 128) if dp % c == 0)
+  return Config(block_d=block_d, block_t=min(block_t, round_up(max(t, 1), _SUBLANES)))
+
+
+def _heuristics(ba: op.BoundArguments) -> Config:
+  x = ba.arguments["x"]
   # v6e static estimates at T=4096, D=8192 bf16 are within ~10 % across
   # 512-1024 x 256-512 tiles; 512x256 keeps VMEM small (see module doc).
-  return Config(block_d=block_d, block_t=min(256, round_up(max(t, 1), _SUBLANES)))
+  return heuristic_tiles(x.shape[1], x.shape[2])
 
 
 def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
@@ -156,7 +175,7 @@ class PallasMosaicTpuCausalConv1d(config_hooks.PallasTpuHooks, base.CausalConv1d
       p = _prepare(x, weight, bias, initial_state, reach, config)
       y = kernel.conv_fwd(
           p.x, p.x_prev, p.w_t, p.bias, p.reach, bt=p.bt, bd=p.bd, activation=activation,
-          interpret=interpret,
+          interpret=interpret, in_hbm=config.in_hbm,
           vmem_limit_bytes=_vmem_limit(p.bt, p.bd, weight.shape[1], x.dtype.itemsize))
       return (y[:, :t, :d],)
 

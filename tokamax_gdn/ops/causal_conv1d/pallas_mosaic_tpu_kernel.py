@@ -154,13 +154,19 @@ def _specs(bt, bd):
 
 
 def conv_fwd(x, x_prev, w_t, bias, reach, *, bt, bd, activation, interpret,
-             vmem_limit_bytes=None):
+             vmem_limit_bytes=None, in_hbm=False):
   """x [B, Tp, Dp] (Tp % bt == 0, Dp % bd == 0), x_prev [B, nT, 8, Dp], w_t [W, Dp],
-  bias [1, Dp] | None, reach [B, Tp, 128] int32 | None -> y [B, Tp, Dp]."""
+  bias [1, Dp] | None, reach [B, Tp, 128] int32 | None -> y [B, Tp, Dp].
+
+  `in_hbm`: x and y stay in HBM (else XLA may place them in VMEM)."""
   b, tp, dp = x.shape
   width = w_t.shape[0]
   row, halo, reach_spec, _ = _specs(bt, bd)
   in_specs = [row, halo, pl.BlockSpec((width, bd), lambda b, j, i: (0, j))]
+  out_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+  if in_hbm:
+    x = pltpu.with_memory_space_constraint(x, pltpu.HBM)
+    out_shape = pltpu.HBM(x.shape, x.dtype)
   args = [x, x_prev, w_t]
   if bias is not None:
     in_specs.append(pl.BlockSpec((1, bd), lambda b, j, i: (0, j)))
@@ -175,7 +181,7 @@ def conv_fwd(x, x_prev, w_t, bias, reach, *, bt, bd, activation, interpret,
       grid=(b, dp // bd, tp // bt),
       in_specs=in_specs,
       out_specs=row,
-      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((HALO + bt, bd), jnp.float32)],
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel"),

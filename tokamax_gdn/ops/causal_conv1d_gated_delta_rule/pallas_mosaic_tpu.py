@@ -35,7 +35,10 @@ recompiles when the composition changes):
    scatters gone), tp8_mixed_3x512 (N = 3) 141.0 -> 74.0, tp8_prefill_4096
    (N = 1) 299.8 -> 294.3 (no XLA add of the two paths' outputs).
    The estimator aborts on the kernel as it runs (block indices from SMEM);
-   the figures are of its cost model (`full_chunk_cost`).
+   the figures are of its cost model (`full_chunk_cost`), which now runs
+   one item per block (it ran all ceil(T/C) + N - 1): tp8_mixed_3x512 74.0
+   -> 60.9, the others unchanged. Calls with a long qkv keep their arrays in
+   HBM (`_HBM_TOKEN_BYTES`): tp8_mixed_64_t8192 681.3 (no estimate before).
 
 When T < min_chunked_tokens (every decode batch with the heuristic) the
 chunked path is not compiled at all.
@@ -53,6 +56,7 @@ from tokamax._src.ops import op
 from tokamax_gdn import config as gdn_config
 from tokamax_gdn.ops import config_hooks
 from tokamax_gdn.ops.causal_conv1d import api as conv_api
+from tokamax_gdn.ops.causal_conv1d import pallas_mosaic_tpu as conv_pallas
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import base
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu_decode as decode_kernel
 from tokamax_gdn.ops.gated_delta_rule import prologue as gdn_prologue
@@ -89,15 +93,17 @@ def full_decode_cost(has_init: bool = True):
 @contextlib.contextmanager
 def full_chunk_cost(run: bool):
   """Compiles the chunked path's GDN kernel (`gdn_fwd_requests`) at static
-  block indices, every work item running if `run`, else every item skipped:
-  for static cycle estimates only (results meaningless).
+  block indices, one running item per block if `run`, else every item
+  skipped: for static cycle estimates only (results meaningless).
 
   libtpu's estimator aborts on the real kernel, whose block indices come
   from SMEM ("No DMA issue node found for sync flag", v6e and tpu7x; the
-  same kernel at static indices is estimated). At static indices every item
-  moves its blocks, so the estimate is at least the real kernel's traffic;
-  with `run` it is that of a call whose items all run (a prefill), else that
-  of one whose requests hold no chunked token (a decode batch).
+  same kernel at static indices is estimated). With `run` the estimate is
+  that of a call whose chunked requests cover the token blocks with one
+  item each (a prefill, or a prefill after decodes; requests that share a
+  block add an item each on the chip), else that of one whose requests
+  hold no chunked token (a decode batch: every item moves its blocks, at
+  least the real kernel's traffic).
   """
   global _chunk_cost
   old, _chunk_cost = _chunk_cost, bool(run)
@@ -137,7 +143,10 @@ def _heuristics(ba: op.BoundArguments) -> Config:
   args = ba.arguments
   window = args["num_spec_tokens"] + 1
   tile = 64
-  while tile > 8 and _decode_vmem(args, tile, window) > _vmem_cap():
+  # A long call leaves the decode kernel XLA's default scoped VMEM (XLA
+  # fills the rest with the call's arrays).
+  cap = _LONG_CALL_DECODE_VMEM if _in_hbm(args["qkv"]) else _vmem_cap()
+  while tile > 8 and _decode_vmem(args, tile, window) > cap:
     tile //= 2
   return Config(decode_tile=tile, chunk_size=128, min_chunked_tokens=128)
 
@@ -165,8 +174,8 @@ _RESIDENT_OUT_BYTES = 1 << 20
 
 def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool, *, num_requests: int,
                    num_tokens: int, act_itemsize: int, num_slots: int = 1, min_chunked: int = 0,
-                   has_bias: bool = True, has_reads: bool = False, has_offsets: bool = False
-                   ) -> decode_kernel.DecodeStatic:
+                   has_bias: bool = True, has_reads: bool = False, has_offsets: bool = False,
+                   in_hbm: bool = False) -> decode_kernel.DecodeStatic:
   direct = mid and window == 1
   blk = decode_kernel.BLOCK_ROWS
   tile = min(tile, round_up(num_requests, 8))
@@ -183,7 +192,8 @@ def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool, *, num_re
                                     has_reads=has_reads, has_offsets=has_offsets,
                                     all_run=_all_run is not None,
                                     all_init=_all_run is not False,
-                                    v5e_forms=gdn_kernel._v5e_forms())  # pylint: disable=protected-access
+                                    v5e_forms=gdn_kernel._v5e_forms(),  # pylint: disable=protected-access
+                                    in_hbm=in_hbm)
 
 
 def _decode_vmem(args, tile: int, window: int) -> int:
@@ -217,7 +227,7 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, 
                       num_slots=rec_pool.shape[0], min_chunked=min_chunked,
                       has_bias=conv_bias is not None,
                       has_reads=reqs.index.read_state_indices is not None,
-                      has_offsets=reqs.index.read_offsets is not None)
+                      has_offsets=reqs.index.read_offsets is not None, in_hbm=_in_hbm(qkv))
   r_pad = decode_kernel.padded_requests(st)
   # [dim, 1, W] -> [W, dim]: XLA's TPU layout of the weight is already W-major
   # (a bitcast, no copy).
@@ -266,6 +276,37 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, 
   return out, conv_pool, rec_pool
 
 
+# Calls whose qkv exceeds this many bytes (a long prefill; tokamax's
+# tp8_mixed_64_t8192: 24 MiB) keep their big arrays in HBM: the conv's x and
+# y (`causal_conv1d`'s `Config.in_hbm`, at 512-token tiles),
+# `gdn_fwd_requests`' qkv and output (`in_hbm`), the decode kernel's pools
+# and `out_mid` (`DecodeStatic.in_hbm`); and the decode kernel's VMEM stays
+# within XLA's default scoped VMEM (`_LONG_CALL_DECODE_VMEM`: decode tiles
+# of 32 at the TP8 shapes). Otherwise XLA places those arrays in VMEM as far
+# as it goes, and with the cycle dump on (libtpu reserves VMEM of its own
+# for it) the compile ran out of VMEM (v6e: the 8129-token prefill part
+# alone 128.09 of 127.94 MiB, tp8_mixed_64_t8192 147.11); and libtpu's
+# static estimator takes time and host memory that grow faster than T on
+# kernels whose operands sit in VMEM (v6e, one prefill of 2048 / 4096 / 8129
+# tokens, compile with the dump: 25 s, 1.6 GB / 90 s, 4.1 GB / 400 s,
+# 14 GB; tp8_mixed_64_t8192 ran out of the machine's 23 GB). With them in
+# HBM the v6e report of tp8_mixed_64_t8192, its prefill part and three
+# small specs took 99 s: 681.3 k cycles, vs 618.6 k + 20.5 k for its
+# prefill and decode parts (1.07x). Smaller calls keep XLA's placement,
+# cheaper on the estimate there (v6e, the conv's x and y in HBM at every
+# size: tp8_decode_512 146.0 -> 158.6 k cycles, tp8_mixed_3x512 74.0 ->
+# 83.5 k, tp8_prefill_4096 294.3 -> 297.5 k).
+_HBM_TOKEN_BYTES = 16 * _MIB
+_HBM_CONV_BLOCK_T = 512
+# XLA's default scoped VMEM (its HLO's scoped_memory_configs on v6e).
+_LONG_CALL_DECODE_VMEM = 32 * _MIB
+
+
+def _in_hbm(qkv: jax.Array) -> bool:
+  """Whether the chunked path keeps its token arrays in HBM (`_HBM_TOKEN_BYTES`)."""
+  return qkv.size * jnp.dtype(qkv.dtype).itemsize > _HBM_TOKEN_BYTES
+
+
 def _requests_conv(qkv, conv_weight, conv_bias, taps, conv0, start, length, used, *,
                    at_least_window: bool):
   """SiLU(conv) [T, D] in qkv's dtype, right on the rows of the chunked
@@ -283,8 +324,12 @@ def _requests_conv(qkv, conv_weight, conv_bias, taps, conv0, start, length, used
   """
   t_len, dim = qkv.shape
   n_max, kw1 = conv0.shape[0], taps.shape[0] - 1
+  conv = "pallas_mosaic_tpu"
+  if _in_hbm(qkv):
+    conv = conv_pallas.IMPLEMENTATION.replace(config=dataclasses.replace(
+        conv_pallas.heuristic_tiles(t_len, dim, block_t=_HBM_CONV_BLOCK_T), in_hbm=True))
   act = conv_api.causal_conv1d(qkv[None], conv_weight[:, 0, :], conv_bias, activation="silu",
-                               implementation="pallas_mosaic_tpu")[0][0]
+                               implementation=conv)[0][0]
   m = jnp.arange(kw1, dtype=jnp.int32)
   dus = n_max == 1 and at_least_window and t_len >= kw1
   if dus:
@@ -360,7 +405,7 @@ def _chunked_path(qkv, b, a, out, conv_pool, rec_pool, conv_weight, conv_bias, a
       gdn_kernel.PackedRequests(start=start, length=length, init=init, read=read, write=slot),
       out, hk=dims.n_kq, hv=hv, dim_k=dims.d_k, dim_v=dims.d_v, scale=dims.scale,
       chunk=cfg.chunk_size, interleave=interleave, all_run=bool(_chunk_cost),
-      static_blocks=_chunk_cost is not None, interpret=interpret,
+      static_blocks=_chunk_cost is not None, in_hbm=_in_hbm(qkv), interpret=interpret,
       vmem_limit_bytes=min(_vmem_cap(), need * 5 // 4))
   if n_max == 1:
     # A dynamic-update-slice (row scatters cost ~3.5k cycles each on the v6e

@@ -1181,7 +1181,7 @@ def gdn_fwd_requests(qkv: Float[Array, "T D"], log_decay: Float[Array, "T Hv"],
                      requests: PackedRequests, out_base: Float[Array, "T HvV"], *, hk: int,
                      hv: int, dim_k: int, dim_v: int, scale: float, chunk=128, interleave=16,
                      newton=None, all_run: bool = False, static_blocks: bool = False,
-                     interpret=False, vmem_limit_bytes=None):
+                     in_hbm: bool = False, interpret=False, vmem_limit_bytes=None):
   """The chunked GDN forward over the requests of one packed token row (the
   serving op's chunked path).
 
@@ -1219,9 +1219,19 @@ def gdn_fwd_requests(qkv: Float[Array, "T D"], log_decay: Float[Array, "T Hv"],
   static block indices is estimated. `static_blocks` compiles it so, item j
   on block min(j, ceil(T/C) - 1), for estimates only (results meaningless):
   every item then moves its blocks, at least the real kernel's traffic.
-  `all_run` runs every item (the cost model of a call whose items all run,
-  a prefill); without it the static-block estimate is that of a call whose
-  items are all skipped.
+  `all_run` (with `static_blocks`) compiles one item per block, each
+  running: the cost model of a call whose chunked requests cover the
+  blocks, one item each (a prefill, or tp8_mixed_64_t8192's prefill after
+  63 decodes: the real kernel runs 64 of its ceil(T/C) + N - 1 = 127 items
+  and skips the rest; running all 127 had counted every skipped item as a
+  whole block, v6e 848 k cycles for this kernel vs 429 k for the same
+  prefill alone). Without it the static-block estimate is that of a call
+  whose items are all skipped.
+
+  `in_hbm`: qkv and out_base (so out) stay in HBM (else XLA may place them
+  in VMEM; see the serving op's `_HBM_TOKEN_BYTES`). Keeping log_decay and
+  beta there too made libtpu's estimator abort on the static-block kernel
+  (v6e, 4096 tokens: "No DMA issue node found for sync flag").
 
   Returns (out [T, Hv V] in qkv's dtype, state_pool): `out_base` with the
   requests' output rows written, and the pool with their final states.
@@ -1251,11 +1261,14 @@ def gdn_fwd_requests(qkv: Float[Array, "T D"], log_decay: Float[Array, "T Hv"],
   # Index maps take (0, j, block, read, write, flags).
   rows = lambda width: pl.BlockSpec((chunk, width), lambda b, j, *refs: (pick(j, refs[0]), 0))
   state = pl.BlockSpec(memory_space=pl.ANY)    # moved by the kernel's DMAs
+  out_base = out_base.astype(qkv.dtype)
+  if in_hbm:
+    qkv, out_base = (pltpu.with_memory_space_constraint(x, pltpu.HBM) for x in (qkv, out_base))
   inputs = [_Operand("qkv", qkv, block=rows(width)),
             _Operand("log_decay", log_decay, block=rows(hv)),
             _Operand("beta", beta, block=rows(hv)),
             _Operand("h0", state_pool, block=state),
-            _Operand("base", out_base.astype(qkv.dtype), block=rows(hv * dim_v))]
+            _Operand("base", out_base, block=rows(hv * dim_v))]
   outputs = [_Operand("out", block=rows(hv * dim_v),
                       shape=jax.ShapeDtypeStruct((t, hv * dim_v), qkv.dtype)),
              _Operand("pool", block=state,
@@ -1266,7 +1279,8 @@ def gdn_fwd_requests(qkv: Float[Array, "T D"], log_decay: Float[Array, "T Hv"],
                 _Operand("sem", shape=pltpu.SemaphoreType.DMA((2,)))])
   res = _call(functools.partial(_fwd_kernel, write_out=True, emit=False), st,
               dict(item_block=block, item_slot=read, item_write=write, item_flags=flags),
-              grid=(1, items), inputs=inputs, outputs=outputs, scratch=scratch,
+              grid=(1, blocks if all_run and static_blocks else items), inputs=inputs,
+              outputs=outputs, scratch=scratch,
               vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, name="gdn_fwd_requests",
               aliases=dict(base="out", h0="pool"))
   return res["out"], res["pool"]
