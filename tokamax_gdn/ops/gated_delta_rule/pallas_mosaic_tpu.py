@@ -239,7 +239,8 @@ def _kernel_args(config: Config, q: jax.Array, v: jax.Array, interpret: bool) ->
 
 # Dimension labels of the kernels' operands (see `ops.partitioning`).
 _LABELS = dict(
-    q="b t h k", k="b t h k", v="b t hv v", log_decay="b t hv", beta="b t hv", poison="b t hv",
+    q="b t h k", k="b t h k", v="b t hv v", log_decay="b t hv", g="b t hv", beta="b t hv",
+    poison="b t hv", a_log="hv", dt_bias="hv",
     d_out="b t hv v", d_final="b hv k v", initial_state="b hv k v",
     states="b n hv kp vp", tmats="b n hv c1 c2", segment_ids="b t",
 )
@@ -280,28 +281,33 @@ class PallasMosaicTpuGatedDeltaRule(_KernelConfigs, base.GatedDeltaRule[Config, 
   max_head_dim: ClassVar[int | None] = 256
   supports_segment_states: ClassVar[bool] = True
   guards_in_core: ClassVar[bool] = True
+  prologue_in_core: ClassVar[bool] = True
 
   def __post_init__(self):
     if self.vjp is None:
       object.__setattr__(self, "vjp", PallasMosaicTpuGatedDeltaRuleVjp())
 
-  def _core_fwd(self, q, k, v, log_decay, beta, *, scale, initial_state,
-                segment_ids, config: Config, poison=None):
+  def _core_fwd(self, q, k, v, g, beta, *, scale, initial_state,
+                segment_ids, config: Config, poison=None, use_qk_l2norm=False, a_log=None,
+                dt_bias=None):
+    """The forward kernel on the raw q, k and gate (`prologue_in_core`)."""
     interpret = _check_supported(q, v)
 
-    def body(q, k, v, log_decay, beta, initial_state, segment_ids, poison):
+    def body(q, k, v, g, beta, initial_state, segment_ids, poison, a_log, dt_bias):
+      pro = kernel.Prologue(qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
+                            log_decay_floor=self.log_decay_floor)
       out, final, res = kernel.gdn_fwd(
-          q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
+          q, k, v, g, beta, scale=scale, initial_state=initial_state,
           segment_ids=segment_ids, emit_residuals=config.save_states, poison=poison,
-          **_kernel_args(config, q, v, interpret))
+          pro=pro, **_kernel_args(config, q, v, interpret))
       return (out, final) + (tuple(res) if res is not None else ())
 
     out_labels = [_LABELS["d_out"], _state_label(initial_state)]
     if config.save_states:
       out_labels += [_LABELS["states"], _LABELS["tmats"]]
     res = _per_shard(body, out_labels, q.shape[2], v.shape[2], dict(
-        q=q, k=k, v=v, log_decay=log_decay, beta=beta,
-        initial_state=initial_state, segment_ids=segment_ids, poison=poison))
+        q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
+        segment_ids=segment_ids, poison=poison, a_log=a_log, dt_bias=dt_bias))
     out, final = res[:2]
     if config.save_states:
       return out, final, base.Residuals(states=res[2], tmats=res[3])
@@ -313,12 +319,15 @@ class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Co
   """Reverse-chunk analytical backward of the Mosaic TPU GDN kernels."""
 
   guards_in_core: ClassVar[bool] = True
+  prologue_in_core: ClassVar[bool] = True
 
   heuristics = functools.partial(_heuristics, backward=True)
   autotuning_configs = functools.partial(_autotuning_configs, backward=True)
 
-  def _core_bwd(self, residuals: base.Residuals | None, q, k, v, log_decay, beta, d_out, d_final, *,
-                scale, initial_state, segment_ids, config: Config, sanitize: bool = False):
+  def _core_bwd(self, residuals: base.Residuals | None, q, k, v, g, beta, d_out, d_final, *,
+                scale, initial_state, segment_ids, config: Config, sanitize: bool = False,
+                use_qk_l2norm=False, a_log=None, dt_bias=None):
+    """The kernels on the raw q, k and gate (`prologue_in_core`)."""
     interpret = _check_supported(q, v)
     t = q.shape[1]
     states = getattr(residuals, "states", None)
@@ -336,24 +345,28 @@ class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Co
     if states is not None and states.shape[1] != -(-t // config.chunk_size):
       states = tmats = None
 
-    def body(q, k, v, log_decay, beta, d_out, d_final, states, tmats, initial_state,
-             segment_ids):
+    def body(q, k, v, g, beta, d_out, d_final, states, tmats, initial_state,
+             segment_ids, a_log, dt_bias):
+      pro = kernel.Prologue(qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
+                            log_decay_floor=self.log_decay_floor)
       if states is None:   # pass 1: the forward kernel without outputs
         _, _, (states, tmats) = kernel.gdn_fwd(
-            q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
             segment_ids=segment_ids, write_out=False, emit_residuals=True, sanitize=sanitize,
-            **_kernel_args(_states_config(config, _shapes_of(q, v)), q, v, interpret))
+            pro=pro, **_kernel_args(_states_config(config, _shapes_of(q, v)), q, v, interpret))
       return kernel.gdn_bwd(
-          q, k, v, log_decay, beta, d_out, d_final, scale=scale,
+          q, k, v, g, beta, d_out, d_final, scale=scale,
           initial_state=initial_state, segment_ids=segment_ids, residuals=(states, tmats),
-          sanitize=sanitize, **_kernel_args(config, q, v, interpret))
+          sanitize=sanitize, pro=pro, **_kernel_args(config, q, v, interpret))
 
-    out_labels = [_LABELS[n] for n in ("q", "k", "v", "log_decay", "beta")]
+    out_labels = [_LABELS[n] for n in ("q", "k", "v", "g", "beta")]
     out_labels.append(_state_label(initial_state))
+    if a_log is not None:   # the per-token terms of a_log's gradient
+      out_labels.append(_LABELS["g"])
     return _per_shard(body, out_labels, q.shape[2], v.shape[2], dict(
-        q=q, k=k, v=v, log_decay=log_decay, beta=beta, d_out=d_out,
+        q=q, k=k, v=v, g=g, beta=beta, d_out=d_out,
         d_final=d_final, states=states, tmats=tmats, initial_state=initial_state,
-        segment_ids=segment_ids))
+        segment_ids=segment_ids, a_log=a_log, dt_bias=dt_bias))
 
 
 IMPLEMENTATION = PallasMosaicTpuGatedDeltaRule()
