@@ -23,7 +23,8 @@ Split of work (one module per concept):
 - `GatedDeltaRule.bind` (here) validates and canonicalises once, for all backends.
 - `prologue` (l2norm + gate activation + the chunked log-decay floor) is
   pointwise per token; it is shared and differentiated by autodiff in
-  `GatedDeltaRuleVjp`.
+  `GatedDeltaRuleVjp`, or run (and differentiated) inside the core where the
+  backend says so (`prologue_in_core`).
 - Backends implement `_core_fwd` (and, for an analytical backward, a
   `GatedDeltaRuleVjp` subclass implementing `_core_bwd`) on the prepared
   q, k (input dtype, normalised), v, log-decay (float32) and beta.
@@ -317,8 +318,8 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
   # Whether `_core_bwd` runs the prologue and its VJP itself (with the
   # forward's `prologue_in_core`): it gets the raw query, key and g and the
   # prologue's keywords, and returns the gradients of the raw query, key and
-  # g, then with `a_log` a seventh array, [B, T, Hv]: each token's term of
-  # a_log's gradient (dt_bias's are g's).
+  # g, then with `a_log` a seventh array, [..., Hv]: parts of a_log's
+  # gradient, summed over the leading axes (dt_bias's is the sum of g's).
   prologue_in_core: ClassVar[bool] = False
 
   def _get_autotuning_cache_key(self, ba: op.BoundArguments) -> Any:
@@ -361,7 +362,7 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
       pro = functools.partial(prologue.prologue, use_qk_l2norm=use_qk_l2norm,
                               log_decay_floor=self.log_decay_floor)
       (q, k, log_decay), pro_vjp = jax.vjp(pro, query, key, g, a_log, dt_bias)
-    d_a_log_terms = None if a_log is None else jnp.zeros(g.shape, jnp.float32)
+    da_log = None if a_log is None else jnp.zeros(a_log.shape, jnp.float32)
     d_out, d_final = dout
     if not output_final_state or d_final is None:
       d_final = None
@@ -392,11 +393,11 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
                          isolation.zero_nonfinite(d_final),
                          initial_state=clean_state)
       if self.prologue_in_core and a_log is not None:
-        d_a_log_terms = guard.poison_token_terms(poison, grads[6])
+        parts = grads[6]
+        da_log = guard.poison_head_sums(poison, jnp.sum(parts.reshape(-1, parts.shape[-1]), 0))
       dq, dk, dv, d_log_decay, dbeta, d_initial = guard.poison_gradients(poison, *grads[:6])
     if self.prologue_in_core:   # the core's gradients are the raw inputs'
       dquery, dkey, dg = dq.astype(query.dtype), dk.astype(key.dtype), d_log_decay
-      da_log = None if a_log is None else jnp.sum(d_a_log_terms, axis=(0, 1))
       ddt_bias = None if dt_bias is None else jnp.sum(d_log_decay.astype(jnp.float32),
                                                       axis=(0, 1))
     else:

@@ -4,10 +4,14 @@ The kernels live in `pallas_mosaic_tpu_kernel.py` (their TPU-specific design
 at the top of that module; the math in `math.md`).
 
 The shared prologue (q/k L2-norm, gate activation -exp(a_log)·softplus(g+dt_bias),
-the -30 floor) runs in XLA before the kernels (`prologue.prologue`), pointwise, and
-is differentiated by autodiff in `base.GatedDeltaRuleVjp`. The in-chunk gate
-cumsum, decay masks, segment resets, the partial last chunk and d log-decay
-per token are inside the kernels.
+the -30 floor) runs inside the kernels (`prologue_in_core`, `kernel.Prologue`):
+they read the raw q, k and gate, and the backward kernel does the prologue's
+VJP, returning the raw inputs' gradients and per-token terms of a_log's,
+which the wrapper sums. (In XLA, before the kernels and differentiated by
+autodiff, it cost v6e 30 k of the forward's 106 k cycles and 79 k of the
+step's 335 k at the Qwen3-Next heads, T=512; the glue left is mostly the NaN
+guard's.) The in-chunk gate cumsum, decay masks, segment resets, the partial
+last chunk and d log-decay per token are inside the kernels too.
 
 The NaN guard (`isolation.SegmentGuard`) is partly in the kernels
 (`guards_in_core`): XLA computes the per-token flags (reductions of the raw
@@ -102,7 +106,10 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
   blocks, the gate rows), exactly; plus what Mosaic allocates itself: a part
   proportional to one chunk of q, k, v in f32 (2× in the forward kernels,
   2.25× in the backward), the C×C / C×D f32 tiles live per interleaved head
-  (6 in the forward kernels, 10 in the backward), and about one more copy of
+  (6 in the forward kernels, 12 in the backward: 10 before the prologue ran
+  in the kernels; it took the backward at C=64, 8 heads, T=4096 from 20.72 to
+  21.04 MiB, over tpu7x's 21 MiB, and the estimate from 0.35 MiB under the
+  measurement to 0.65 over), and about one more copy of
   the token blocks (input dtype; half of them in the forward kernels), which
   Mosaic keeps at long sequences and the estimate adds at every length. Past
   T = 4096 (`length`, 0 if unknown) the backward's scoped allocation grows
@@ -126,7 +133,7 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
     scratch = state + 4 * key + 3 * value + rows
     blocks = (4 * key + 3 * value) * itemsize // 4 + residuals
     long = _LONG_BWD_HEADROOM if length > _LONG_BWD_FROM else 0
-    return scratch + 9 * (2 * key + value) // 4 + blocks + interleave * 10 * tile + long
+    return scratch + 9 * (2 * key + value) // 4 + blocks + interleave * 12 * tile + long
   values = 2 if kernel == "fwd" else 1
   scratch = state + 2 * key + values * value + rows
   blocks = (2 * key + values * value) * itemsize // 4
@@ -361,8 +368,8 @@ class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Co
 
     out_labels = [_LABELS[n] for n in ("q", "k", "v", "g", "beta")]
     out_labels.append(_state_label(initial_state))
-    if a_log is not None:   # the per-token terms of a_log's gradient
-      out_labels.append(_LABELS["g"])
+    if a_log is not None:   # the chunks' parts of a_log's gradient
+      out_labels.append("b nc one hv")
     return _per_shard(body, out_labels, q.shape[2], v.shape[2], dict(
         q=q, k=k, v=v, g=g, beta=beta, d_out=d_out,
         d_final=d_final, states=states, tmats=tmats, initial_state=initial_state,

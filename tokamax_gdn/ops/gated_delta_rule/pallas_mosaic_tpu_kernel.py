@@ -79,6 +79,16 @@ kernels one code per chunk in SMEM (scalar prefetch): take the segment's
 state on entry, write the state out on leaving, and which slot the state
 blocks' index maps fetch (math.md, "Per-segment states").
 
+Prologue in-kernel (`Prologue`). The kernels read the raw q, k and gate:
+q, k are L2-normalised per head tile (`_normed`; row sums as lane
+reductions), in the head-major scratch in the forward kernels, as a head
+group reads them in the backward, the gate is activated and floored in the
+(C, Hv) block before the gate rows (`_log_decay`). The backward takes
+each tile's norm again for the L2 norm's VJP (`_normed_vjp`), applies the
+gate's VJP to d log-decay per token (`_log_decay_vjp`) and sums a_log's
+gradient per chunk. The prologue costs the backward about 0.3 MiB of scoped
+VMEM (`pallas_mosaic_tpu.vmem_estimate`).
+
 Backward. Pass 1 is the forward kernel without outputs, emitting the state
 entering every chunk and T' (bf16 for bf16 inputs: the forward's products
 use them rounded to bf16 anyway). Pass 2 walks the chunks in reverse
@@ -486,8 +496,8 @@ def _heads(ref):
 
 def _packed_heads(x_ref, b_ref, qh_scr, kh_scr, vh_scr, st: _Static, c_idx, rows=None):
   """The head tiles of a packed (C, 2 Hk K + Hv V) block into the head-major
-  scratch: aligned lane slices of the block (no relayout; q and k are
-  L2-normalised as they are read from it, `_normed`).
+  scratch: aligned lane slices of the block (no relayout; `_fwd_chunk`
+  L2-normalises q and k there, `_normed`).
 
   `st.beta_guard`: v of value head u reads as 0 where beta_u is 0, k of a key
   head where beta is 0 on every value head of its group. Exact: a token's k
@@ -518,8 +528,8 @@ def _normed(x, st: _Static):
   """A q or k head tile (C, K) f32 as the kernels use it, with the factor of
   its L2 norm: (x r, r), r = 1 / sqrt(sum(x²) + 1e-6) over each row (C, K)
   under `st.qk_l2norm` (`prologue.l2norm`, in float32 and not rounded to the
-  input dtype), else (x, None). Per head tile, where a head group reads it:
-  a whole block at once costs scoped VMEM. The sums are lane reductions: by
+  input dtype), else (x, None). Per head tile: a whole block at once costs
+  scoped VMEM. The sums are lane reductions: by
   the MXU against ones (three bf16 pieces, as `rowsum_row`) v6e's estimate
   (Qwen3-Next heads, T=512) was 4.1 / 5.4 / 4.5 k cycles more in gdn_fwd /
   gdn_fwd_states / gdn_bwd."""
@@ -529,10 +539,9 @@ def _normed(x, st: _Static):
   return x * r, r
 
 
-def _normed_vjp(normed, dy, st: _Static):
+def _normed_vjp(normed, dy):
   """The cotangent of the raw tile from dy, that of `normed = _normed(x)`:
   r (dy - y <y, dy>) per row."""
-  del st
   y, r = normed
   if r is None:
     return dy
@@ -749,6 +758,16 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
   else:
     for ref, scr in ((q_ref, qh_scr), (k_ref, kh_scr), (v_ref, vh_scr)):
       scr[...] = _tail_mask(_heads(ref), st, c_idx)
+  if st.qk_l2norm:
+    # In place, head by head: normalised where a head group reads them, they
+    # took tpu7x's forward past its scoped VMEM (T=32768 with an initial
+    # state, Qwen3-Next heads: 21.14 of 21 MiB).
+    def normalise(j, carry):
+      qh_scr[j] = _normed(qh_scr[j], st)[0]
+      kh_scr[j] = _normed(kh_scr[j], st)[0]
+      return carry
+
+    lax.fori_loop(0, st.hk, normalise, 0)
   if poison_ref is not None:
     c_iota = lax.broadcasted_iota(jnp.int32, (c, c), 0)
     diag = c_iota == lax.broadcasted_iota(jnp.int32, (c, c), 1)
@@ -756,8 +775,8 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
   def group(gi, carry):
     heads, kheads = _group_heads(st, gi)
     kj = lambda u: u // st.group
-    q = {ku: _normed(qh_scr[j], st)[0] for ku, j in kheads.items()}
-    k = {ku: _finite(_normed(kh_scr[j], st)[0], st) for ku, j in kheads.items()}
+    q = {ku: qh_scr[j] for ku, j in kheads.items()}
+    k = {ku: _finite(kh_scr[j], st) for ku, j in kheads.items()}
     v = {u: _finite(vh_scr[i], st) for u, i in heads.items()}
     s = {u: s_scr[i] for u, i in heads.items()}
     beta = {u: _row(rows_scr, _BETA, i) for u, i in heads.items()}
@@ -844,10 +863,8 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
   def group(gi, carry):
     heads, kheads = _group_heads(st, gi)
     kj = lambda u: u // st.group
-    q_n = {ku: _normed(qh_scr[j], st) for ku, j in kheads.items()}
-    k_n = {ku: _normed(kh_scr[j], st) for ku, j in kheads.items()}
-    q = {ku: _finite(y, st) for ku, (y, _) in q_n.items()}
-    k = {ku: _finite(y, st) for ku, (y, _) in k_n.items()}
+    q = {ku: _finite(_normed(qh_scr[j], st)[0], st) for ku, j in kheads.items()}
+    k = {ku: _finite(_normed(kh_scr[j], st)[0], st) for ku, j in kheads.items()}
     k_t = {ku: k[ku].T for ku in kheads}
     v = {u: _finite(vh_scr[i], st) for u, i in heads.items()}
     do_s = {u: st.scale * _finite(doh_scr[i], st) for u, i in heads.items()}
@@ -923,8 +940,12 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
           - jnp.sum(e, axis=0, keepdims=True) - d_dout
           + jnp.where(lane == c - 1, jnp.sum(d_dout) + d_lam, 0.0))
     for ku, j in kheads.items():
-      dq_scr[j] = _normed_vjp(q_n[ku], dq_acc[ku], st)
-      dk_scr[j] = _normed_vjp(k_n[ku], dk_acc[ku], st)
+      # The VJP at the sanitised q, k (they differ at non-finite rows only,
+      # whose gradients come poisoned), the norms taken again: kept from the
+      # start, they took tpu7x's backward past its scoped VMEM limit
+      # (Qwen3-Next heads, T=4096, C=64: 21.10 of 21 MiB).
+      dq_scr[j] = _normed_vjp((q[ku], _normed(qh_scr[j], st)[1]), dq_acc[ku])
+      dk_scr[j] = _normed_vjp((k[ku], _normed(kh_scr[j], st)[1]), dk_acc[ku])
     return carry
 
   lax.fori_loop(0, st.hv // st.interleave, group, 0)
@@ -932,8 +953,8 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
   d_g = chunk_cumsum(dgr_scr[...], starts, reverse=True)
   d_gate, d_a_log = _log_decay_vjp(g_ref, r.gate_params, st, (d_g[0] + d_g[1]).T)
   dg_ref[...] = d_gate.astype(dg_ref.dtype)
-  if d_a_log is not None:
-    r.d_a_log[...] = d_a_log
+  if d_a_log is not None:   # the chunk's sum (per-token terms took tpu7x past its VMEM)
+    r.d_a_log[...] = jnp.sum(_tail_mask(d_a_log, st, c_idx), axis=0, keepdims=True)
   db_ref[...] = dbr_scr[...].T.astype(db_ref.dtype)
   for ref, scr in ((dq_ref, dq_scr), (dk_ref, dk_scr), (dv_ref, dv_scr)):
     ref[...] = pltpu.einshape("hcd->chd", scr[...]).astype(ref.dtype)
@@ -1172,7 +1193,11 @@ def _prepare(q, k, v, log_decay, beta, *, initial_state, segment_ids, chunk, sca
     h0, seg = initial_state, None
   else:
     seg = _Segments.build(segment_ids, initial_state.shape[1], chunk)
-    xs = tuple(map(seg.layout.to_aligned, xs))
+    # Pads pass the state through: log-decay 0, from a raw gate of -inf when
+    # the kernel activates it (-exp(a_log) softplus(-inf) = 0).
+    fills = [0.0] * len(xs)
+    fills[3] = -jnp.inf if pro.a_log is not None else 0.0
+    xs = tuple(seg.layout.to_aligned(x, fill) for x, fill in zip(xs, fills))
     h0, starts = seg.with_zero_slot(initial_state), seg.starts()
   st = _static(xs[0], xs[2], scale=scale, chunk=chunk, interleave=interleave, newton=newton,
                has_seg=starts is not None, has_h0=h0 is not None,
@@ -1427,9 +1452,9 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
 
   With `pro` (the raw q, k and gate in, as `gdn_fwd`'s) the gradients are
   those of the raw inputs (dq, dk through the L2 norm, d_log_decay that of
-  the raw g), and with `pro.a_log` one more, [B, T, Hv] f32: each token's
-  term of a_log's gradient (its sum over B and T; dt_bias's is the sum of
-  d_log_decay's).
+  the raw g), and with `pro.a_log` one more, [B, NC, 1, Hv] f32: each
+  chunk's part of a_log's gradient (its sum over B and NC; dt_bias's is the
+  sum of d_log_decay's).
 
   `sanitize`: non-finite q, k, v and d_out count as 0 (the in-kernel half of
   the backward's `isolation.SegmentGuard`; the rest comes sanitised).
@@ -1488,8 +1513,10 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
       _Operand("d_h0", block=state_spec, shape=_state_shape(st, b)),
   ]
   if st.gate_act:
-    outputs.append(_Operand("d_a_log", block=_token_block(st, rev, st.hv),
-                            shape=jax.ShapeDtypeStruct((b, t, st.hv), F32)))
+    outputs.append(_Operand("d_a_log",
+                            block=pl.BlockSpec((None, None, 1, st.hv),
+                                               lambda b, i, *_: (b, rev(i), 0, 0)),
+                            shape=jax.ShapeDtypeStruct((b, nc, 1, st.hv), F32)))
   scratch = ([_Operand("ds", shape=pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32))]
              + _head_scratch(st, ("vh", "doh"))
              + [_Operand("dq_heads", shape=pltpu.VMEM((st.hk, chunk, st.dim_k), F32)),
@@ -1503,7 +1530,6 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
   grads = tuple(res[n] for n in grad_names)
   if seg is None:
     return grads
-  per_token = [seg.layout.from_aligned(res[n]) for n in grad_names if n != "d_h0"]
+  per_token = [seg.layout.from_aligned(res[n]) for n in grad_names[:5]]
   assert per_token[0].shape[1] == t_in
-  d_a_log = tuple(per_token[5:])
-  return (*per_token[:5], seg.per_segment(res["d_h0"])) + d_a_log
+  return (*per_token, seg.per_segment(res["d_h0"])) + grads[6:]
