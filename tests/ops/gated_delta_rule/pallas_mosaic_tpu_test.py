@@ -112,16 +112,21 @@ def test_v5e_forms_match_reference():
     tokamax_gdn.config.set_target_chip(None)
 
 
-@pytest.mark.parametrize("l2,dt_bias,dtype", [(False, True, jnp.float32),
-                                              (True, False, jnp.bfloat16)])
-def test_prologue_in_kernel(l2, dt_bias, dtype):
+@pytest.mark.parametrize("l2,dt_bias,dtype,chip", [(False, True, jnp.float32, None),
+                                                   (True, False, jnp.bfloat16, "tpu7x")])
+def test_prologue_in_kernel(l2, dt_bias, dtype, chip):
   """The kernels take the raw q, k and gate and run the prologue themselves
   (L2 norm, -exp(a_log)·softplus(g + dt_bias), the -30 floor: a fifth of the
   raw gates are past it): the cases the others leave out, no L2 norm with a
   raw gate and a_log without dt_bias; gradients of q, k, g, a_log (and
-  dt_bias) against the reference."""
+  dt_bias) against the reference. Traced for tpu7x the forward kernels
+  normalise q, k in place first (`_Static.qk_in_place`)."""
   case = ("prologue", 1, 70, 1, 2, 32, 32, dtype, "floored", True, False, False, l2, 64, 2)
-  _check_matches_reference(case, dt_bias=dt_bias)
+  tokamax_gdn.config.set_target_chip(chip)
+  try:
+    _check_matches_reference(case, dt_bias=dt_bias)
+  finally:
+    tokamax_gdn.config.set_target_chip(None)
 
 
 def _check_matches_reference(case, **options):

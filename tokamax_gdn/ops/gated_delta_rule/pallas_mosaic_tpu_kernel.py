@@ -81,8 +81,8 @@ blocks' index maps fetch (math.md, "Per-segment states").
 
 Prologue in-kernel (`Prologue`). The kernels read the raw q, k and gate:
 q, k are L2-normalised per head tile (`_normed`; row sums as lane
-reductions), in the head-major scratch in the forward kernels, as a head
-group reads them in the backward, the gate is activated and floored in the
+reductions), as a head group reads them (in the forward kernels on tpu7x:
+in the head-major scratch first, `_Static.qk_in_place`), the gate is activated and floored in the
 (C, Hv) block before the gate rows (`_log_decay`). The backward takes
 each tile's norm again for the L2 norm's VJP (`_normed_vjp`), applies the
 gate's VJP to d log-decay per token (`_log_decay_vjp`) and sums a_log's
@@ -427,6 +427,12 @@ class _Static:
   qk_l2norm: bool = False
   gate_act: bool = False
   log_decay_floor: float | None = None
+  # The forward kernels' q, k normalised in place in the head-major scratch
+  # before the head groups (tpu7x: less scoped VMEM), else where a head group
+  # reads them (faster: v6e, Qwen3-Next heads, T=512, gdn_fwd 80.3 k cycles
+  # vs 90.4 k in place; in place, tpu7x's forward at T=32768 with an initial
+  # state fits its 21 MiB, where it was 21.14 MiB otherwise).
+  qk_in_place: bool = False
   # `gdn_fwd_requests`: q, k, v are lane ranges of one [T, 2 Hk K + Hv V]
   # input and the output is [B, T, Hv V] (heads are lane slices of a block: no
   # relayout); `beta_guard`: k and v read as 0 at tokens whose beta is 0
@@ -496,8 +502,8 @@ def _heads(ref):
 
 def _packed_heads(x_ref, b_ref, qh_scr, kh_scr, vh_scr, st: _Static, c_idx, rows=None):
   """The head tiles of a packed (C, 2 Hk K + Hv V) block into the head-major
-  scratch: aligned lane slices of the block (no relayout; `_fwd_chunk`
-  L2-normalises q and k there, `_normed`).
+  scratch: aligned lane slices of the block (no relayout; q and k are
+  L2-normalised later, `_normed`).
 
   `st.beta_guard`: v of value head u reads as 0 where beta_u is 0, k of a key
   head where beta is 0 on every value head of its group. Exact: a token's k
@@ -758,10 +764,7 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
   else:
     for ref, scr in ((q_ref, qh_scr), (k_ref, kh_scr), (v_ref, vh_scr)):
       scr[...] = _tail_mask(_heads(ref), st, c_idx)
-  if st.qk_l2norm:
-    # In place, head by head: normalised where a head group reads them, they
-    # took tpu7x's forward past its scoped VMEM (T=32768 with an initial
-    # state, Qwen3-Next heads: 21.14 of 21 MiB).
+  if st.qk_l2norm and st.qk_in_place:
     def normalise(j, carry):
       qh_scr[j] = _normed(qh_scr[j], st)[0]
       kh_scr[j] = _normed(kh_scr[j], st)[0]
@@ -775,8 +778,9 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
   def group(gi, carry):
     heads, kheads = _group_heads(st, gi)
     kj = lambda u: u // st.group
-    q = {ku: qh_scr[j] for ku, j in kheads.items()}
-    k = {ku: _finite(kh_scr[j], st) for ku, j in kheads.items()}
+    norm = (lambda x: x) if st.qk_in_place else (lambda x: _normed(x, st)[0])
+    q = {ku: norm(qh_scr[j]) for ku, j in kheads.items()}
+    k = {ku: _finite(norm(kh_scr[j]), st) for ku, j in kheads.items()}
     v = {u: _finite(vh_scr[i], st) for u, i in heads.items()}
     s = {u: s_scr[i] for u, i in heads.items()}
     beta = {u: _row(rows_scr, _BETA, i) for u, i in heads.items()}
@@ -1087,7 +1091,7 @@ def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states
                  scale=float(scale), passes=passes, newton=newton,
                  interleave=normalize_interleave(interleave, hv, hv // hk),
                  has_seg=has_seg, has_h0=has_h0, n_states=n_states, v5e_forms=_v5e_forms(),
-                 **pro.static())
+                 qk_in_place=gdn_config.target_generation().name == "tpu7x", **pro.static())
 
 
 def _head_scratch(st: _Static, values: tuple[str, ...]) -> list[_Operand]:
