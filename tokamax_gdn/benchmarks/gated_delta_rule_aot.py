@@ -241,8 +241,9 @@ def report(target: str, s: workload.LayerShape, *, kda: bool = False,
 def kernel_cases(mesh: Mesh, shape: dict[str, Any],
                  vmem_limit_mib: int | None = None) -> list[aot.Case]:
   """The three GDN kernels of a training step, each compiled alone ("gdn_fwd",
-  "gdn_fwd_states", "gdn_bwd" with its residuals as inputs), on the prepared
-  inputs of the layer's call, with the configs the op picks for `shape`.
+  "gdn_fwd_states", "gdn_bwd" with its residuals as inputs), on the raw
+  inputs of the layer's call (the prologue in the kernels, as the op runs
+  them), with the configs the op picks for `shape`.
 
   For per-kernel cycles where the whole step's estimate does not compile:
   with the cycle dump on, XLA reserves VMEM of its own next to the kernel
@@ -264,7 +265,8 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
   sds = lambda dims, dtype: aot.spec(mesh, dims, dtype)
   dtype, f32 = jnp.dtype(s.dtype), jnp.float32
   q, v = sds((s.b, s.t, s.hk, s.k), dtype), sds((s.b, s.t, s.hv, s.v), dtype)
-  g, beta = sds((s.b, s.t, s.hv), f32), sds((s.b, s.t, s.hv), dtype)
+  g, beta = sds((s.b, s.t, s.hv), dtype), sds((s.b, s.t, s.hv), dtype)
+  a_log = sds((s.hv,), f32)
   c = bwd_cfg.chunk_size
   nc = -(-s.t // c)
   states = sds((s.b, nc, s.hv, s.k, s.v), dtype)
@@ -278,21 +280,27 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
       out["vmem_limit_bytes"] = vmem_limit_mib << 20
     return out
 
-  def fwd(q, k, v, g, beta):
-    return kernel.gdn_fwd(q, k, v, g, beta, scale=scale, **kwargs(fwd_cfg))[:2]
+  pro = lambda a_log, dt_bias: kernel.Prologue(
+      qk_l2norm=True, a_log=a_log, dt_bias=dt_bias, log_decay_floor=op.log_decay_floor)
 
-  def states_pass(q, k, v, g, beta):
+  def fwd(q, k, v, g, beta, a_log, dt_bias):
+    return kernel.gdn_fwd(q, k, v, g, beta, scale=scale, pro=pro(a_log, dt_bias),
+                          **kwargs(fwd_cfg))[:2]
+
+  def states_pass(q, k, v, g, beta, a_log, dt_bias):
     return kernel.gdn_fwd(q, k, v, g, beta, scale=scale, write_out=False,
-                          emit_residuals=True, **kwargs(states_cfg))[2]
+                          emit_residuals=True, pro=pro(a_log, dt_bias), **kwargs(states_cfg))[2]
 
-  def bwd(q, k, v, g, beta, d_out, states, tmats):
+  def bwd(q, k, v, g, beta, a_log, dt_bias, d_out, states, tmats):
     return kernel.gdn_bwd(q, k, v, g, beta, d_out, None, scale=scale,
-                          residuals=(states, tmats), **kwargs(bwd_cfg))
+                          residuals=(states, tmats), pro=pro(a_log, dt_bias),
+                          **kwargs(bwd_cfg))
 
   label = lambda name, cfg: f"{name} C={cfg.chunk_size} interleave={cfg.interleave}"
-  return [(label("gdn_fwd", fwd_cfg), fwd, [q, q, v, g, beta]),
-          (label("gdn_fwd_states", states_cfg), states_pass, [q, q, v, g, beta]),
-          (label("gdn_bwd", bwd_cfg), bwd, [q, q, v, g, beta, v, states, tmats])]
+  raw = [q, q, v, g, beta, a_log, a_log]
+  return [(label("gdn_fwd", fwd_cfg), fwd, raw),
+          (label("gdn_fwd_states", states_cfg), states_pass, raw),
+          (label("gdn_bwd", bwd_cfg), bwd, raw + [v, states, tmats])]
 
 
 # ------------------------------------------------------------ heads over devices

@@ -20,13 +20,16 @@ from tokamax_gdn.testing import specs
 Config = pallas_mosaic_tpu.Config
 
 
-def _inputs(seed, *, b, t, hk, hv, dk, dv, dtype, gate_mode, raw_gate, init, segments):
+def _inputs(seed, *, b, t, hk, hv, dk, dv, dtype, gate_mode, raw_gate, init, segments,
+            dt_bias=True):
   r = np.random.default_rng(seed)
   normal = lambda *s: r.standard_normal(s).astype(np.float32)
   q, k, v = normal(b, t, hk, dk), normal(b, t, hk, dk), normal(b, t, hv, dv)
   beta = 1.0 / (1.0 + np.exp(-normal(b, t, hv)))
   if raw_gate:
     g = normal(b, t, hv)
+    if gate_mode == "floored":   # raw gates whose log-decay is below the -30 floor
+      g = np.where(r.random(g.shape) < 0.2, 60.0, g)
   else:
     g = -np.logaddexp(0.0, normal(b, t, hv) - 1.0)
     if gate_mode == "zeros":
@@ -40,7 +43,8 @@ def _inputs(seed, *, b, t, hk, hv, dk, dv, dtype, gate_mode, raw_gate, init, seg
     kwargs["initial_state"] = jnp.asarray(0.5 * normal(b, hv, dk, dv))
   if raw_gate:
     kwargs["a_log"] = jnp.asarray(0.5 * normal(hv))
-    kwargs["dt_bias"] = jnp.asarray(0.5 * normal(hv))
+    if dt_bias:
+      kwargs["dt_bias"] = jnp.asarray(0.5 * normal(hv))
   if segments:
     cuts = np.array(sorted({max(1, t // 3), max(1, (2 * t) // 3)}))
     seg = np.sum(np.arange(t)[:, None] >= cuts[None, :], axis=1)
@@ -108,12 +112,29 @@ def test_v5e_forms_match_reference():
     tokamax_gdn.config.set_target_chip(None)
 
 
-def _check_matches_reference(case):
+@pytest.mark.parametrize("l2,dt_bias,dtype,chip", [(False, True, jnp.float32, None),
+                                                   (True, False, jnp.bfloat16, "tpu7x")])
+def test_prologue_in_kernel(l2, dt_bias, dtype, chip):
+  """The kernels take the raw q, k and gate and run the prologue themselves
+  (L2 norm, -exp(a_log)·softplus(g + dt_bias), the -30 floor: a fifth of the
+  raw gates are past it): the cases the others leave out, no L2 norm with a
+  raw gate and a_log without dt_bias; gradients of q, k, g, a_log (and
+  dt_bias) against the reference. Traced for tpu7x the forward kernels
+  normalise q, k in place first (`_Static.qk_in_place`)."""
+  case = ("prologue", 1, 70, 1, 2, 32, 32, dtype, "floored", True, False, False, l2, 64, 2)
+  tokamax_gdn.config.set_target_chip(chip)
+  try:
+    _check_matches_reference(case, dt_bias=dt_bias)
+  finally:
+    tokamax_gdn.config.set_target_chip(None)
+
+
+def _check_matches_reference(case, **options):
   (_, b, t, hk, hv, dk, dv, dtype, gate_mode, raw_gate, init, segments, l2, chunk,
    interleave) = case
   args, kwargs = _inputs(t + hv, b=b, t=t, hk=hk, hv=hv, dk=dk, dv=dv, dtype=dtype,
                          gate_mode=gate_mode, raw_gate=raw_gate, init=init,
-                         segments=segments)
+                         segments=segments, **options)
   op = pallas_mosaic_tpu.PallasMosaicTpuGatedDeltaRule(
       config=Config(chunk_size=chunk, interleave=interleave))
   (out, final, grads), (rout, rfinal, rgrads), kw_diff = _run(op, args, kwargs, l2)

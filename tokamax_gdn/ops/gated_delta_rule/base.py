@@ -23,7 +23,8 @@ Split of work (one module per concept):
 - `GatedDeltaRule.bind` (here) validates and canonicalises once, for all backends.
 - `prologue` (l2norm + gate activation + the chunked log-decay floor) is
   pointwise per token; it is shared and differentiated by autodiff in
-  `GatedDeltaRuleVjp`.
+  `GatedDeltaRuleVjp`, or run (and differentiated) inside the core where the
+  backend says so (`prologue_in_core`).
 - Backends implement `_core_fwd` (and, for an analytical backward, a
   `GatedDeltaRuleVjp` subclass implementing `_core_bwd`) on the prepared
   q, k (input dtype, normalised), v, log-decay (float32) and beta.
@@ -133,6 +134,12 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
   # kernel instead of a pass over the outputs in XLA. Only for cores with an
   # analytical VJP (whose `guards_in_core` then sanitises in its kernel).
   guards_in_core: ClassVar[bool] = False
+  # Whether `_core_fwd` runs the prologue itself: it then gets the raw query,
+  # key and g (sanitised as the guard does) and `use_qk_l2norm`, `a_log`,
+  # `dt_bias` as keywords, and floors the log-decay at `log_decay_floor`
+  # (the VJP's `_core_bwd` then does the same and returns the raw inputs'
+  # gradients: see `GatedDeltaRuleVjp.prologue_in_core`).
+  prologue_in_core: ClassVar[bool] = False
 
   def __call__(self, *args, **kwargs):
     """The op; float64 inputs run in float32 (see `_float64_to_float32`)."""
@@ -243,12 +250,17 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
       return_residuals: bool,
       config: C,
   ) -> tuple[Output, Residuals]:
-    q, k, log_decay = prologue.prologue(
-        query, key, g, a_log, dt_bias, use_qk_l2norm=use_qk_l2norm,
-        log_decay_floor=self.log_decay_floor,
-    )
     core = functools.partial(self._core_fwd, scale=scale, segment_ids=segment_ids,
                              config=config)
+    if self.prologue_in_core:
+      q, k, log_decay = query, key, g
+      core = functools.partial(core, use_qk_l2norm=use_qk_l2norm, a_log=a_log,
+                               dt_bias=dt_bias)
+    else:
+      q, k, log_decay = prologue.prologue(
+          query, key, g, a_log, dt_bias, use_qk_l2norm=use_qk_l2norm,
+          log_decay_floor=self.log_decay_floor,
+      )
     if query.shape[0] == 0 or query.shape[1] == 0:
       out = jnp.zeros(value.shape, value.dtype)
       final_state = empty_final_state(query, value, initial_state)
@@ -303,6 +315,12 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
   # Whether `_core_bwd` takes `sanitize=True` and then zeroes non-finite q, k,
   # v and d_out itself (log_decay, beta and the states come sanitised).
   guards_in_core: ClassVar[bool] = False
+  # Whether `_core_bwd` runs the prologue and its VJP itself (with the
+  # forward's `prologue_in_core`): it gets the raw query, key and g and the
+  # prologue's keywords, and returns the gradients of the raw query, key and
+  # g, then with `a_log` a seventh array, [..., Hv]: parts of a_log's
+  # gradient, summed over the leading axes (dt_bias's is the sum of g's).
+  prologue_in_core: ClassVar[bool] = False
 
   def _get_autotuning_cache_key(self, ba: op.BoundArguments) -> Any:
     """tokamax's key with `residuals` as None.
@@ -338,9 +356,13 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
       config: C,
   ) -> tuple[dict[str, jax.Array], None]:
     del out, return_residuals
-    pro = functools.partial(prologue.prologue, use_qk_l2norm=use_qk_l2norm,
-                            log_decay_floor=self.log_decay_floor)
-    (q, k, log_decay), pro_vjp = jax.vjp(pro, query, key, g, a_log, dt_bias)
+    if self.prologue_in_core:
+      q, k, log_decay = query, key, g
+    else:
+      pro = functools.partial(prologue.prologue, use_qk_l2norm=use_qk_l2norm,
+                              log_decay_floor=self.log_decay_floor)
+      (q, k, log_decay), pro_vjp = jax.vjp(pro, query, key, g, a_log, dt_bias)
+    da_log = None if a_log is None else jnp.zeros(a_log.shape, jnp.float32)
     d_out, d_final = dout
     if not output_final_state or d_final is None:
       d_final = None
@@ -355,6 +377,9 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
     else:
       core_bwd = functools.partial(self._core_bwd, residuals, scale=scale,
                                    segment_ids=segment_ids, config=config)
+      if self.prologue_in_core:
+        core_bwd = functools.partial(core_bwd, use_qk_l2norm=use_qk_l2norm, a_log=a_log,
+                                     dt_bias=dt_bias)
       guard = isolation.guard_segments(query, key, value, beta, initial_state, segment_ids,
                                        g=g, a_log=a_log, dt_bias=dt_bias)
       poison = guard.gradient_poison(d_out, d_final)
@@ -367,10 +392,18 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
         grads = core_bwd(*clean, isolation.zero_nonfinite(d_out),
                          isolation.zero_nonfinite(d_final),
                          initial_state=clean_state)
-      dq, dk, dv, d_log_decay, dbeta, d_initial = guard.poison_gradients(poison, *grads)
-    dquery, dkey, dg, da_log, ddt_bias = pro_vjp(
-        (dq.astype(q.dtype), dk.astype(k.dtype), d_log_decay.astype(jnp.float32))
-    )
+      if self.prologue_in_core and a_log is not None:
+        parts = grads[6]
+        da_log = guard.poison_head_sums(poison, jnp.sum(parts.reshape(-1, parts.shape[-1]), 0))
+      dq, dk, dv, d_log_decay, dbeta, d_initial = guard.poison_gradients(poison, *grads[:6])
+    if self.prologue_in_core:   # the core's gradients are the raw inputs'
+      dquery, dkey, dg = dq.astype(query.dtype), dk.astype(key.dtype), d_log_decay
+      ddt_bias = None if dt_bias is None else jnp.sum(d_log_decay.astype(jnp.float32),
+                                                      axis=(0, 1))
+    else:
+      dquery, dkey, dg, da_log, ddt_bias = pro_vjp(
+          (dq.astype(q.dtype), dk.astype(k.dtype), d_log_decay.astype(jnp.float32))
+      )
     grads = dict(
         query=dquery,
         key=dkey,
@@ -381,9 +414,9 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
     if initial_state is not None:
       grads["initial_state"] = d_initial.astype(initial_state.dtype)
     if a_log is not None:
-      grads["a_log"] = da_log
+      grads["a_log"] = da_log.astype(a_log.dtype)
       if dt_bias is not None:
-        grads["dt_bias"] = ddt_bias
+        grads["dt_bias"] = ddt_bias.astype(dt_bias.dtype)
     return grads, None
 
   def _core_bwd(

@@ -207,6 +207,11 @@ class SegmentGuard:
         bad_ct = bad_ct | self.at_segment_ends(bad_final)
     return forward | self.bad_q | self.running_back(bad_ct)
 
+  def poison_head_sums(self, poison, sums):
+    """NaN in the [Hv] sums over the tokens (a_log's gradient) of the heads
+    with a poisoned token, as a sum of the poisoned terms would be."""
+    return _nan_where(jnp.any(poison, axis=(0, 1)), sums)
+
   def poison_gradients(self, poison, dq, dk, dv, d_log_decay, dbeta, d_initial):
     """NaN in the gradients of the poisoned tokens' inputs."""
     b, t, hv = poison.shape

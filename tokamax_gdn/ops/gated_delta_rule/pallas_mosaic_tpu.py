@@ -4,10 +4,14 @@ The kernels live in `pallas_mosaic_tpu_kernel.py` (their TPU-specific design
 at the top of that module; the math in `math.md`).
 
 The shared prologue (q/k L2-norm, gate activation -exp(a_log)·softplus(g+dt_bias),
-the -30 floor) runs in XLA before the kernels (`prologue.prologue`), pointwise, and
-is differentiated by autodiff in `base.GatedDeltaRuleVjp`. The in-chunk gate
-cumsum, decay masks, segment resets, the partial last chunk and d log-decay
-per token are inside the kernels.
+the -30 floor) runs inside the kernels (`prologue_in_core`, `kernel.Prologue`):
+they read the raw q, k and gate, and the backward kernel does the prologue's
+VJP, returning the raw inputs' gradients and per-token terms of a_log's,
+which the wrapper sums. (In XLA, before the kernels and differentiated by
+autodiff, it cost v6e 30 k of the forward's 106 k cycles and 79 k of the
+step's 335 k at the Qwen3-Next heads, T=512; the glue left is mostly the NaN
+guard's.) The in-chunk gate cumsum, decay masks, segment resets, the partial
+last chunk and d log-decay per token are inside the kernels too.
 
 The NaN guard (`isolation.SegmentGuard`) is partly in the kernels
 (`guards_in_core`): XLA computes the per-token flags (reductions of the raw
@@ -102,7 +106,10 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
   blocks, the gate rows), exactly; plus what Mosaic allocates itself: a part
   proportional to one chunk of q, k, v in f32 (2× in the forward kernels,
   2.25× in the backward), the C×C / C×D f32 tiles live per interleaved head
-  (6 in the forward kernels, 10 in the backward), and about one more copy of
+  (6 in the forward kernels, 12 in the backward: 10 before the prologue ran
+  in the kernels; it took the backward at C=64, 8 heads, T=4096 from 20.72 to
+  21.04 MiB, over tpu7x's 21 MiB, and the estimate from 0.35 MiB under the
+  measurement to 0.65 over), and about one more copy of
   the token blocks (input dtype; half of them in the forward kernels), which
   Mosaic keeps at long sequences and the estimate adds at every length. Past
   T = 4096 (`length`, 0 if unknown) the backward's scoped allocation grows
@@ -126,7 +133,7 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
     scratch = state + 4 * key + 3 * value + rows
     blocks = (4 * key + 3 * value) * itemsize // 4 + residuals
     long = _LONG_BWD_HEADROOM if length > _LONG_BWD_FROM else 0
-    return scratch + 9 * (2 * key + value) // 4 + blocks + interleave * 10 * tile + long
+    return scratch + 9 * (2 * key + value) // 4 + blocks + interleave * 12 * tile + long
   values = 2 if kernel == "fwd" else 1
   scratch = state + 2 * key + values * value + rows
   blocks = (2 * key + values * value) * itemsize // 4
@@ -239,7 +246,8 @@ def _kernel_args(config: Config, q: jax.Array, v: jax.Array, interpret: bool) ->
 
 # Dimension labels of the kernels' operands (see `ops.partitioning`).
 _LABELS = dict(
-    q="b t h k", k="b t h k", v="b t hv v", log_decay="b t hv", beta="b t hv", poison="b t hv",
+    q="b t h k", k="b t h k", v="b t hv v", log_decay="b t hv", g="b t hv", beta="b t hv",
+    poison="b t hv", a_log="hv", dt_bias="hv",
     d_out="b t hv v", d_final="b hv k v", initial_state="b hv k v",
     states="b n hv kp vp", tmats="b n hv c1 c2", segment_ids="b t",
 )
@@ -280,28 +288,33 @@ class PallasMosaicTpuGatedDeltaRule(_KernelConfigs, base.GatedDeltaRule[Config, 
   max_head_dim: ClassVar[int | None] = 256
   supports_segment_states: ClassVar[bool] = True
   guards_in_core: ClassVar[bool] = True
+  prologue_in_core: ClassVar[bool] = True
 
   def __post_init__(self):
     if self.vjp is None:
       object.__setattr__(self, "vjp", PallasMosaicTpuGatedDeltaRuleVjp())
 
-  def _core_fwd(self, q, k, v, log_decay, beta, *, scale, initial_state,
-                segment_ids, config: Config, poison=None):
+  def _core_fwd(self, q, k, v, g, beta, *, scale, initial_state,
+                segment_ids, config: Config, poison=None, use_qk_l2norm=False, a_log=None,
+                dt_bias=None):
+    """The forward kernel on the raw q, k and gate (`prologue_in_core`)."""
     interpret = _check_supported(q, v)
 
-    def body(q, k, v, log_decay, beta, initial_state, segment_ids, poison):
+    def body(q, k, v, g, beta, initial_state, segment_ids, poison, a_log, dt_bias):
+      pro = kernel.Prologue(qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
+                            log_decay_floor=self.log_decay_floor)
       out, final, res = kernel.gdn_fwd(
-          q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
+          q, k, v, g, beta, scale=scale, initial_state=initial_state,
           segment_ids=segment_ids, emit_residuals=config.save_states, poison=poison,
-          **_kernel_args(config, q, v, interpret))
+          pro=pro, **_kernel_args(config, q, v, interpret))
       return (out, final) + (tuple(res) if res is not None else ())
 
     out_labels = [_LABELS["d_out"], _state_label(initial_state)]
     if config.save_states:
       out_labels += [_LABELS["states"], _LABELS["tmats"]]
     res = _per_shard(body, out_labels, q.shape[2], v.shape[2], dict(
-        q=q, k=k, v=v, log_decay=log_decay, beta=beta,
-        initial_state=initial_state, segment_ids=segment_ids, poison=poison))
+        q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
+        segment_ids=segment_ids, poison=poison, a_log=a_log, dt_bias=dt_bias))
     out, final = res[:2]
     if config.save_states:
       return out, final, base.Residuals(states=res[2], tmats=res[3])
@@ -313,12 +326,15 @@ class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Co
   """Reverse-chunk analytical backward of the Mosaic TPU GDN kernels."""
 
   guards_in_core: ClassVar[bool] = True
+  prologue_in_core: ClassVar[bool] = True
 
   heuristics = functools.partial(_heuristics, backward=True)
   autotuning_configs = functools.partial(_autotuning_configs, backward=True)
 
-  def _core_bwd(self, residuals: base.Residuals | None, q, k, v, log_decay, beta, d_out, d_final, *,
-                scale, initial_state, segment_ids, config: Config, sanitize: bool = False):
+  def _core_bwd(self, residuals: base.Residuals | None, q, k, v, g, beta, d_out, d_final, *,
+                scale, initial_state, segment_ids, config: Config, sanitize: bool = False,
+                use_qk_l2norm=False, a_log=None, dt_bias=None):
+    """The kernels on the raw q, k and gate (`prologue_in_core`)."""
     interpret = _check_supported(q, v)
     t = q.shape[1]
     states = getattr(residuals, "states", None)
@@ -336,24 +352,28 @@ class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Co
     if states is not None and states.shape[1] != -(-t // config.chunk_size):
       states = tmats = None
 
-    def body(q, k, v, log_decay, beta, d_out, d_final, states, tmats, initial_state,
-             segment_ids):
+    def body(q, k, v, g, beta, d_out, d_final, states, tmats, initial_state,
+             segment_ids, a_log, dt_bias):
+      pro = kernel.Prologue(qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
+                            log_decay_floor=self.log_decay_floor)
       if states is None:   # pass 1: the forward kernel without outputs
         _, _, (states, tmats) = kernel.gdn_fwd(
-            q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
             segment_ids=segment_ids, write_out=False, emit_residuals=True, sanitize=sanitize,
-            **_kernel_args(_states_config(config, _shapes_of(q, v)), q, v, interpret))
+            pro=pro, **_kernel_args(_states_config(config, _shapes_of(q, v)), q, v, interpret))
       return kernel.gdn_bwd(
-          q, k, v, log_decay, beta, d_out, d_final, scale=scale,
+          q, k, v, g, beta, d_out, d_final, scale=scale,
           initial_state=initial_state, segment_ids=segment_ids, residuals=(states, tmats),
-          sanitize=sanitize, **_kernel_args(config, q, v, interpret))
+          sanitize=sanitize, pro=pro, **_kernel_args(config, q, v, interpret))
 
-    out_labels = [_LABELS[n] for n in ("q", "k", "v", "log_decay", "beta")]
+    out_labels = [_LABELS[n] for n in ("q", "k", "v", "g", "beta")]
     out_labels.append(_state_label(initial_state))
+    if a_log is not None:   # the chunks' parts of a_log's gradient
+      out_labels.append("b nc one hv")
     return _per_shard(body, out_labels, q.shape[2], v.shape[2], dict(
-        q=q, k=k, v=v, log_decay=log_decay, beta=beta, d_out=d_out,
+        q=q, k=k, v=v, g=g, beta=beta, d_out=d_out,
         d_final=d_final, states=states, tmats=tmats, initial_state=initial_state,
-        segment_ids=segment_ids))
+        segment_ids=segment_ids, a_log=a_log, dt_bias=dt_bias))
 
 
 IMPLEMENTATION = PallasMosaicTpuGatedDeltaRule()

@@ -79,6 +79,16 @@ kernels one code per chunk in SMEM (scalar prefetch): take the segment's
 state on entry, write the state out on leaving, and which slot the state
 blocks' index maps fetch (math.md, "Per-segment states").
 
+Prologue in-kernel (`Prologue`). The kernels read the raw q, k and gate:
+q, k are L2-normalised per head tile (`_normed`; row sums as lane
+reductions), as a head group reads them (in the forward kernels on tpu7x:
+in the head-major scratch first, `_Static.qk_in_place`), the gate is activated and floored in the
+(C, Hv) block before the gate rows (`_log_decay`). The backward takes
+each tile's norm again for the L2 norm's VJP (`_normed_vjp`), applies the
+gate's VJP to d log-decay per token (`_log_decay_vjp`) and sums a_log's
+gradient per chunk. The prologue costs the backward about 0.3 MiB of scoped
+VMEM (`pallas_mosaic_tpu.vmem_estimate`).
+
 Backward. Pass 1 is the forward kernel without outputs, emitting the state
 entering every chunk and T' (bf16 for bf16 inputs: the forward's products
 use them rounded to bf16 anyway). Pass 2 walks the chunks in reverse
@@ -409,12 +419,25 @@ class _Static:
   # The in-kernel half of `isolation.SegmentGuard` (its gates and states are
   # sanitised in XLA): non-finite k, v (and q, dO in the backward) count as 0.
   sanitize: bool = False
+  # The op's prologue in the kernel (`prologue.prologue`, from the raw
+  # inputs): q, k L2-normalised (`qk_l2norm`, `_normed`); the log-decay
+  # -exp(a_log) * softplus(g + dt_bias) of the raw gate (`gate_act`: a_log
+  # and dt_bias are the rows of the `gate_params` input) and floored at
+  # `log_decay_floor` (`_log_decay`).
+  qk_l2norm: bool = False
+  gate_act: bool = False
+  log_decay_floor: float | None = None
+  # The forward kernels' q, k normalised in place in the head-major scratch
+  # before the head groups (tpu7x: less scoped VMEM), else where a head group
+  # reads them (faster: v6e, Qwen3-Next heads, T=512, gdn_fwd 80.3 k cycles
+  # vs 90.4 k in place; in place, tpu7x's forward at T=32768 with an initial
+  # state fits its 21 MiB, where it was 21.14 MiB otherwise).
+  qk_in_place: bool = False
   # `gdn_fwd_requests`: q, k, v are lane ranges of one [T, 2 Hk K + Hv V]
   # input and the output is [B, T, Hv V] (heads are lane slices of a block: no
-  # relayout); q, k L2-normalised in the kernel (`qk_l2norm`); `beta_guard`:
-  # k and v read as 0 at tokens whose beta is 0 (`_packed_heads`).
+  # relayout); `beta_guard`: k and v read as 0 at tokens whose beta is 0
+  # (`_packed_heads`).
   packed: bool = False
-  qk_l2norm: bool = False
   beta_guard: bool = False
   # `requests`: grid steps are work items (a block and a request touching
   # it) described in SMEM; `gated`: items whose run flag is 0 do nothing
@@ -479,8 +502,8 @@ def _heads(ref):
 
 def _packed_heads(x_ref, b_ref, qh_scr, kh_scr, vh_scr, st: _Static, c_idx, rows=None):
   """The head tiles of a packed (C, 2 Hk K + Hv V) block into the head-major
-  scratch: aligned lane slices of the block (no relayout), q and k
-  L2-normalised under `st.qk_l2norm`.
+  scratch: aligned lane slices of the block (no relayout; q and k are
+  L2-normalised later, `_normed`).
 
   `st.beta_guard`: v of value head u reads as 0 where beta_u is 0, k of a key
   head where beta is 0 on every value head of its group. Exact: a token's k
@@ -498,8 +521,6 @@ def _packed_heads(x_ref, b_ref, qh_scr, kh_scr, vh_scr, st: _Static, c_idx, rows
   lanes = lambda start, width: _tail_mask(x_ref[:, start:start + width].astype(F32), st, c_idx)
   for j in range(hk):
     q, k = lanes(j * kd, kd), lanes((hk + j) * kd, kd)
-    if st.qk_l2norm:
-      q, k = prologue.l2norm(q), prologue.l2norm(k)
     if live is not None:
       heads = live[j * st.group:(j + 1) * st.group]
       k = jnp.where(functools.reduce(jnp.logical_or, heads), k, 0.0)
@@ -507,6 +528,64 @@ def _packed_heads(x_ref, b_ref, qh_scr, kh_scr, vh_scr, st: _Static, c_idx, rows
   for i in range(st.hv):
     v = lanes(2 * hk * kd + i * vd, vd)
     vh_scr[i] = v if live is None else jnp.where(live[i], v, 0.0)
+
+
+def _normed(x, st: _Static):
+  """A q or k head tile (C, K) f32 as the kernels use it, with the factor of
+  its L2 norm: (x r, r), r = 1 / sqrt(sum(x²) + 1e-6) over each row (C, K)
+  under `st.qk_l2norm` (`prologue.l2norm`, in float32 and not rounded to the
+  input dtype), else (x, None). Per head tile: a whole block at once costs
+  scoped VMEM. The sums are lane reductions: by
+  the MXU against ones (three bf16 pieces, as `rowsum_row`) v6e's estimate
+  (Qwen3-Next heads, T=512) was 4.1 / 5.4 / 4.5 k cycles more in gdn_fwd /
+  gdn_fwd_states / gdn_bwd."""
+  if not st.qk_l2norm:
+    return x, None
+  r = lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + prologue.L2NORM_EPS)
+  return x * r, r
+
+
+def _normed_vjp(normed, dy):
+  """The cotangent of the raw tile from dy, that of `normed = _normed(x)`:
+  r (dy - y <y, dy>) per row."""
+  y, r = normed
+  if r is None:
+    return dy
+  return r * (dy - y * jnp.sum(y * dy, axis=-1, keepdims=True))
+
+
+def _log_decay(g_ref, params_ref, st: _Static):
+  """The chunk's log-decays (C, Hv) f32 from its gate block: the raw gate
+  activated under `st.gate_act` (`prologue.gate_log_decay`, a_log and dt_bias
+  the rows of `params_ref`), then, with `st.log_decay_floor`, floored there,
+  a non-finite one read as 0 (the guard's bad gates, whose outputs it
+  poisons: `isolation.SegmentGuard.sanitize_small`)."""
+  g = g_ref[...].astype(F32)
+  if st.gate_act:
+    g = prologue.gate_log_decay(g, params_ref[0:1, :], params_ref[1:2, :])
+  if st.log_decay_floor is not None:
+    g = jnp.where(jnp.isfinite(g), jnp.maximum(g, st.log_decay_floor), 0.0)
+  return g
+
+
+def _log_decay_vjp(g_ref, params_ref, st: _Static, d_ld):
+  """`_log_decay`'s VJP: from the log-decays' cotangent d_ld (C, Hv), the raw
+  gate's and, under `st.gate_act`, the per-token terms of a_log's (d_ld times
+  the log-decay; dt_bias's are the gate's), else None. Floored log-decays
+  pass none (a tie half, as jnp.maximum's); non-finite ones are the guard's
+  (their gradients come poisoned)."""
+  g = g_ref[...].astype(F32)
+  ld = g
+  if st.gate_act:
+    a_log, dt_bias = params_ref[0:1, :], params_ref[1:2, :]
+    ld = prologue.gate_log_decay(g, a_log, dt_bias)
+  if st.log_decay_floor is not None:
+    floor = st.log_decay_floor
+    d_ld = d_ld * jnp.where(ld > floor, 1.0, jnp.where(ld == floor, 0.5, 0.0))
+  if not st.gate_act:
+    return d_ld, None
+  sigmoid = 1.0 / (1.0 + jnp.exp(-(g + dt_bias)))
+  return d_ld * (-jnp.exp(a_log) * sigmoid), d_ld * ld
 
 
 def _tail_mask(x, st: _Static, c_idx):
@@ -553,13 +632,14 @@ _G_HI, _G_LO, _BETA, _KOUT, _DECAY_CHUNK, _DECAY_OUT = range(6)
 _N_ROWS = 6
 
 
-def _step_prologue(g_ref, b_ref, st_ref, rows_scr, st: _Static, c_idx, rows=None):
+def _step_prologue(g_ref, b_ref, st_ref, rows_scr, st: _Static, c_idx, rows=None,
+                   params_ref=None):
   """Gates of the chunk for every head, into `rows_scr`; returns (gate, masks).
 
   masks: (causal, strict) C×C, with segments restricted to one segment.
-  `rows`: see `_row_mask`.
+  `rows`: see `_row_mask`; `params_ref`: see `_log_decay`.
   """
-  g_rows = _row_mask(_tail_mask(g_ref[...].astype(F32), st, c_idx), rows).T
+  g_rows = _row_mask(_tail_mask(_log_decay(g_ref, params_ref, st), st, c_idx), rows).T
   b_rows = _row_mask(_tail_mask(b_ref[...].astype(F32), st, c_idx), rows).T
   starts = None
   if st.has_seg:
@@ -672,7 +752,8 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
   dim_k = st.dim_k
   dot = functools.partial(mxu, passes=st.passes, v5e_forms=st.v5e_forms)
   poison_ref = r.poison if write_out else None
-  gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx, rows)
+  gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx, rows,
+                               r.gate_params)
   _, strict = masks
   # With `sanitize` the keys and values are sanitised per head in `group` (a
   # NaN would reach earlier tokens through 0-coefficients; a select over a
@@ -683,6 +764,13 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
   else:
     for ref, scr in ((q_ref, qh_scr), (k_ref, kh_scr), (v_ref, vh_scr)):
       scr[...] = _tail_mask(_heads(ref), st, c_idx)
+  if st.qk_l2norm and st.qk_in_place:
+    def normalise(j, carry):
+      qh_scr[j] = _normed(qh_scr[j], st)[0]
+      kh_scr[j] = _normed(kh_scr[j], st)[0]
+      return carry
+
+    lax.fori_loop(0, st.hk, normalise, 0)
   if poison_ref is not None:
     c_iota = lax.broadcasted_iota(jnp.int32, (c, c), 0)
     diag = c_iota == lax.broadcasted_iota(jnp.int32, (c, c), 1)
@@ -690,8 +778,9 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
   def group(gi, carry):
     heads, kheads = _group_heads(st, gi)
     kj = lambda u: u // st.group
-    q = {ku: qh_scr[j] for ku, j in kheads.items()}
-    k = {ku: _finite(kh_scr[j], st) for ku, j in kheads.items()}
+    norm = (lambda x: x) if st.qk_in_place else (lambda x: _normed(x, st)[0])
+    q = {ku: norm(qh_scr[j]) for ku, j in kheads.items()}
+    k = {ku: _finite(norm(kh_scr[j]), st) for ku, j in kheads.items()}
     v = {u: _finite(vh_scr[i], st) for u, i in heads.items()}
     s = {u: s_scr[i] for u, i in heads.items()}
     beta = {u: _row(rows_scr, _BETA, i) for u, i in heads.items()}
@@ -750,7 +839,7 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
   code_ref, q_ref, k_ref, v_ref, g_ref, b_ref = r.code, r.q, r.k, r.v, r.log_decay, r.beta
   st_ref, states_ref, tm_ref, do_ref, dht_ref = r.starts, r.states, r.tmats, r.d_out, r.d_final
   dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref = (
-      r.dq, r.dk, r.dv, r.d_log_decay, r.dbeta, r.d_h0)
+      r.dq, r.dk, r.dv, r.d_gate, r.dbeta, r.d_h0)
   ds_scr, rows_scr, qh_scr, kh_scr, vh_scr, doh_scr = r.ds, r.rows, r.qh, r.kh, r.vh, r.doh
   dq_scr, dk_scr, dv_scr = r.dq_heads, r.dk_heads, r.dv_heads
   dgr_scr, dbr_scr = r.dg_rows, r.db_rows
@@ -768,7 +857,8 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
   def _init():
     ds_scr[...] = dht_ref[...].astype(F32)
 
-  gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx)
+  gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx,
+                               params_ref=r.gate_params)
   causal, strict = masks
   for ref, scr in ((q_ref, qh_scr), (k_ref, kh_scr), (v_ref, vh_scr), (do_ref, doh_scr)):
     scr[...] = _tail_mask(_heads(ref), st, c_idx)
@@ -777,8 +867,8 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
   def group(gi, carry):
     heads, kheads = _group_heads(st, gi)
     kj = lambda u: u // st.group
-    q = {ku: _finite(qh_scr[j], st) for ku, j in kheads.items()}
-    k = {ku: _finite(kh_scr[j], st) for ku, j in kheads.items()}
+    q = {ku: _finite(_normed(qh_scr[j], st)[0], st) for ku, j in kheads.items()}
+    k = {ku: _finite(_normed(kh_scr[j], st)[0], st) for ku, j in kheads.items()}
     k_t = {ku: k[ku].T for ku in kheads}
     v = {u: _finite(vh_scr[i], st) for u, i in heads.items()}
     do_s = {u: st.scale * _finite(doh_scr[i], st) for u, i in heads.items()}
@@ -854,14 +944,21 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
           - jnp.sum(e, axis=0, keepdims=True) - d_dout
           + jnp.where(lane == c - 1, jnp.sum(d_dout) + d_lam, 0.0))
     for ku, j in kheads.items():
-      dq_scr[j] = dq_acc[ku]
-      dk_scr[j] = dk_acc[ku]
+      # The VJP at the sanitised q, k (they differ at non-finite rows only,
+      # whose gradients come poisoned), the norms taken again: kept from the
+      # start, they took tpu7x's backward past its scoped VMEM limit
+      # (Qwen3-Next heads, T=4096, C=64: 21.10 of 21 MiB).
+      dq_scr[j] = _normed_vjp((q[ku], _normed(qh_scr[j], st)[1]), dq_acc[ku])
+      dk_scr[j] = _normed_vjp((k[ku], _normed(kh_scr[j], st)[1]), dk_acc[ku])
     return carry
 
   lax.fori_loop(0, st.hv // st.interleave, group, 0)
   starts = None if gate.run is None else _starts_row(gate)
   d_g = chunk_cumsum(dgr_scr[...], starts, reverse=True)
-  dg_ref[...] = (d_g[0] + d_g[1]).T.astype(dg_ref.dtype)
+  d_gate, d_a_log = _log_decay_vjp(g_ref, r.gate_params, st, (d_g[0] + d_g[1]).T)
+  dg_ref[...] = d_gate.astype(dg_ref.dtype)
+  if d_a_log is not None:   # the chunk's sum (per-token terms took tpu7x past its VMEM)
+    r.d_a_log[...] = jnp.sum(_tail_mask(d_a_log, st, c_idx), axis=0, keepdims=True)
   db_ref[...] = dbr_scr[...].T.astype(db_ref.dtype)
   for ref, scr in ((dq_ref, dq_scr), (dk_ref, dk_scr), (dv_ref, dv_scr)):
     ref[...] = pltpu.einshape("hcd->chd", scr[...]).astype(ref.dtype)
@@ -958,7 +1055,33 @@ def _v5e_forms() -> bool:
   return gdn_config.target_generation().name == "v5e"
 
 
-def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states=0):
+@dataclasses.dataclass(frozen=True)
+class Prologue:
+  """The op's prologue (`prologue.prologue`), run in the kernels: with it
+  they take the raw q, k and gate and L2-normalise / activate / floor them
+  themselves (`_Static.qk_l2norm`, `gate_act`, `log_decay_floor`). a_log and
+  dt_bias: [Hv] arrays or None (dt_bias None with a_log: 0)."""
+
+  qk_l2norm: bool = False
+  a_log: jax.Array | None = None
+  dt_bias: jax.Array | None = None
+  log_decay_floor: float | None = None
+
+  def static(self) -> dict:
+    return dict(qk_l2norm=self.qk_l2norm, gate_act=self.a_log is not None,
+                log_decay_floor=self.log_decay_floor)
+
+  def gate_params(self) -> jax.Array | None:
+    """[2, Hv] f32: a_log, dt_bias (the `gate_params` input), or None."""
+    if self.a_log is None:
+      return None
+    a_log = self.a_log.astype(F32)
+    dt = jnp.zeros_like(a_log) if self.dt_bias is None else self.dt_bias.astype(F32)
+    return jnp.stack([a_log, dt])
+
+
+def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states=0,
+            pro: Prologue = Prologue()):
   b, t, hk, dim_k = q.shape
   hv, dim_v = v.shape[2], v.shape[3]
   passes = 1 if q.dtype == BF16 else 3
@@ -967,7 +1090,8 @@ def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states
   return _Static(t_len=t, chunk=chunk, hk=hk, hv=hv, dim_k=dim_k, dim_v=dim_v,
                  scale=float(scale), passes=passes, newton=newton,
                  interleave=normalize_interleave(interleave, hv, hv // hk),
-                 has_seg=has_seg, has_h0=has_h0, n_states=n_states, v5e_forms=_v5e_forms())
+                 has_seg=has_seg, has_h0=has_h0, n_states=n_states, v5e_forms=_v5e_forms(),
+                 qk_in_place=gdn_config.target_generation().name == "tpu7x", **pro.static())
 
 
 def _head_scratch(st: _Static, values: tuple[str, ...]) -> list[_Operand]:
@@ -987,9 +1111,10 @@ def _token_block(st: _Static, chunk_of, *dims: int) -> pl.BlockSpec:
 
 
 def _common_inputs(q, k, v, log_decay, beta, starts, st: _Static, chunk_of,
-                   poison=None) -> list[_Operand]:
-  """The inputs both kernels read per chunk (array and BlockSpec each), and
-  the forward's poison rows when given."""
+                   poison=None, pro: Prologue = Prologue()) -> list[_Operand]:
+  """The inputs both kernels read per chunk (array and BlockSpec each), the
+  forward's poison rows when given, and the gate's a_log / dt_bias when the
+  kernel activates it (`Prologue`)."""
   hk, hv = q.shape[2], v.shape[2]
   ops = [
       _Operand("q", q, block=_token_block(st, chunk_of, hk, st.dim_k)),
@@ -1004,6 +1129,9 @@ def _common_inputs(q, k, v, log_decay, beta, starts, st: _Static, chunk_of,
   if st.has_seg:
     ops.append(_Operand("starts", starts, block=pl.BlockSpec(
         (None, 1, st.chunk), lambda b, i, *_: (b, 0, chunk_of(i)))))
+  if st.gate_act:
+    ops.append(_Operand("gate_params", pro.gate_params(),
+                        block=pl.BlockSpec((2, hv), lambda b, i, *_: (0, 0))))
   return ops
 
 
@@ -1057,7 +1185,7 @@ def _call(kernel, st: _Static, prefetch: dict[str, jax.Array] | None, *, grid,
 
 
 def _prepare(q, k, v, log_decay, beta, *, initial_state, segment_ids, chunk, scale,
-             interleave, newton, poison=None, sanitize=False):
+             interleave, newton, poison=None, sanitize=False, pro: Prologue = Prologue()):
   """(inputs, h0, starts, segments, static, number of chunks) of one kernel call.
 
   Per-segment states: the inputs (and `poison`, if given, last) moved to the
@@ -1069,11 +1197,15 @@ def _prepare(q, k, v, log_decay, beta, *, initial_state, segment_ids, chunk, sca
     h0, seg = initial_state, None
   else:
     seg = _Segments.build(segment_ids, initial_state.shape[1], chunk)
-    xs = tuple(map(seg.layout.to_aligned, xs))
+    # Pads pass the state through: log-decay 0, from a raw gate of -inf when
+    # the kernel activates it (-exp(a_log) softplus(-inf) = 0).
+    fills = [0.0] * len(xs)
+    fills[3] = -jnp.inf if pro.a_log is not None else 0.0
+    xs = tuple(seg.layout.to_aligned(x, fill) for x, fill in zip(xs, fills))
     h0, starts = seg.with_zero_slot(initial_state), seg.starts()
   st = _static(xs[0], xs[2], scale=scale, chunk=chunk, interleave=interleave, newton=newton,
                has_seg=starts is not None, has_h0=h0 is not None,
-               n_states=0 if seg is None else seg.n_states)
+               n_states=0 if seg is None else seg.n_states, pro=pro)
   st = dataclasses.replace(st, sanitize=sanitize)
   return xs, h0, starts, seg, st, -(-xs[0].shape[1] // chunk)
 
@@ -1085,8 +1217,10 @@ def gdn_fwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
             segment_ids: Int[Array, "B T"] | None = None, chunk=128, interleave=16,
             newton=None, write_out=True, emit_residuals=False, interpret=False,
             vmem_limit_bytes=None, sanitize: bool = False,
-            poison: Float[Array, "B T Hv"] | None = None):
-  """Chunked GDN forward on prepared inputs (after `prologue.prologue`).
+            poison: Float[Array, "B T Hv"] | None = None, pro: Prologue = Prologue()):
+  """Chunked GDN forward: on prepared inputs (after `prologue.prologue`), or
+  with `pro` on the raw q, k and gate (`log_decay` is then the raw g when
+  `pro.a_log` is given), the prologue in the kernel.
 
   The in-kernel half of the forward's `isolation.SegmentGuard`: with
   `sanitize`, non-finite k and v count as 0 (log-decays, betas and states
@@ -1107,13 +1241,13 @@ def gdn_fwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
   xs, h0, starts, seg, st, nc = _prepare(
       q, k, v, log_decay, beta, initial_state=initial_state, segment_ids=segment_ids,
       chunk=chunk, scale=scale, interleave=interleave, newton=newton, poison=poison,
-      sanitize=sanitize)
+      sanitize=sanitize, pro=pro)
   q, k, v, log_decay, beta = xs[:5]
   b, t = q.shape[:2]
   poison_rows = (jnp.swapaxes(xs[5], 1, 2).astype(F32)
                  if poison is not None and write_out else None)
   inputs = _common_inputs(q, k, v, log_decay, beta, starts, st, lambda i: i,
-                          poison=poison_rows)
+                          poison=poison_rows, pro=pro)
   out_block = _token_block(st, lambda i: i, st.hv, st.dim_v)
   out_shape = jax.ShapeDtypeStruct((b, t, st.hv, st.dim_v), v.dtype)
   return _run_fwd(inputs, h0, st, seg, nc, b, out_block if write_out else None, out_shape,
@@ -1331,8 +1465,14 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
             initial_state: segments.State | None = None,
             segment_ids: Int[Array, "B T"] | None = None, residuals=None, chunk=128,
             interleave=16, newton=None, interpret=False, vmem_limit_bytes=None,
-            sanitize=False):
+            sanitize=False, pro: Prologue = Prologue()):
   """Chunked GDN backward: (dq, dk, dv, d_log_decay, dbeta, d_initial_state f32).
+
+  With `pro` (the raw q, k and gate in, as `gdn_fwd`'s) the gradients are
+  those of the raw inputs (dq, dk through the L2 norm, d_log_decay that of
+  the raw g), and with `pro.a_log` one more, [B, NC, 1, Hv] f32: each
+  chunk's part of a_log's gradient (its sum over B and NC; dt_bias's is the
+  sum of d_log_decay's).
 
   `sanitize`: non-finite q, k, v and d_out count as 0 (the in-kernel half of
   the backward's `isolation.SegmentGuard`; the rest comes sanitised).
@@ -1347,17 +1487,18 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
         q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
         segment_ids=segment_ids, chunk=chunk, interleave=interleave, newton=newton,
         write_out=False, emit_residuals=True, interpret=interpret,
-        vmem_limit_bytes=vmem_limit_bytes, sanitize=sanitize)
+        vmem_limit_bytes=vmem_limit_bytes, sanitize=sanitize, pro=pro)
   t_in = q.shape[1]
   (q, k, v, log_decay, beta), h0, starts, seg, st, nc = _prepare(
       q, k, v, log_decay, beta, initial_state=initial_state, segment_ids=segment_ids,
-      chunk=chunk, scale=scale, interleave=interleave, newton=newton, sanitize=sanitize)
+      chunk=chunk, scale=scale, interleave=interleave, newton=newton, sanitize=sanitize,
+      pro=pro)
   b, t = q.shape[:2]
   states, tmats = residuals
   if states.shape[1] != nc:
     raise ValueError(f"residuals for {states.shape[1]} chunks; this call has {nc}.")
   rev = lambda i: nc - 1 - i
-  inputs = _common_inputs(q, k, v, log_decay, beta, starts, st, rev)
+  inputs = _common_inputs(q, k, v, log_decay, beta, starts, st, rev, pro=pro)
   state_spec = _state_spec(st, rev)
   if d_final is None:
     d_final = jnp.zeros(_state_shape(st, b).shape, F32)
@@ -1374,7 +1515,8 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
       _Operand("d_final", d_final.astype(F32), block=state_spec),
   ]
   hk = q.shape[2]
-  grad_names = ("dq", "dk", "dv", "d_log_decay", "dbeta", "d_h0")
+  grad_names = ("dq", "dk", "dv", "d_gate", "dbeta", "d_h0") + (
+      ("d_a_log",) if st.gate_act else ())
   outputs = [
       _Operand("dq", block=_token_block(st, rev, hk, st.dim_k),
                shape=jax.ShapeDtypeStruct(q.shape, q.dtype)),
@@ -1382,12 +1524,17 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
                shape=jax.ShapeDtypeStruct(k.shape, k.dtype)),
       _Operand("dv", block=_token_block(st, rev, st.hv, st.dim_v),
                shape=jax.ShapeDtypeStruct(v.shape, v.dtype)),
-      _Operand("d_log_decay", block=_token_block(st, rev, st.hv),
+      _Operand("d_gate", block=_token_block(st, rev, st.hv),
                shape=jax.ShapeDtypeStruct((b, t, st.hv), F32)),
       _Operand("dbeta", block=_token_block(st, rev, st.hv),
                shape=jax.ShapeDtypeStruct((b, t, st.hv), F32)),
       _Operand("d_h0", block=state_spec, shape=_state_shape(st, b)),
   ]
+  if st.gate_act:
+    outputs.append(_Operand("d_a_log",
+                            block=pl.BlockSpec((None, None, 1, st.hv),
+                                               lambda b, i, *_: (b, rev(i), 0, 0)),
+                            shape=jax.ShapeDtypeStruct((b, nc, 1, st.hv), F32)))
   scratch = ([_Operand("ds", shape=pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32))]
              + _head_scratch(st, ("vh", "doh"))
              + [_Operand("dq_heads", shape=pltpu.VMEM((st.hk, chunk, st.dim_k), F32)),
@@ -1401,7 +1548,6 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
   grads = tuple(res[n] for n in grad_names)
   if seg is None:
     return grads
-  *per_token, d_h0 = grads
-  per_token = [seg.layout.from_aligned(x) for x in per_token]
+  per_token = [seg.layout.from_aligned(res[n]) for n in grad_names[:5]]
   assert per_token[0].shape[1] == t_in
-  return (*per_token, seg.per_segment(d_h0))
+  return (*per_token, seg.per_segment(res["d_h0"])) + grads[6:]

@@ -3,8 +3,10 @@
 q, k are L2-normalised (x / sqrt(sum x^2 + 1e-6), in float32) when
 `use_qk_l2norm`; the log-decay is g itself, or -exp(a_log) * softplus(g +
 dt_bias) when `a_log` / `dt_bias` are given, floored for chunked backends
-(`CHUNKED_LOG_DECAY_FLOOR`). It is pointwise per token, runs in XLA before any
-core, and is differentiated by autodiff (`base.GatedDeltaRuleVjp`).
+(`CHUNKED_LOG_DECAY_FLOOR`). It is pointwise per token, runs in XLA before the
+core and is differentiated by autodiff (`base.GatedDeltaRuleVjp`), except in
+cores that run it themselves (`prologue_in_core`: the Pallas kernels, which
+call these same functions on their tiles).
 """
 
 import jax

@@ -128,9 +128,9 @@ class SegmentLayout:
   def aligned_length(self) -> int:
     return self.source.shape[1]
 
-  def to_aligned(self, x: jax.Array) -> jax.Array:
-    """[B, T, ...] -> [B, Ta, ...], zeros at the pads (differentiable)."""
-    padded = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
+  def to_aligned(self, x: jax.Array, fill: float = 0.0) -> jax.Array:
+    """[B, T, ...] -> [B, Ta, ...], `fill` at the pads (differentiable)."""
+    padded = jnp.concatenate([x, jnp.full_like(x[:, :1], fill)], axis=1)
     return padded[jnp.arange(x.shape[0])[:, None], self.source]
 
   def from_aligned(self, x: jax.Array) -> jax.Array:
