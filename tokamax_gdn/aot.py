@@ -22,6 +22,7 @@ Rooflines: `TpuGeneration.peak_flops_per_cycle` / `hbm_bytes_per_cycle`
 """
 
 from collections.abc import Callable, Sequence
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -79,7 +80,11 @@ def enable_cycle_estimates(dump_dir: str | None = None) -> str | None:
     return _cycle_dir
   if _topology.cache_info().currsize:
     return None
-  _cycle_dir = dump_dir or tempfile.mkdtemp(prefix="tokamax_gdn_llo_")
+  if dump_dir is None:
+    # Ours: removed when the process exits (a dump is ~0.7 MiB per compile).
+    dump_dir = tempfile.mkdtemp(prefix="tokamax_gdn_llo_")
+    atexit.register(shutil.rmtree, dump_dir, ignore_errors=True)
+  _cycle_dir = dump_dir
   os.environ["LIBTPU_INIT_ARGS"] = f"{args} {_DUMP_FLAG}{_cycle_dir}".strip()
   return _cycle_dir
 
@@ -248,6 +253,13 @@ def compile_in_child(target: str, builder: str, kwargs: dict[str, Any] | None = 
                             num_devices=num_devices))
   cmd = [sys.executable, "-c", "from tokamax_gdn import aot; aot._child_main()"]
   env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
+  # The child's cycle dump lives in a folder of ours, removed here even when
+  # libtpu aborts the child (its own exit handlers would not run).
+  dump = tempfile.mkdtemp(prefix="tokamax_gdn_llo_") if cycles else None
+  if dump is not None:
+    args = " ".join(a for a in env.get("LIBTPU_INIT_ARGS", "").split()
+                    if not a.startswith(_DUMP_FLAG))
+    env["LIBTPU_INIT_ARGS"] = f"{args} {_DUMP_FLAG}{dump}".strip()
   try:
     proc = subprocess.run(cmd, input=request, capture_output=True, text=True, env=env,
                           timeout=timeout, check=False)
@@ -255,6 +267,9 @@ def compile_in_child(target: str, builder: str, kwargs: dict[str, Any] | None = 
   except subprocess.TimeoutExpired as e:
     decode = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
     stdout, stderr, why = decode(e.stdout), decode(e.stderr), f"timed out after {timeout} s"
+  finally:
+    if dump is not None:
+      shutil.rmtree(dump, ignore_errors=True)
   labels, done = [], {}
   for line in stdout.splitlines():
     if not line.startswith(_CHILD_LINE):
