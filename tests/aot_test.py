@@ -246,13 +246,13 @@ def test_each_kernel_alone_has_a_tpu7x_cycle_estimate():
   reserves VMEM of its own), each kernel compiled alone at a lower scoped
   limit gets one (the Qwen3-Next heads, all on one device)."""
   shape = dict(b=1, t=256, hk=16, hv=32, k=128, v=128, dtype="bfloat16")
-  results = aot.compile_in_child("tpu7x", "tokamax_gdn.benchmarks.gated_delta_rule_aot:kernel_cases",
-                                 dict(shape=shape, vmem_limit_mib=19), timeout=600)
-  assert [r.label.split()[0] for r in results] == list(KERNELS)
-  for r in results:
-    assert r.report is not None, (r.label, r.error)
-    name = r.label.split()[0]
-    assert [c for n, c in r.report.kernel_cycles.items() if aot.kernel_name(n) == name][0] > 0
+  # As `aot`'s report takes them when the pass's own estimate fails.
+  r = report_lib.PassReport(report_lib.GDN, "fwd+bwd", "ok", note="no cycle estimate")
+  report_lib._kernels_alone(r, "tpu7x", shape, [256], 512, timeout=600)   # pylint: disable=protected-access
+  assert list(r.kernels) == list(KERNELS), r.note
+  assert all(c > 0 for c in r.kernels.values()), r.kernels
+  assert r.total_cycles == sum(r.kernels.values())
+  assert "glue not estimated" in r.note
 
 
 @pytest.mark.aot
