@@ -419,11 +419,13 @@ class _Static:
   # The in-kernel half of `isolation.SegmentGuard` (its gates and states are
   # sanitised in XLA): non-finite k, v (and q, dO in the backward) count as 0.
   sanitize: bool = False
-  # The whole `isolation.SegmentGuard` in the kernels (`_guard_*`; implies
-  # `sanitize`; not with per-segment states): the raw gates, betas and
-  # states come in too, the per-token bad flags are taken from the tiles the
-  # kernel loads and carried across the chunks, and the outputs, the final
-  # state and the gradients of the poisoned tokens are made NaN in VMEM.
+  # The whole `isolation.SegmentGuard` in the kernels (`_guard_*`; not with
+  # per-segment states): the raw gates, betas and states come in too, the
+  # per-token bad flags are taken from the tiles the kernel loads and carried
+  # across the chunks, the tiles of a chunk with a bad token are sanitised in
+  # place (instead of `sanitize`'s selects in every chunk), and the outputs,
+  # the final state and the gradients of the poisoned tokens are made NaN in
+  # VMEM.
   guard: bool = False
   # The op's prologue in the kernel (`prologue.prologue`, from the raw
   # inputs): q, k L2-normalised (`qk_l2norm`, `_normed`); the log-decay
@@ -644,19 +646,35 @@ def _residual(x, ref, st: _Static):
 def _bad_row(x):
   """(1, C) f32: 1 where row c of the tile x (C, D) holds a NaN or inf, else 0.
 
-  The count of non-finite entries per row by the MXU against ones (as
-  `rowsum_row`; exact in f32): a lane reduction on the vector units costs
-  ~9 cycles per vreg, the XLA reduction of the raw [B, T, H, D] input it
-  replaces 10.2 k cycles for v alone (v6e, Qwen3-Next heads, T=512).
+  The row sums of x·0 (0, or NaN for NaN / inf) by the MXU against ones (as
+  `rowsum_row`; NaN propagating as in the forward's poisoned P̃): a lane
+  reduction on the vector units costs ~9 cycles per vreg, an isfinite and a
+  select per element twice the multiply (v6e, Qwen3-Next heads, T=512: the
+  XLA reduction of the raw v it replaces cost 10.2 k cycles).
   """
-  bad = jnp.where(jnp.isfinite(x), 0.0, 1.0).astype(BF16)
-  count = _mm(jnp.ones((8, x.shape[1]), BF16), bad, tb=True)
-  return jnp.minimum(count[0:1], 1.0)
+  sums = _mm(jnp.ones((8, x.shape[1]), BF16), (x * 0.0).astype(BF16), tb=True)[0:1]
+  return jnp.where(sums == sums, 0.0, 1.0)
 
 
 def _bad_flag(x):
   """(1, 1) f32: 1 where the tile x (R, D) holds a NaN or inf (a state's)."""
   return jnp.max(_bad_row(x), axis=1, keepdims=True)
+
+
+def _guard_sanitize(flags, tiles, st: "_Static"):
+  """Where the chunk has a bad token (`flags` (H, C) f32 > 0 anywhere): the
+  head tiles in scratch (`tiles`: refs of (H, C, D)) with NaN / inf as 0, in
+  place. Finite chunks (every chunk of a finite run) skip it: unconditional,
+  the selects per tile cost more than the detection (`_bad_row`)."""
+  @pl.when(jnp.max(flags) > 0.0)
+  def _():
+    for ref in tiles:
+      def head(i, carry, ref=ref):
+        x = ref[i]
+        ref[i] = lhs_masked(jnp.isfinite(x), x, st.v5e_forms)
+        return carry
+
+      lax.fori_loop(0, ref.shape[0], head, 0)
 
 
 def _poison_tile(nan_row, width: int):
@@ -687,11 +705,8 @@ def _guard_gate_rows(r: "_Refs", st: "_Static", c_idx):
 
 def _guard_heads(st: "_Static", per_key_head):
   """Runs per_key_head(j, [value heads of key head j]) for every key head."""
-  def body(j, carry):
+  for j in range(st.hk):
     per_key_head(j, [j * st.group + u for u in range(st.group)])
-    return carry
-
-  lax.fori_loop(0, st.hk, body, 0)
 
 
 def _guard_enter(state_ref, s_scr, carry_ref, st: "_Static"):
@@ -703,23 +718,26 @@ def _guard_enter(state_ref, s_scr, carry_ref, st: "_Static"):
     carry_ref[...] = jnp.zeros(carry_ref.shape, F32)
     return
 
-  def head(i, carry):
+  for i in range(st.hv):
     x = state_ref[i].astype(F32)
     s_scr[i] = jnp.where(jnp.isfinite(x), x, 0.0)
-    carry_ref[pl.ds(i, 1), :] = jnp.broadcast_to(_bad_flag(x), (1, carry_ref.shape[1]))
-    return carry
-
-  lax.fori_loop(0, st.hv, head, 0)
+    carry_ref[i:i + 1, :] = jnp.broadcast_to(_bad_flag(x), (1, carry_ref.shape[1]))
 
 
-def _guard_state_out(out_ref, s_scr, flags, st: "_Static"):
-  """out_ref[h] = s_scr[h], NaN for the heads whose (Hv, 1+) `flags`' first
-  lane is set (a poisoned final state, or initial state's gradient)."""
-  def head(i, carry):
-    out_ref[i] = s_scr[i] + _nan_where(flags(i))
-    return carry
+def _guard_state_out(out_ref, s_scr, flags_ref):
+  """out_ref = s_scr, NaN for the heads h whose flags (`flags_ref` (Hv, L))
+  are set in lane 0 (a poisoned final state, or initial state's gradient): a
+  copy, and where a head is poisoned (never in a finite run) a pass over the
+  heads (per head in a loop: 4.2 k cycles on every row, v6e, Hv=32)."""
+  out_ref[...] = s_scr[...]
 
-  lax.fori_loop(0, st.hv, head, 0)
+  @pl.when(jnp.max(flags_ref[:, 0:1]) > 0.0)
+  def _():
+    def head(i, carry):
+      out_ref[i] = out_ref[i] + _nan_where(flags_ref[pl.ds(i, 1), 0:1])
+      return carry
+
+    lax.fori_loop(0, flags_ref.shape[0], head, 0)
 
 
 def _guard_fwd_rows(r: "_Refs", st: "_Static", gate: "ChunkGate", causal, c_idx,
@@ -742,9 +760,11 @@ def _guard_fwd_rows(r: "_Refs", st: "_Static", gate: "ChunkGate", causal, c_idx,
                                          jnp.maximum(k_bad, _bad_row(r.vh[i])))
 
   _guard_heads(st, key_head)
+  bad = rows[...]
+  _guard_sanitize(bad, (r.kh, r.vh), st)
   c = st.chunk
   mask = jnp.where(causal, 1.0, 0.0).astype(BF16)
-  count = _mm(rows[...].astype(BF16), mask, tb=True)    # Σ_{j <= i, same segment} bad_j
+  count = _mm(bad.astype(BF16), mask, tb=True)          # Σ_{j <= i, same segment} bad_j
   carried = r.guard_carry[:, 0:1]
   if gate.run is not None:      # the segment going on from the last chunk
     carried = jnp.where(gate.run == 0.0, carried, 0.0)
@@ -774,6 +794,7 @@ def _guard_bwd_rows(r: "_Refs", st: "_Static", gate: "ChunkGate", causal, leave)
       rows[1, pl.ds(i, 1), :] = _bad_row(r.doh[i]) * (1.0 - before)
 
   _guard_heads(st, key_head)
+  _guard_sanitize(rows[0] + rows[1], (r.qh, r.kh, r.vh, r.doh), st)
   mask = jnp.where(causal, 1.0, 0.0).astype(BF16)
   count = _mm(rows[1].astype(BF16), mask)                # Σ_{j >= i, same segment} bad_j
   last = (st.t_len - 1) % c
@@ -792,7 +813,8 @@ def _guard_bwd_rows(r: "_Refs", st: "_Static", gate: "ChunkGate", causal, leave)
 def _guard_bwd_tiles(r: "_Refs", st: "_Static"):
   """NaN into the chunk's dq, dk, dv head tiles (scratch) at the poisoned
   tokens (`guard_rows[0]`): dv per value head, dq and dk where any value
-  head of the key head's group is (`SegmentGuard.poison_gradients`)."""
+  head of the key head's group is (`SegmentGuard.poison_gradients`). Only
+  in a chunk with a poisoned token (never in a finite run)."""
   rows = r.guard_rows
 
   def key_head(j, heads):
@@ -805,7 +827,7 @@ def _guard_bwd_tiles(r: "_Refs", st: "_Static"):
     r.dq_heads[j] = r.dq_heads[j] + tile
     r.dk_heads[j] = r.dk_heads[j] + tile
 
-  _guard_heads(st, key_head)
+  pl.when(jnp.max(rows[0]) > 0.0)(lambda: _guard_heads(st, key_head))
 
 
 # Rows of the per-step row scratch (each (Hv, C) f32).
@@ -920,7 +942,7 @@ def _fwd_step(r: _Refs, st: _Static, write_out: bool, emit: bool, enter, leave, 
   @pl.when(leave)
   def _final():
     if st.guard:
-      _guard_state_out(r.final, s_scr, lambda i: r.guard_carry[pl.ds(i, 1), 0:1], st)
+      _guard_state_out(r.final, s_scr, r.guard_carry)
     elif init is None:
       r.final[...] = r.s[...]
     else:   # `requests`: into the request's write slot of the pool, by a DMA
@@ -1167,7 +1189,7 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
   @pl.when(enter)
   def _final():
     if st.guard:    # a segment's initial state counts as its first token's input
-      _guard_state_out(dh0_ref, ds_scr, lambda i: r.guard_rows[0, pl.ds(i, 1), 0:1], st)
+      _guard_state_out(dh0_ref, ds_scr, r.guard_rows.at[0])
     else:
       dh0_ref[...] = ds_scr[...]
 
@@ -1413,7 +1435,7 @@ def _prepare(q, k, v, log_decay, beta, *, initial_state, segment_ids, chunk, sca
                n_states=0 if seg is None else seg.n_states, pro=pro)
   if guard and seg is not None:
     raise NotImplementedError("the in-kernel guard does not take per-segment states.")
-  st = dataclasses.replace(st, sanitize=sanitize or guard, guard=guard)
+  st = dataclasses.replace(st, sanitize=sanitize and not guard, guard=guard)
   return xs, h0, starts, seg, st, -(-xs[0].shape[1] // chunk)
 
 
@@ -1743,7 +1765,7 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
   rev = lambda i: nc - 1 - i
   inputs = _common_inputs(q, k, v, log_decay, beta, starts, st, rev, pro=pro)
   state_spec = _state_spec(st, rev)
-  if d_final is None:
+  if d_final is None and not st.guard:   # (the guard's kernel reads none as zeros)
     d_final = jnp.zeros(_state_shape(st, b).shape, F32)
   elif seg is not None:
     d_final = seg.with_zero_slot(d_final)
@@ -1755,8 +1777,9 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
       _Operand("tmats", tmats, block=pl.BlockSpec((None, None, st.hv, chunk, chunk),
                                                   lambda b, i, *_: (b, rev(i), 0, 0, 0))),
       _Operand("d_out", d_out, block=_token_block(st, rev, st.hv, st.dim_v)),
-      _Operand("d_final", d_final.astype(F32), block=state_spec),
   ]
+  if d_final is not None:
+    inputs.append(_Operand("d_final", d_final.astype(F32), block=state_spec))
   if st.guard:
     inputs.append(_guard_fwd_operand(st, b, nc, rev, residuals[2]))
   hk = q.shape[2]
