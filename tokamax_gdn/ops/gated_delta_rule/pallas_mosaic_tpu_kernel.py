@@ -648,12 +648,12 @@ def _bad_row(x):
 
   The row sums of x·0 (0, or NaN for NaN / inf) by the MXU against ones (as
   `rowsum_row`; NaN propagating as in the forward's poisoned P̃): a lane
-  reduction on the vector units costs ~9 cycles per vreg, an isfinite and a
-  select per element twice the multiply (v6e, Qwen3-Next heads, T=512: the
-  XLA reduction of the raw v it replaces cost 10.2 k cycles).
+  reduction on the vector units costs ~9 cycles per vreg. v6e, Qwen3-Next
+  heads, T=512: the forward kernel's k and v rows cost it 0.9 k cycles; the
+  XLA reductions of the raw k and v they replace cost 15.7 k.
   """
   sums = _mm(jnp.ones((8, x.shape[1]), BF16), (x * 0.0).astype(BF16), tb=True)[0:1]
-  return jnp.where(sums == sums, 0.0, 1.0)
+  return (sums != sums).astype(F32)
 
 
 def _bad_flag(x):
@@ -664,8 +664,8 @@ def _bad_flag(x):
 def _guard_sanitize(flags, tiles, st: "_Static"):
   """Where the chunk has a bad token (`flags` (H, C) f32 > 0 anywhere): the
   head tiles in scratch (`tiles`: refs of (H, C, D)) with NaN / inf as 0, in
-  place. Finite chunks (every chunk of a finite run) skip it: unconditional,
-  the selects per tile cost more than the detection (`_bad_row`)."""
+  place. Finite chunks (every chunk of a finite run) skip it; the test costs
+  the forward kernel 1.0 k cycles (v6e, Qwen3-Next heads, T=512)."""
   @pl.when(jnp.max(flags) > 0.0)
   def _():
     for ref in tiles:
@@ -700,7 +700,7 @@ def _guard_gate_rows(r: "_Refs", st: "_Static", c_idx):
   if st.gate_act:
     params = r.gate_params
     bad = bad | ~jnp.isfinite(prologue.gate_log_decay(g, params[0:1, :], params[1:2, :]))
-  return _tail_mask(jnp.where(bad, 1.0, 0.0), st, c_idx).T
+  return _tail_mask(bad.astype(F32), st, c_idx).T
 
 
 def _guard_heads(st: "_Static", per_key_head):
