@@ -398,10 +398,16 @@ add("causal_conv1d_pallas_mosaic_tpu_plain_jit_T_sharded",
 # (both compiles: about 1.5 CPU-minutes). Other sizes through the environment
 # (the ratio is bounded only at Qwen3-Next's heads; at short local T the
 # gathered maps, fixed in size, are a larger part of it: 1.29 at 2048).
+# The bound was 1.2 while the NaN guard ran in XLA, whose passes around the
+# op (flags, selects over inputs and gradients) were part of the unsharded
+# op's peak (1915.0 vs 1622.7 MiB, 1.18); with the guard in the kernels the
+# unsharded op fell to 1090.3 MiB and the CP run to 1780.1 (1.63): its extra
+# over the op, the running sum of the fold's input gradients and the gathered
+# maps, did not shrink with it.
 CP_AOT_HEADS = tuple(int(v) for v in os.environ.get("CP_AOT_HEADS", "16,32").split(","))
 CP_AOT_T_LOCAL = int(os.environ.get("CP_AOT_T_LOCAL", 32768))
 CP_AOT_DEVICES = int(os.environ.get("CP_AOT_DEVICES", 4))
-QWEN3_NEXT_HEADS, CP_AOT_MAX_RATIO = (16, 32), 1.2
+QWEN3_NEXT_HEADS, CP_AOT_MAX_RATIO = (16, 32), 1.7
 
 
 def _gdn_aot_temp(mesh, t, axis):

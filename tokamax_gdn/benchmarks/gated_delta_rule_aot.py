@@ -287,8 +287,8 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
                  vmem_limit_mib: int | None = None) -> list[aot.Case]:
   """The three GDN kernels of a training step, each compiled alone ("gdn_fwd",
   "gdn_fwd_states", "gdn_bwd" with its residuals as inputs), on the raw
-  inputs of the layer's call (the prologue in the kernels, as the op runs
-  them), with the configs the op picks for `shape`.
+  inputs of the layer's call (the prologue and the NaN guard in the kernels,
+  as the op runs them), with the configs the op picks for `shape`.
 
   For per-kernel cycles where the whole step's estimate does not compile:
   with the cycle dump on, XLA reserves VMEM of its own next to the kernel
@@ -316,6 +316,7 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
   nc = -(-s.t // c)
   states = sds((s.b, nc, s.hv, s.k, s.v), dtype)
   tmats = sds((s.b, nc, s.hv, c, c), dtype)
+  flags = sds((s.b, nc, s.hv, c), f32)     # the guard's forward flags
   scale = s.k ** -0.5
 
   def kwargs(cfg):
@@ -330,22 +331,23 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
 
   def fwd(q, k, v, g, beta, a_log, dt_bias):
     return kernel.gdn_fwd(q, k, v, g, beta, scale=scale, pro=pro(a_log, dt_bias),
-                          **kwargs(fwd_cfg))[:2]
+                          guard=True, **kwargs(fwd_cfg))[:2]
 
   def states_pass(q, k, v, g, beta, a_log, dt_bias):
     return kernel.gdn_fwd(q, k, v, g, beta, scale=scale, write_out=False,
-                          emit_residuals=True, pro=pro(a_log, dt_bias), **kwargs(states_cfg))[2]
+                          emit_residuals=True, guard=True, pro=pro(a_log, dt_bias),
+                          **kwargs(states_cfg))[2]
 
-  def bwd(q, k, v, g, beta, a_log, dt_bias, d_out, states, tmats):
+  def bwd(q, k, v, g, beta, a_log, dt_bias, d_out, states, tmats, flags):
     return kernel.gdn_bwd(q, k, v, g, beta, d_out, None, scale=scale,
-                          residuals=(states, tmats), pro=pro(a_log, dt_bias),
-                          **kwargs(bwd_cfg))
+                          residuals=(states, tmats, flags), guard=True,
+                          pro=pro(a_log, dt_bias), **kwargs(bwd_cfg))
 
   label = lambda name, cfg: f"{name} C={cfg.chunk_size} interleave={cfg.interleave}"
   raw = [q, q, v, g, beta, a_log, a_log]
   return [(label("gdn_fwd", fwd_cfg), fwd, raw),
           (label("gdn_fwd_states", states_cfg), states_pass, raw),
-          (label("gdn_bwd", bwd_cfg), bwd, raw + [v, states, tmats])]
+          (label("gdn_bwd", bwd_cfg), bwd, raw + [v, states, tmats, flags])]
 
 
 # ------------------------------------------------------------ heads over devices

@@ -29,13 +29,15 @@ def _op(impl, chunk):
 
 
 # The guard is in the base Op, shared by every implementation, except that the
-# Pallas kernels zero non-finite q, k, v, dO and put the output NaN in VMEM
-# (`guards_in_core`); the Pallas kernel (interpret mode, slow on CPU) runs one
-# case of each of those tensors at its smallest chunk (64: the three segments
+# Pallas kernels run all of it in VMEM (`whole_guard_in_core`; with
+# per-segment states they take the XLA flags and zero non-finite q, k, v, dO
+# in VMEM, `guards_in_core`); the Pallas kernel (interpret mode, slow on CPU)
+# runs one case of each input at its smallest chunk (64: the three segments
 # share one chunk). xla runs at chunk 16, where segment 1 shares chunks with
 # both neighbours and spans a chunk boundary.
 CHUNKS = {"reference": None, "xla": 16, "pallas_mosaic_tpu": 64}
-PALLAS_CASES = (("value", np.nan), ("d_out", np.inf), ("key", np.nan), ("query", np.inf))
+PALLAS_CASES = (("value", np.nan), ("d_out", np.inf), ("key", np.nan), ("query", np.inf),
+                ("g", np.nan), ("beta", np.nan), ("initial_state", np.nan))
 
 
 def _params(cases=None):
@@ -163,6 +165,25 @@ def test_bad_value_stays_in_its_segment(impl, chunk, name, value):
     _all_nonfinite(grads["initial_state"][0, 1], "d_initial_state")
 
 
+@pytest.mark.parametrize("impl,chunk", _params())
+def test_bad_final_state_cotangent_stays_in_the_last_segment(impl, chunk):
+  """A NaN in the final state's cotangent (of the state after the row's last
+  token: segment 2's) makes the gradients of segment 2's tokens NaN, at and
+  before its last token, and no others (the Pallas backward carries it from
+  the last chunk in reverse)."""
+  diff, static, cts = _problem()
+  _, _, c_grads = _clean_run(impl, chunk)
+  bad_cts = (cts[0], cts[1].at[0, 1, 2, 3].set(np.nan))
+  _, _, grads = _run(_op(impl, chunk), diff, static, bad_cts)
+  s1 = BOUNDS[2]
+  for n in h.POSITIONAL:
+    _assert_same(grads[n][1], c_grads[n][1], f"row 1 d{n}")
+    _assert_same(grads[n][0, :s1], c_grads[n][0, :s1], f"d{n} of segments 0 and 1")
+  _assert_same(grads["initial_state"], c_grads["initial_state"], "d_initial_state")
+  for n, head in (("value", 1), ("g", 1), ("beta", 1), ("query", 0), ("key", 0)):
+    _all_nonfinite(grads[n][0, s1:, head], f"d{n} of segment 2")
+
+
 @pytest.mark.parametrize("impl,chunk", [p for p in _params() if "pallas" not in p.id])
 def test_per_segment_state_bad_value_stays_in_its_segment(impl, chunk):
   op = _op(impl, chunk)
@@ -258,3 +279,27 @@ def test_nan_does_not_flow_backwards_in_time(impl, chunk, name, value):
     h.assert_finite(grads[n][1], f"row 1 d{n}")
   _all_nonfinite(grads["beta"][0, BAD_TIME:, 1], "dbeta from the bad token on")
   h.assert_finite(grads["initial_state"], "d_initial_state")
+
+
+
+@pytest.mark.parametrize("impl,chunk", _params())
+def test_bad_value_poisons_its_segment_across_a_chunk_boundary(impl, chunk):
+  """A NaN value at token 50 (segment 2, [45, 70)): value head 1's outputs
+  NaN up to the row's end, across the chunk boundary at 64 (the Pallas
+  kernels carry the flag from chunk to chunk), and its final state; the
+  gradients from token 50 on NaN, before it finite; segments 0 and 1 as
+  without it."""
+  diff, static, cts = _problem()
+  c_out, c_final, c_grads = _clean_run(impl, chunk)
+  bad = dict(diff, value=diff["value"].at[0, 50, 1, 2].set(np.nan))
+  out, final, grads = _run(_op(impl, chunk), bad, static, cts)
+  s1 = BOUNDS[2]
+  _all_nonfinite(out[0, 50:, 1], "head 1 out from token 50 on")
+  _assert_same(out[0, :50], c_out[0, :50], "out before token 50")
+  _all_nonfinite(final[0, 1], "head 1 final state")
+  _assert_same(final[0, 0], c_final[0, 0], "head 0 final state")
+  for n, head in (("value", 1), ("g", 1), ("beta", 1), ("query", 0), ("key", 0)):
+    _all_nonfinite(grads[n][0, 50:, head], f"d{n} from token 50 on")
+    h.assert_finite(grads[n][0, s1:50], f"d{n} of segment 2 before token 50")
+  for n in h.POSITIONAL:
+    _assert_same(grads[n][0, :s1], c_grads[n][0, :s1], f"d{n} of segments 0 and 1")

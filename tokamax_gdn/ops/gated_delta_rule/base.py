@@ -59,7 +59,7 @@ Output: TypeAlias = tuple[jax.Array, jax.Array | None]
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["states", "tmats"], meta_fields=[])
+                   data_fields=["states", "tmats", "guard"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Residuals:
   """What a forward hands its analytical backward besides the op inputs.
@@ -67,10 +67,13 @@ class Residuals:
   states: states saved at N points of the sequence (chunk or block entries;
     which ones, and their layout, is the implementation's business), or None.
   tmats: per-chunk WY inverses, for implementations that save them, or None.
+  guard: what a core running the whole NaN guard itself (`whole_guard_in_core`)
+    hands its backward (the forward's per-token flags), or None.
   """
 
   states: Float[Array, "..."] | None = None
   tmats: Float[Array, "..."] | None = None
+  guard: Float[Array, "..."] | None = None
 
 
 def _check_segment_states(initial_state, segment_ids, per_state: tuple[int, ...]) -> None:
@@ -99,6 +102,12 @@ def empty_final_state(query, value, initial_state) -> jax.Array:
   if initial_state.ndim == 5:
     return jnp.zeros(initial_state.shape, jnp.float32)
   return initial_state.astype(jnp.float32)
+
+
+def _whole_guard(op_, initial_state) -> bool:
+  """Whether `op_` (forward or VJP) runs the whole NaN guard in its core
+  (`whole_guard_in_core`; per-segment states take the XLA flags' path)."""
+  return op_.whole_guard_in_core and (initial_state is None or initial_state.ndim == 4)
 
 
 def _float64_to_float32(tree):
@@ -134,6 +143,12 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
   # kernel instead of a pass over the outputs in XLA. Only for cores with an
   # analytical VJP (whose `guards_in_core` then sanitises in its kernel).
   guards_in_core: ClassVar[bool] = False
+  # Whether `_core_fwd` (and the VJP's `_core_bwd`) take `guard=True` and then
+  # run the whole `isolation.SegmentGuard` themselves, on the raw inputs,
+  # states and cotangents: the poisoned outputs, final states and gradients
+  # come NaN, no flags in XLA. Not with per-segment states, which take the
+  # `guards_in_core` path.
+  whole_guard_in_core: ClassVar[bool] = False
   # Whether `_core_fwd` runs the prologue itself: it then gets the raw query,
   # key and g (sanitised as the guard does) and `use_qk_l2norm`, `a_log`,
   # `dt_bias` as keywords, and floors the log-decay at `log_decay_floor`
@@ -265,6 +280,9 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
       out = jnp.zeros(value.shape, value.dtype)
       final_state = empty_final_state(query, value, initial_state)
       residuals = None
+    elif _whole_guard(self, initial_state):
+      out, final_state, residuals = core(q, k, value, log_decay, beta,
+                                         initial_state=initial_state, guard=True)
     else:
       # An analytical VJP guards its own backward, so this forward leaves the
       # queries unchecked (see `SegmentGuard.bad_q`).
@@ -315,6 +333,8 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
   # Whether `_core_bwd` takes `sanitize=True` and then zeroes non-finite q, k,
   # v and d_out itself (log_decay, beta and the states come sanitised).
   guards_in_core: ClassVar[bool] = False
+  # Whether `_core_bwd` takes `guard=True` (see `GatedDeltaRule.whole_guard_in_core`).
+  whole_guard_in_core: ClassVar[bool] = False
   # Whether `_core_bwd` runs the prologue and its VJP itself (with the
   # forward's `prologue_in_core`): it gets the raw query, key and g and the
   # prologue's keywords, and returns the gradients of the raw query, key and
@@ -380,22 +400,30 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
       if self.prologue_in_core:
         core_bwd = functools.partial(core_bwd, use_qk_l2norm=use_qk_l2norm, a_log=a_log,
                                      dt_bias=dt_bias)
-      guard = isolation.guard_segments(query, key, value, beta, initial_state, segment_ids,
-                                       g=g, a_log=a_log, dt_bias=dt_bias)
-      poison = guard.gradient_poison(d_out, d_final)
-      if self.guards_in_core:    # the core zeroes non-finite q, k, v, d_out itself
-        ld, bt, clean_state = guard.sanitize_small(log_decay, beta, initial_state)
-        grads = core_bwd(q, k, value, ld, bt, d_out, isolation.zero_nonfinite(d_final),
-                         initial_state=clean_state, sanitize=True)
+      if _whole_guard(self, initial_state):
+        grads = core_bwd(q, k, value, log_decay, beta, d_out, d_final,
+                         initial_state=initial_state, guard=True)
+        if self.prologue_in_core and a_log is not None:
+          da_log = jnp.sum(grads[6].reshape(-1, grads[6].shape[-1]), 0)
+        dq, dk, dv, d_log_decay, dbeta, d_initial = grads[:6]
       else:
-        *clean, clean_state = guard.sanitize(q, k, value, log_decay, beta, initial_state)
-        grads = core_bwd(*clean, isolation.zero_nonfinite(d_out),
-                         isolation.zero_nonfinite(d_final),
-                         initial_state=clean_state)
-      if self.prologue_in_core and a_log is not None:
-        parts = grads[6]
-        da_log = guard.poison_head_sums(poison, jnp.sum(parts.reshape(-1, parts.shape[-1]), 0))
-      dq, dk, dv, d_log_decay, dbeta, d_initial = guard.poison_gradients(poison, *grads[:6])
+        guard = isolation.guard_segments(query, key, value, beta, initial_state, segment_ids,
+                                         g=g, a_log=a_log, dt_bias=dt_bias)
+        poison = guard.gradient_poison(d_out, d_final)
+        if self.guards_in_core:    # the core zeroes non-finite q, k, v, d_out itself
+          ld, bt, clean_state = guard.sanitize_small(log_decay, beta, initial_state)
+          grads = core_bwd(q, k, value, ld, bt, d_out, isolation.zero_nonfinite(d_final),
+                           initial_state=clean_state, sanitize=True)
+        else:
+          *clean, clean_state = guard.sanitize(q, k, value, log_decay, beta, initial_state)
+          grads = core_bwd(*clean, isolation.zero_nonfinite(d_out),
+                           isolation.zero_nonfinite(d_final),
+                           initial_state=clean_state)
+        if self.prologue_in_core and a_log is not None:
+          parts = grads[6]
+          da_log = guard.poison_head_sums(poison,
+                                          jnp.sum(parts.reshape(-1, parts.shape[-1]), 0))
+        dq, dk, dv, d_log_decay, dbeta, d_initial = guard.poison_gradients(poison, *grads[:6])
     if self.prologue_in_core:   # the core's gradients are the raw inputs'
       dquery, dkey, dg = dq.astype(query.dtype), dk.astype(key.dtype), d_log_decay
       ddt_bias = None if dt_bias is None else jnp.sum(d_log_decay.astype(jnp.float32),

@@ -13,14 +13,22 @@ step's 335 k at the Qwen3-Next heads, T=512; the glue left is mostly the NaN
 guard's.) The in-chunk gate cumsum, decay masks, segment resets, the partial
 last chunk and d log-decay per token are inside the kernels too.
 
-The NaN guard (`isolation.SegmentGuard`) is partly in the kernels
-(`guards_in_core`): XLA computes the per-token flags (reductions of the raw
-inputs), sanitises the forward's inputs and the backward's small ones
-(gates, betas, states) and puts NaN into the final states and the
-gradients; the forward kernel makes each poisoned token's output NaN, and
-the backward kernels zero non-finite q, k, v, dO in VMEM. (The forward
-kernel sanitising k, v itself as well took scoped VMEM past tpu7x's limit
-with an initial state at T=32768: 21.11 of 21 MiB.)
+The NaN guard (`isolation.SegmentGuard`) runs in the kernels
+(`whole_guard_in_core`, `kernel._guard_*`): they read the raw inputs, states
+and cotangents, take each token's bad flags from the head tiles they load
+(row sums of x·0 on the MXU), carry the running flag along the sequential
+chunk axis (reset at segment starts), zero the non-finite values in VMEM
+(only in a chunk that has one) and write NaN into the poisoned tokens'
+outputs, final state and gradients; the states pass hands the backward the
+forward's flags ([B, NC, Hv, C] f32), and the backward carries the "bad
+cotangent at or after" flag in reverse. In XLA, as reductions, selects and
+cumulative flags over the raw inputs, the guard cost v6e 21.4 k of the
+forward's 103.1 k cycles and 25.2 k of the step's 303.9 k (Qwen3-Next
+heads, T=512); in the kernels the forward kernel grew by 2.0 k, the states
+pass by 1.6 k and the backward by 0.4 k (each kernel alone, its inputs in
+HBM). With per-segment states ([B, N, Hv, K, V]) XLA still computes the
+flags (`guards_in_core`): the forward kernel gets the poison rows and the
+backward kernels zero non-finite q, k, v, dO in VMEM.
 
 Residuals for the backward, per token and value head, beyond the op inputs
 tokamax keeps anyway:
@@ -249,7 +257,7 @@ _LABELS = dict(
     q="b t h k", k="b t h k", v="b t hv v", log_decay="b t hv", g="b t hv", beta="b t hv",
     poison="b t hv", a_log="hv", dt_bias="hv",
     d_out="b t hv v", d_final="b hv k v", initial_state="b hv k v",
-    states="b n hv kp vp", tmats="b n hv c1 c2", segment_ids="b t",
+    states="b n hv kp vp", tmats="b n hv c1 c2", guard_flags="b n hv c1", segment_ids="b t",
 )
 
 
@@ -288,6 +296,7 @@ class PallasMosaicTpuGatedDeltaRule(_KernelConfigs, base.GatedDeltaRule[Config, 
   max_head_dim: ClassVar[int | None] = 256
   supports_segment_states: ClassVar[bool] = True
   guards_in_core: ClassVar[bool] = True
+  whole_guard_in_core: ClassVar[bool] = True
   prologue_in_core: ClassVar[bool] = True
 
   def __post_init__(self):
@@ -295,8 +304,8 @@ class PallasMosaicTpuGatedDeltaRule(_KernelConfigs, base.GatedDeltaRule[Config, 
       object.__setattr__(self, "vjp", PallasMosaicTpuGatedDeltaRuleVjp())
 
   def _core_fwd(self, q, k, v, g, beta, *, scale, initial_state,
-                segment_ids, config: Config, poison=None, use_qk_l2norm=False, a_log=None,
-                dt_bias=None):
+                segment_ids, config: Config, poison=None, guard=False, use_qk_l2norm=False,
+                a_log=None, dt_bias=None):
     """The forward kernel on the raw q, k and gate (`prologue_in_core`)."""
     interpret = _check_supported(q, v)
 
@@ -306,18 +315,18 @@ class PallasMosaicTpuGatedDeltaRule(_KernelConfigs, base.GatedDeltaRule[Config, 
       out, final, res = kernel.gdn_fwd(
           q, k, v, g, beta, scale=scale, initial_state=initial_state,
           segment_ids=segment_ids, emit_residuals=config.save_states, poison=poison,
-          pro=pro, **_kernel_args(config, q, v, interpret))
+          guard=guard, pro=pro, **_kernel_args(config, q, v, interpret))
       return (out, final) + (tuple(res) if res is not None else ())
 
     out_labels = [_LABELS["d_out"], _state_label(initial_state)]
     if config.save_states:
-      out_labels += [_LABELS["states"], _LABELS["tmats"]]
+      out_labels += [_LABELS["states"], _LABELS["tmats"]] + ([_LABELS["guard_flags"]] if guard else [])
     res = _per_shard(body, out_labels, q.shape[2], v.shape[2], dict(
         q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
         segment_ids=segment_ids, poison=poison, a_log=a_log, dt_bias=dt_bias))
     out, final = res[:2]
     if config.save_states:
-      return out, final, base.Residuals(states=res[2], tmats=res[3])
+      return out, final, base.Residuals(*res[2:])
     return out, final, base.Residuals()
 
 
@@ -326,6 +335,7 @@ class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Co
   """Reverse-chunk analytical backward of the Mosaic TPU GDN kernels."""
 
   guards_in_core: ClassVar[bool] = True
+  whole_guard_in_core: ClassVar[bool] = True
   prologue_in_core: ClassVar[bool] = True
 
   heuristics = functools.partial(_heuristics, backward=True)
@@ -333,12 +343,15 @@ class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Co
 
   def _core_bwd(self, residuals: base.Residuals | None, q, k, v, g, beta, d_out, d_final, *,
                 scale, initial_state, segment_ids, config: Config, sanitize: bool = False,
-                use_qk_l2norm=False, a_log=None, dt_bias=None):
+                guard: bool = False, use_qk_l2norm=False, a_log=None, dt_bias=None):
     """The kernels on the raw q, k and gate (`prologue_in_core`)."""
     interpret = _check_supported(q, v)
     t = q.shape[1]
     states = getattr(residuals, "states", None)
     tmats = getattr(residuals, "tmats", None)
+    flags = getattr(residuals, "guard", None)
+    if guard and flags is None:     # saved without the guard's flags: recompute
+      states = tmats = None
     # Residuals the forward saved (save_states=True) fix the chunk size: the
     # backward runs at theirs if it fits in VMEM there, else recomputes.
     if states is not None and tmats is not None:
@@ -351,20 +364,25 @@ class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Co
       t = segments.aligned_length(t, initial_state.shape[1], config.chunk_size)
     if states is not None and states.shape[1] != -(-t // config.chunk_size):
       states = tmats = None
+    if states is None:
+      flags = None
 
-    def body(q, k, v, g, beta, d_out, d_final, states, tmats, initial_state,
+    def body(q, k, v, g, beta, d_out, d_final, states, tmats, guard_flags, initial_state,
              segment_ids, a_log, dt_bias):
       pro = kernel.Prologue(qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
                             log_decay_floor=self.log_decay_floor)
       if states is None:   # pass 1: the forward kernel without outputs
-        _, _, (states, tmats) = kernel.gdn_fwd(
+        _, _, saved = kernel.gdn_fwd(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
             segment_ids=segment_ids, write_out=False, emit_residuals=True, sanitize=sanitize,
-            pro=pro, **_kernel_args(_states_config(config, _shapes_of(q, v)), q, v, interpret))
+            guard=guard, pro=pro,
+            **_kernel_args(_states_config(config, _shapes_of(q, v)), q, v, interpret))
+      else:
+        saved = (states, tmats) + ((guard_flags,) if guard else ())
       return kernel.gdn_bwd(
           q, k, v, g, beta, d_out, d_final, scale=scale,
-          initial_state=initial_state, segment_ids=segment_ids, residuals=(states, tmats),
-          sanitize=sanitize, pro=pro, **_kernel_args(config, q, v, interpret))
+          initial_state=initial_state, segment_ids=segment_ids, residuals=saved,
+          sanitize=sanitize, guard=guard, pro=pro, **_kernel_args(config, q, v, interpret))
 
     out_labels = [_LABELS[n] for n in ("q", "k", "v", "g", "beta")]
     out_labels.append(_state_label(initial_state))
@@ -372,7 +390,7 @@ class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Co
       out_labels.append("b nc one hv")
     return _per_shard(body, out_labels, q.shape[2], v.shape[2], dict(
         q=q, k=k, v=v, g=g, beta=beta, d_out=d_out,
-        d_final=d_final, states=states, tmats=tmats, initial_state=initial_state,
+        d_final=d_final, states=states, tmats=tmats, guard_flags=flags, initial_state=initial_state,
         segment_ids=segment_ids, a_log=a_log, dt_bias=dt_bias))
 
 

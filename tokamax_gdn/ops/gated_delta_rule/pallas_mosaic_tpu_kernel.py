@@ -419,6 +419,14 @@ class _Static:
   # The in-kernel half of `isolation.SegmentGuard` (its gates and states are
   # sanitised in XLA): non-finite k, v (and q, dO in the backward) count as 0.
   sanitize: bool = False
+  # The whole `isolation.SegmentGuard` in the kernels (`_guard_*`; not with
+  # per-segment states): the raw gates, betas and states come in too, the
+  # per-token bad flags are taken from the tiles the kernel loads and carried
+  # across the chunks, the tiles of a chunk with a bad token are sanitised in
+  # place (instead of `sanitize`'s selects in every chunk), and the outputs,
+  # the final state and the gradients of the poisoned tokens are made NaN in
+  # VMEM.
+  guard: bool = False
   # The op's prologue in the kernel (`prologue.prologue`, from the raw
   # inputs): q, k L2-normalised (`qk_l2norm`, `_normed`); the log-decay
   # -exp(a_log) * softplus(g + dt_bias) of the raw gate (`gate_act`: a_log
@@ -565,6 +573,8 @@ def _log_decay(g_ref, params_ref, st: _Static):
     g = prologue.gate_log_decay(g, params_ref[0:1, :], params_ref[1:2, :])
   if st.log_decay_floor is not None:
     g = jnp.where(jnp.isfinite(g), jnp.maximum(g, st.log_decay_floor), 0.0)
+  elif st.guard:
+    g = jnp.where(jnp.isfinite(g), g, 0.0)
   return g
 
 
@@ -627,6 +637,199 @@ def _residual(x, ref, st: _Static):
   return (x + 0.0 if st.v5e_forms else x).astype(ref.dtype)
 
 
+# ----------------------------------------------------------------------------
+# The NaN guard in the kernels (`_Static.guard`): `isolation.SegmentGuard`'s
+# flags as rows (heads in sublanes, tokens in lanes), per chunk.
+# ----------------------------------------------------------------------------
+
+
+def _bad_row(x):
+  """(1, C) f32: 1 where row c of the tile x (C, D) holds a NaN or inf, else 0.
+
+  The row sums of x·0 (0, or NaN for NaN / inf) by the MXU against ones (as
+  `rowsum_row`; NaN propagating as in the forward's poisoned P̃): a lane
+  reduction on the vector units costs ~9 cycles per vreg. v6e, Qwen3-Next
+  heads, T=512: the forward kernel's k and v rows cost it 0.9 k cycles; the
+  XLA reductions of the raw k and v they replace cost 15.7 k.
+  """
+  sums = _mm(jnp.ones((8, x.shape[1]), BF16), (x * 0.0).astype(BF16), tb=True)[0:1]
+  return (sums != sums).astype(F32)
+
+
+def _bad_flag(x):
+  """(1, 1) f32: 1 where the tile x (R, D) holds a NaN or inf (a state's)."""
+  return jnp.max(_bad_row(x), axis=1, keepdims=True)
+
+
+def _guard_sanitize(flags, tiles, st: "_Static"):
+  """Where the chunk has a bad token (`flags` (H, C) f32 > 0 anywhere): the
+  head tiles in scratch (`tiles`: refs of (H, C, D)) with NaN / inf as 0, in
+  place. Finite chunks (every chunk of a finite run) skip it; the test costs
+  the forward kernel 1.0 k cycles (v6e, Qwen3-Next heads, T=512)."""
+  @pl.when(jnp.max(flags) > 0.0)
+  def _():
+    for ref in tiles:
+      def head(i, carry, ref=ref):
+        x = ref[i]
+        ref[i] = lhs_masked(jnp.isfinite(x), x, st.v5e_forms)
+        return carry
+
+      lax.fori_loop(0, ref.shape[0], head, 0)
+
+
+def _poison_tile(nan_row, width: int):
+  """(C, width) f32: row c NaN where the (1, C) row `nan_row` is NaN, else 0:
+  diag(nan_row) @ ones on the MXU (a per-row select of a tile would be a
+  lane broadcast), NaN propagating as in the forward's poisoned P̃."""
+  c = nan_row.shape[-1]
+  diag = (lax.broadcasted_iota(jnp.int32, (c, c), 0)
+          == lax.broadcasted_iota(jnp.int32, (c, c), 1))
+  return _mm(jnp.where(diag, nan_row, 0.0).astype(BF16), jnp.ones((c, width), BF16))
+
+
+def _nan_where(flags):
+  return jnp.where(flags > 0.0, jnp.float32(jnp.nan), 0.0)
+
+
+def _guard_gate_rows(r: "_Refs", st: "_Static", c_idx):
+  """(Hv, C) f32: 1 where the token's raw gate, its log-decay (before the
+  floor) or its beta is not finite (`isolation.guard_segments`' `bad_gate`
+  and beta; `_log_decay` and `_step_prologue` read them as 0); tail rows 0."""
+  g = r.log_decay[...].astype(F32)
+  bad = ~jnp.isfinite(g) | ~jnp.isfinite(r.beta[...].astype(F32))
+  if st.gate_act:
+    params = r.gate_params
+    bad = bad | ~jnp.isfinite(prologue.gate_log_decay(g, params[0:1, :], params[1:2, :]))
+  return _tail_mask(bad.astype(F32), st, c_idx).T
+
+
+def _guard_heads(st: "_Static", per_key_head):
+  """Runs per_key_head(j, [value heads of key head j]) for every key head."""
+  for j in range(st.hk):
+    per_key_head(j, [j * st.group + u for u in range(st.group)])
+
+
+def _guard_enter(state_ref, s_scr, carry_ref, st: "_Static"):
+  """On entering a row: the state `state_ref` (the initial state, or the
+  backward's d_final) into `s_scr` with NaN / inf as 0, and per head whether
+  it had any into `carry_ref` (zeros without `state_ref`)."""
+  if state_ref is None:
+    s_scr[...] = jnp.zeros(s_scr.shape, F32)
+    carry_ref[...] = jnp.zeros(carry_ref.shape, F32)
+    return
+
+  for i in range(st.hv):
+    x = state_ref[i].astype(F32)
+    s_scr[i] = jnp.where(jnp.isfinite(x), x, 0.0)
+    carry_ref[i:i + 1, :] = jnp.broadcast_to(_bad_flag(x), (1, carry_ref.shape[1]))
+
+
+def _guard_state_out(out_ref, s_scr, flags_ref):
+  """out_ref = s_scr, NaN for the heads h whose flags (`flags_ref` (Hv, L))
+  are set in lane 0 (a poisoned final state, or initial state's gradient): a
+  copy, and where a head is poisoned (never in a finite run) a pass over the
+  heads (per head in a loop: 4.2 k cycles on every row, v6e, Hv=32)."""
+  out_ref[...] = s_scr[...]
+
+  @pl.when(jnp.max(flags_ref[:, 0:1]) > 0.0)
+  def _():
+    def head(i, carry):
+      out_ref[i] = out_ref[i] + _nan_where(flags_ref[pl.ds(i, 1), 0:1])
+      return carry
+
+    lax.fori_loop(0, flags_ref.shape[0], head, 0)
+
+
+def _guard_fwd_rows(r: "_Refs", st: "_Static", gate: "ChunkGate", causal, c_idx,
+                    write_out: bool, emit: bool):
+  """The forward's flags of the chunk (`SegmentGuard.running`): a bad k, v,
+  gate or beta at or before each token in its segment, or before the chunk
+  (`guard_carry`, which this advances to the chunk's last token). Under
+  `write_out` `guard_rows` gets the output poison (NaN at those tokens,
+  else 0; the query is read as it is: a non-finite one reaches its own
+  output only); under `emit` the flags go out for the backward
+  (`guard_fwd`). k, v: the head tiles in scratch (tail rows zeroed;
+  normalised or raw, non-finite at the same rows)."""
+  rows = r.guard_rows
+  rows[...] = _guard_gate_rows(r, st, c_idx)
+
+  def key_head(j, heads):
+    k_bad = _bad_row(r.kh[j])
+    for i in heads:
+      rows[pl.ds(i, 1), :] = jnp.maximum(rows[pl.ds(i, 1), :],
+                                         jnp.maximum(k_bad, _bad_row(r.vh[i])))
+
+  _guard_heads(st, key_head)
+  bad = rows[...]
+  _guard_sanitize(bad, (r.kh, r.vh), st)
+  c = st.chunk
+  mask = jnp.where(causal, 1.0, 0.0).astype(BF16)
+  count = _mm(bad.astype(BF16), mask, tb=True)          # Σ_{j <= i, same segment} bad_j
+  carried = r.guard_carry[:, 0:1]
+  if gate.run is not None:      # the segment going on from the last chunk
+    carried = jnp.where(gate.run == 0.0, carried, 0.0)
+  running = jnp.maximum(jnp.minimum(count, 1.0), carried)
+  r.guard_carry[...] = jnp.broadcast_to(running[:, c - 1:c], r.guard_carry.shape)
+  if emit:
+    r.guard_fwd[...] = running
+  if write_out:
+    rows[...] = _nan_where(running)
+
+
+def _guard_bwd_rows(r: "_Refs", st: "_Static", gate: "ChunkGate", causal, leave):
+  """The backward's poison of the chunk (`SegmentGuard.gradient_poison`) into
+  `guard_rows[0]`, 1 at the tokens whose gradients are NaN: the forward's
+  flags (`guard_fwd`), a non-finite query, and a non-finite cotangent (dO,
+  or at the row's last token d_final: `guard_carry` at `leave`) of a token
+  not poisoned by those, at or after the token in its segment, or after the
+  chunk (`guard_carry`, which this moves back to the chunk's first token)."""
+  c, rows = st.chunk, r.guard_rows
+  fwd = r.guard_fwd[...]
+
+  def key_head(j, heads):
+    q_bad = _bad_row(r.qh[j])
+    for i in heads:
+      before = jnp.maximum(r.guard_fwd[pl.ds(i, 1), :], q_bad)
+      rows[0, pl.ds(i, 1), :] = before
+      rows[1, pl.ds(i, 1), :] = _bad_row(r.doh[i]) * (1.0 - before)
+
+  _guard_heads(st, key_head)
+  _guard_sanitize(rows[0] + rows[1], (r.qh, r.kh, r.vh, r.doh), st)
+  mask = jnp.where(causal, 1.0, 0.0).astype(BF16)
+  count = _mm(rows[1].astype(BF16), mask)                # Σ_{j >= i, same segment} bad_j
+  last = (st.t_len - 1) % c
+  carried = r.guard_carry[:, 0:1]
+  carried = jnp.where(leave, carried * (1.0 - fwd[:, last:last + 1]), carried)
+  if gate.run is not None:      # the segment going on into the next chunk
+    carried = jnp.where(gate.run == gate.run[:, c - 1:c], carried, 0.0)
+  back = jnp.maximum(jnp.minimum(count, 1.0), carried)
+  first = back[:, 0:1]
+  if gate.run is not None:      # a segment starting at the chunk's first token ends it
+    first = jnp.where(gate.run[:, 0:1] == 0.0, first, 0.0)
+  r.guard_carry[...] = jnp.broadcast_to(first, r.guard_carry.shape)
+  rows[0] = jnp.maximum(rows[0], back)
+
+
+def _guard_bwd_tiles(r: "_Refs", st: "_Static"):
+  """NaN into the chunk's dq, dk, dv head tiles (scratch) at the poisoned
+  tokens (`guard_rows[0]`): dv per value head, dq and dk where any value
+  head of the key head's group is (`SegmentGuard.poison_gradients`). Only
+  in a chunk with a poisoned token (never in a finite run)."""
+  rows = r.guard_rows
+
+  def key_head(j, heads):
+    key = rows[0, pl.ds(heads[0], 1), :]
+    for i in heads:
+      flags = rows[0, pl.ds(i, 1), :]
+      key = jnp.maximum(key, flags)
+      r.dv_heads[i] = r.dv_heads[i] + _poison_tile(_nan_where(flags), st.dim_v)
+    tile = _poison_tile(_nan_where(key), st.dim_k)
+    r.dq_heads[j] = r.dq_heads[j] + tile
+    r.dk_heads[j] = r.dk_heads[j] + tile
+
+  pl.when(jnp.max(rows[0]) > 0.0)(lambda: _guard_heads(st, key_head))
+
+
 # Rows of the per-step row scratch (each (Hv, C) f32).
 _G_HI, _G_LO, _BETA, _KOUT, _DECAY_CHUNK, _DECAY_OUT = range(6)
 _N_ROWS = 6
@@ -640,7 +843,10 @@ def _step_prologue(g_ref, b_ref, st_ref, rows_scr, st: _Static, c_idx, rows=None
   `rows`: see `_row_mask`; `params_ref`: see `_log_decay`.
   """
   g_rows = _row_mask(_tail_mask(_log_decay(g_ref, params_ref, st), st, c_idx), rows).T
-  b_rows = _row_mask(_tail_mask(b_ref[...].astype(F32), st, c_idx), rows).T
+  b_rows = b_ref[...].astype(F32)
+  if st.guard:      # a non-finite beta as 0 (its tokens' results come poisoned)
+    b_rows = jnp.where(jnp.isfinite(b_rows), b_rows, 0.0)
+  b_rows = _row_mask(_tail_mask(b_rows, st, c_idx), rows).T
   starts = None
   if st.has_seg:
     starts = _tail_mask(st_ref[...].astype(F32).T, st, c_idx).T   # (1, C)
@@ -714,7 +920,9 @@ def _fwd_step(r: _Refs, st: _Static, write_out: bool, emit: bool, enter, leave, 
 
   @pl.when(enter)
   def _init():
-    if init is None:
+    if st.guard:
+      _guard_enter(h0_ref if st.has_h0 else None, s_scr, r.guard_carry, st)
+    elif init is None:
       s_scr[...] = h0_ref[...].astype(F32) if st.has_h0 else jnp.zeros(s_scr.shape, F32)
     else:
       # `requests`: the request's read slot of the pool (HBM) by a DMA here,
@@ -733,7 +941,9 @@ def _fwd_step(r: _Refs, st: _Static, write_out: bool, emit: bool, enter, leave, 
 
   @pl.when(leave)
   def _final():
-    if init is None:
+    if st.guard:
+      _guard_state_out(r.final, s_scr, r.guard_carry)
+    elif init is None:
       r.final[...] = r.s[...]
     else:   # `requests`: into the request's write slot of the pool, by a DMA
       r.h0_buf[...] = r.s[...].astype(r.h0_buf.dtype)
@@ -751,7 +961,7 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
   c, c_idx = st.chunk, pl.program_id(1)
   dim_k = st.dim_k
   dot = functools.partial(mxu, passes=st.passes, v5e_forms=st.v5e_forms)
-  poison_ref = r.poison if write_out else None
+  poison_ref = (r.guard_rows if st.guard else r.poison) if write_out else None
   gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx, rows,
                                r.gate_params)
   _, strict = masks
@@ -771,6 +981,8 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
       return carry
 
     lax.fori_loop(0, st.hk, normalise, 0)
+  if st.guard:
+    _guard_fwd_rows(r, st, gate, masks[0], c_idx, write_out, emit)
   if poison_ref is not None:
     c_iota = lax.broadcasted_iota(jnp.int32, (c, c), 0)
     diag = c_iota == lax.broadcasted_iota(jnp.int32, (c, c), 1)
@@ -855,13 +1067,18 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
 
   @pl.when(leave)
   def _init():
-    ds_scr[...] = dht_ref[...].astype(F32)
+    if st.guard:
+      _guard_enter(dht_ref, ds_scr, r.guard_carry, st)
+    else:
+      ds_scr[...] = dht_ref[...].astype(F32)
 
   gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx,
                                params_ref=r.gate_params)
   causal, strict = masks
   for ref, scr in ((q_ref, qh_scr), (k_ref, kh_scr), (v_ref, vh_scr), (do_ref, doh_scr)):
     scr[...] = _tail_mask(_heads(ref), st, c_idx)
+  if st.guard:
+    _guard_bwd_rows(r, st, gate, causal, leave)
   lane = lax.broadcasted_iota(jnp.int32, (1, c), 1)
 
   def group(gi, carry):
@@ -955,7 +1172,13 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
   lax.fori_loop(0, st.hv // st.interleave, group, 0)
   starts = None if gate.run is None else _starts_row(gate)
   d_g = chunk_cumsum(dgr_scr[...], starts, reverse=True)
-  d_gate, d_a_log = _log_decay_vjp(g_ref, r.gate_params, st, (d_g[0] + d_g[1]).T)
+  d_g = d_g[0] + d_g[1]
+  if st.guard:      # NaN into every gradient of the poisoned tokens
+    _guard_bwd_tiles(r, st)
+    poison = _nan_where(r.guard_rows[0])
+    d_g = d_g + poison
+    dbr_scr[...] = dbr_scr[...] + poison
+  d_gate, d_a_log = _log_decay_vjp(g_ref, r.gate_params, st, d_g.T)
   dg_ref[...] = d_gate.astype(dg_ref.dtype)
   if d_a_log is not None:   # the chunk's sum (per-token terms took tpu7x past its VMEM)
     r.d_a_log[...] = jnp.sum(_tail_mask(d_a_log, st, c_idx), axis=0, keepdims=True)
@@ -965,7 +1188,10 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
 
   @pl.when(enter)
   def _final():
-    dh0_ref[...] = ds_scr[...]
+    if st.guard:    # a segment's initial state counts as its first token's input
+      _guard_state_out(dh0_ref, ds_scr, r.guard_rows.at[0])
+    else:
+      dh0_ref[...] = ds_scr[...]
 
 
 def _starts_row(gate: ChunkGate):
@@ -1185,7 +1411,8 @@ def _call(kernel, st: _Static, prefetch: dict[str, jax.Array] | None, *, grid,
 
 
 def _prepare(q, k, v, log_decay, beta, *, initial_state, segment_ids, chunk, scale,
-             interleave, newton, poison=None, sanitize=False, pro: Prologue = Prologue()):
+             interleave, newton, poison=None, sanitize=False, guard=False,
+             pro: Prologue = Prologue()):
   """(inputs, h0, starts, segments, static, number of chunks) of one kernel call.
 
   Per-segment states: the inputs (and `poison`, if given, last) moved to the
@@ -1206,7 +1433,9 @@ def _prepare(q, k, v, log_decay, beta, *, initial_state, segment_ids, chunk, sca
   st = _static(xs[0], xs[2], scale=scale, chunk=chunk, interleave=interleave, newton=newton,
                has_seg=starts is not None, has_h0=h0 is not None,
                n_states=0 if seg is None else seg.n_states, pro=pro)
-  st = dataclasses.replace(st, sanitize=sanitize)
+  if guard and seg is not None:
+    raise NotImplementedError("the in-kernel guard does not take per-segment states.")
+  st = dataclasses.replace(st, sanitize=sanitize and not guard, guard=guard)
   return xs, h0, starts, seg, st, -(-xs[0].shape[1] // chunk)
 
 
@@ -1217,7 +1446,8 @@ def gdn_fwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
             segment_ids: Int[Array, "B T"] | None = None, chunk=128, interleave=16,
             newton=None, write_out=True, emit_residuals=False, interpret=False,
             vmem_limit_bytes=None, sanitize: bool = False,
-            poison: Float[Array, "B T Hv"] | None = None, pro: Prologue = Prologue()):
+            poison: Float[Array, "B T Hv"] | None = None, guard: bool = False,
+            pro: Prologue = Prologue()):
   """Chunked GDN forward: on prepared inputs (after `prologue.prologue`), or
   with `pro` on the raw q, k and gate (`log_decay` is then the raw g when
   `pro.a_log` is given), the prologue in the kernel.
@@ -1227,6 +1457,13 @@ def gdn_fwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
   come sanitised); `poison` (0, or NaN at the tokens whose outputs must be
   NaN) makes each poisoned token's output NaN. q is read as given (a
   non-finite query reaches its own output only).
+
+  `guard` (not with per-segment states): the forward's whole
+  `isolation.SegmentGuard` in the kernel, on the raw inputs and initial
+  state (`_guard_fwd_rows`): the poisoned tokens' outputs and final state
+  NaN, without `poison`; the residuals then hold a third array, the
+  forward's flags [B, NC, Hv, C] f32 (1 at the tokens a bad input reaches)
+  for `gdn_bwd(guard=True)`.
 
   Returns (out [B, T, Hv, V] in v.dtype or None without `write_out`,
   final_state f32, residuals or None): with `emit_residuals`,
@@ -1241,7 +1478,7 @@ def gdn_fwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
   xs, h0, starts, seg, st, nc = _prepare(
       q, k, v, log_decay, beta, initial_state=initial_state, segment_ids=segment_ids,
       chunk=chunk, scale=scale, interleave=interleave, newton=newton, poison=poison,
-      sanitize=sanitize, pro=pro)
+      sanitize=sanitize, guard=guard, pro=pro)
   q, k, v, log_decay, beta = xs[:5]
   b, t = q.shape[:2]
   poison_rows = (jnp.swapaxes(xs[5], 1, 2).astype(F32)
@@ -1442,8 +1679,11 @@ def _run_fwd(inputs: list[_Operand], h0, st: _Static, seg: "_Segments | None", n
         _Operand("tmats", block=pl.BlockSpec((None, None, st.hv, chunk, chunk),
                                              lambda b, i, *_: (b, i, 0, 0, 0)),
                  shape=jax.ShapeDtypeStruct((b, nc, st.hv, chunk, chunk), st.mm))]
+    if st.guard:
+      outputs.append(_guard_fwd_operand(st, b, nc, lambda i: i))
   scratch = ([_Operand("s", shape=pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32))]
-             + _head_scratch(st, ("vh", "out_heads") if write_out else ("vh",)))
+             + _head_scratch(st, ("vh", "out_heads") if write_out else ("vh",))
+             + _guard_scratch(st, 1))
   res = _call(
       functools.partial(_fwd_kernel, write_out=write_out, emit=emit_residuals), st,
       None if seg is None else dict(code=seg.code),
@@ -1455,7 +1695,29 @@ def _run_fwd(inputs: list[_Operand], h0, st: _Static, seg: "_Segments | None", n
     out = None if out is None else seg.layout.from_aligned(out)
     final = seg.per_segment(final)
   residuals = (res["states"], res["tmats"]) if emit_residuals else None
+  if emit_residuals and st.guard:
+    residuals += (res["guard_fwd"],)
   return out, final, residuals
+
+
+def _guard_fwd_operand(st: _Static, b: int, nc: int, chunk_of, array=None) -> _Operand:
+  """The forward's guard flags [B, NC, Hv, C] f32 (`_guard_fwd_rows`): an
+  output of the forward kernels, an input (`array`) of the backward."""
+  block = pl.BlockSpec((None, None, st.hv, st.chunk), lambda b, i, *_: (b, chunk_of(i), 0, 0))
+  if array is not None:
+    return _Operand("guard_fwd", array, block=block)
+  return _Operand("guard_fwd", block=block,
+                  shape=jax.ShapeDtypeStruct((b, nc, st.hv, st.chunk), F32))
+
+
+def _guard_scratch(st: _Static, n_rows: int) -> list[_Operand]:
+  """The guard's scratch (`_Static.guard`): `n_rows` (Hv, C) flag rows and
+  the flag carried along the chunks (Hv, 128); none without the guard."""
+  if not st.guard:
+    return []
+  rows = (n_rows, st.hv, st.chunk) if n_rows > 1 else (st.hv, st.chunk)
+  return [_Operand("guard_rows", shape=pltpu.VMEM(rows, F32)),
+          _Operand("guard_carry", shape=pltpu.VMEM((st.hv, 128), F32))]
 
 
 def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
@@ -1465,7 +1727,7 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
             initial_state: segments.State | None = None,
             segment_ids: Int[Array, "B T"] | None = None, residuals=None, chunk=128,
             interleave=16, newton=None, interpret=False, vmem_limit_bytes=None,
-            sanitize=False, pro: Prologue = Prologue()):
+            sanitize=False, guard=False, pro: Prologue = Prologue()):
   """Chunked GDN backward: (dq, dk, dv, d_log_decay, dbeta, d_initial_state f32).
 
   With `pro` (the raw q, k and gate in, as `gdn_fwd`'s) the gradients are
@@ -1476,6 +1738,9 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
 
   `sanitize`: non-finite q, k, v and d_out count as 0 (the in-kernel half of
   the backward's `isolation.SegmentGuard`; the rest comes sanitised).
+  `guard` (not with per-segment states): the whole of it in the kernels, on
+  the raw inputs, states and cotangents (`_guard_bwd_rows`): every gradient
+  of the poisoned tokens NaN, and a_log's parts of the heads with one.
 
   `residuals`: `gdn_fwd(emit_residuals=True)`'s (same `initial_state`,
   `segment_ids` and chunk), or None to recompute them (pass 1: the forward
@@ -1487,20 +1752,20 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
         q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
         segment_ids=segment_ids, chunk=chunk, interleave=interleave, newton=newton,
         write_out=False, emit_residuals=True, interpret=interpret,
-        vmem_limit_bytes=vmem_limit_bytes, sanitize=sanitize, pro=pro)
+        vmem_limit_bytes=vmem_limit_bytes, sanitize=sanitize, guard=guard, pro=pro)
   t_in = q.shape[1]
   (q, k, v, log_decay, beta), h0, starts, seg, st, nc = _prepare(
       q, k, v, log_decay, beta, initial_state=initial_state, segment_ids=segment_ids,
       chunk=chunk, scale=scale, interleave=interleave, newton=newton, sanitize=sanitize,
-      pro=pro)
+      guard=guard, pro=pro)
   b, t = q.shape[:2]
-  states, tmats = residuals
+  states, tmats = residuals[:2]
   if states.shape[1] != nc:
     raise ValueError(f"residuals for {states.shape[1]} chunks; this call has {nc}.")
   rev = lambda i: nc - 1 - i
   inputs = _common_inputs(q, k, v, log_decay, beta, starts, st, rev, pro=pro)
   state_spec = _state_spec(st, rev)
-  if d_final is None:
+  if d_final is None and not st.guard:   # (the guard's kernel reads none as zeros)
     d_final = jnp.zeros(_state_shape(st, b).shape, F32)
   elif seg is not None:
     d_final = seg.with_zero_slot(d_final)
@@ -1512,8 +1777,11 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
       _Operand("tmats", tmats, block=pl.BlockSpec((None, None, st.hv, chunk, chunk),
                                                   lambda b, i, *_: (b, rev(i), 0, 0, 0))),
       _Operand("d_out", d_out, block=_token_block(st, rev, st.hv, st.dim_v)),
-      _Operand("d_final", d_final.astype(F32), block=state_spec),
   ]
+  if d_final is not None:
+    inputs.append(_Operand("d_final", d_final.astype(F32), block=state_spec))
+  if st.guard:
+    inputs.append(_guard_fwd_operand(st, b, nc, rev, residuals[2]))
   hk = q.shape[2]
   grad_names = ("dq", "dk", "dv", "d_gate", "dbeta", "d_h0") + (
       ("d_a_log",) if st.gate_act else ())
@@ -1541,7 +1809,8 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
                 _Operand("dk_heads", shape=pltpu.VMEM((st.hk, chunk, st.dim_k), F32)),
                 _Operand("dv_heads", shape=pltpu.VMEM((st.hv, chunk, st.dim_v), F32)),
                 _Operand("dg_rows", shape=pltpu.VMEM((st.hv, chunk), F32)),
-                _Operand("db_rows", shape=pltpu.VMEM((st.hv, chunk), F32))])
+                _Operand("db_rows", shape=pltpu.VMEM((st.hv, chunk), F32))]
+             + _guard_scratch(st, 2))
   res = _call(
       _bwd_kernel, st, None if seg is None else dict(code=seg.code), grid=(b, nc),
       inputs=inputs, outputs=outputs, scratch=scratch, vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, name="gdn_bwd")

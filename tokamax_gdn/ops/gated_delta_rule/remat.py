@@ -73,7 +73,7 @@ def _emitting(op, ba):
 
 
 def _named(residuals):
-  fields = dict(states=GDN_STATES, tmats=GDN_TMAT)
+  fields = dict(states=GDN_STATES, tmats=GDN_TMAT, guard=GDN_STATES)
   return dataclasses.replace(residuals, **{
       f: checkpoint_name(getattr(residuals, f), name) for f, name in fields.items()
       if getattr(residuals, f) is not None})
