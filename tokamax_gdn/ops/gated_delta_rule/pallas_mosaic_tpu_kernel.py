@@ -439,9 +439,11 @@ class _Static:
   # vs 90.4 k in place; in place, tpu7x's forward at T=32768 with an initial
   # state fits its 21 MiB, where it was 21.14 MiB otherwise).
   qk_in_place: bool = False
-  # The head groups unrolled (`_run_groups`); not on tpu7x, whose forward it
-  # took past the 21 MiB scoped limit (21.08 MiB at Qwen3-Next heads, T=4096).
-  unroll_groups: bool = False
+  # The head groups unrolled (`_run_groups`): all of them (True), or by this
+  # factor. tpu7x: the backward by 2, the forward kernels not (all of them
+  # took its forward to 21.08 of its 21 MiB scoped VMEM at Qwen3-Next heads,
+  # T=4096, by 2 the context-parallel forward to 21.16).
+  unroll_groups: bool | int = False
   # `gdn_fwd_requests`: q, k, v are lane ranges of one [T, 2 Hk K + Hv V]
   # input and the output is [B, T, Hv V] (heads are lane slices of a block: no
   # relayout); `beta_guard`: k and v read as 0 at tokens whose beta is 0
@@ -681,9 +683,8 @@ def _run_groups(st: _Static, group):
   another's matmul chains (the inverse, which has none to hide). v6e,
   Qwen3-Next heads, T=512 (kernel_cases' configs): gdn_fwd 82.8 -> 76.2 k
   cycles, gdn_fwd_states 74.7 -> 66.8 k, gdn_bwd 119.9 -> 118.7 k; v5e
-  144.6 / 128.6 / 175.7 -> 133.5 / 122.0 / 165.0 k (tpu7x, `unroll_groups`
-  off: 116.5 / 134.1 / 262.0 -> 111.0 / 127.3 / 255.9 k unrolled, but its
-  VMEM does not hold it)."""
+  144.6 / 128.6 / 175.7 -> 133.5 / 122.0 / 165.0 k. tpu7x's backward
+  unrolled by 2 (C=64, interleave 4): 246.5 -> 215.0 k."""
   lax.fori_loop(0, st.hv // st.interleave, group, 0, unroll=st.unroll_groups)
 
 
@@ -1082,9 +1083,11 @@ def _v5e_forms() -> bool:
   return gdn_config.target_generation().name == "v5e"
 
 
-def _unroll_groups() -> bool:
-  """Whether the head groups are unrolled (`_Static.unroll_groups`)."""
-  return gdn_config.target_generation().name != "tpu7x"
+def _unroll_groups(backward: bool = False) -> bool | int:
+  """How the head groups are unrolled (`_Static.unroll_groups`)."""
+  if gdn_config.target_generation().name != "tpu7x":
+    return True
+  return 2 if backward else False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1527,6 +1530,7 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
       chunk=chunk, scale=scale, interleave=interleave, newton=newton, sanitize=sanitize,
       pro=pro)
   b, t = q.shape[:2]
+  st = dataclasses.replace(st, unroll_groups=_unroll_groups(backward=True))
   states, tmats = residuals
   if states.shape[1] != nc:
     raise ValueError(f"residuals for {states.shape[1]} chunks; this call has {nc}.")
