@@ -8,7 +8,8 @@ D_β = diag(β). The kernels invert A' = M D_β instead and use the
 push-through identity T D_β = D_β T', T' = (I + A')⁻¹:
 
   [W̃ | Ũ] = T' [K ⊙ decay_in | V]        (W = D_β W̃, U = D_β Ũ)
-  V″ = Ũ − W̃ S                            (V′ = D_β V″)
+  V″ = Ũ − W̃ S = T' (V − (K ⊙ decay_in) S)   (V′ = D_β V″; the forward
+                                             kernels take the second form)
   O  = scale [(Q ⊙ decay_in) S + (P̃ ⊙ β_j) V″],     P̃ = (Q Kᵀ) ⊙ Γ
   S′ = decay_chunk S + (Kᵀ ⊙ (decay_out β)_j) V″
 
@@ -183,22 +184,24 @@ def lhs_masked(mask, x, v5e_forms=False):
   return jnp.where(mask, x, -0.0 if v5e_forms else 0.0)
 
 
-def mxu(a, b, *, passes, tb=False, v5e_forms=False):
-  """a @ b (b transposed if tb), f32 accumulation, in `passes` bf16 passes.
+def mxu(a, b, *, passes, ta=False, tb=False, v5e_forms=False):
+  """a @ b (a transposed if ta, b if tb), f32 accumulation, in `passes` bf16
+  passes. A transposed left operand is the MXU's to take (Mosaic's
+  transpose_lhs), cheaper than transposing it first on the XLU (`_bwd_kernel`).
 
   1: both operands rounded to bf16. 3: each f32 operand split hi + lo and
   hi·hi + hi·lo + lo·hi summed (an exact bf16 operand is not split).
   `v5e_forms`: the split by `round_bf16` (module docstring).
   """
   if passes == 1:
-    return _mm(a.astype(BF16), b.astype(BF16), tb=tb)
+    return _mm(a.astype(BF16), b.astype(BF16), ta=ta, tb=tb)
   ah, al = (a, None) if a.dtype == BF16 else split_bf16(a, 2, v5e_forms)
   bh, bl = (b, None) if b.dtype == BF16 else split_bf16(b, 2, v5e_forms)
-  out = _mm(ah, bh, tb=tb)
+  out = _mm(ah, bh, ta=ta, tb=tb)
   if bl is not None:
-    out = out + _mm(ah, bl, tb=tb)
+    out = out + _mm(ah, bl, ta=ta, tb=tb)
   if al is not None:
-    out = out + _mm(al, bh, tb=tb)
+    out = out + _mm(al, bh, ta=ta, tb=tb)
   return out
 
 
@@ -385,11 +388,14 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
       staged.append((t_parts, tf, at))
     ts = []
     for t_parts, tf, at in staged:
-      r = jnp.where(strict, -((tf - eye) + at), 0.0).astype(BF16)   # I − (I + a) T
+      # −(I − (I + a) T), nonzero strictly below the diagonal only (there
+      # I's entries are 0), and T − T (that): one negation and one
+      # subtraction of I fewer than forming I − (I + a) T (the same values).
+      r = jnp.where(strict, tf + at, 0.0).astype(BF16)
       corr = _mm(t_parts[0], r)
       for p in t_parts[1:]:
         corr = corr + _mm(p, r)
-      ts.append(tf + corr)
+      ts.append(tf - corr)
   return [(t[0].astype(F32) if t[1] is None else t[1]) if isinstance(t, tuple) else t
           for t in ts]
 
@@ -441,6 +447,11 @@ class _Static:
   # vs 90.4 k in place; in place, tpu7x's forward at T=32768 with an initial
   # state fits its 21 MiB, where it was 21.14 MiB otherwise).
   qk_in_place: bool = False
+  # The head groups unrolled (`_run_groups`): all of them (True), or by this
+  # factor. tpu7x: the backward by 2, the forward kernels not (all of them
+  # took its forward to 21.08 of its 21 MiB scoped VMEM at Qwen3-Next heads,
+  # T=4096, by 2 the context-parallel forward to 21.16).
+  unroll_groups: bool | int = False
   # `gdn_fwd_requests`: q, k, v are lane ranges of one [T, 2 Hk K + Hv V]
   # input and the output is [B, T, Hv V] (heads are lane slices of a block: no
   # relayout); `beta_guard`: k and v read as 0 at tokens whose beta is 0
@@ -871,6 +882,18 @@ def _group_heads(st: _Static, gi):
           {ku: gi * kpg + ku for ku in range(kpg)})
 
 
+def _run_groups(st: _Static, group):
+  """`group(gi, carry)` for every head group, unrolled under
+  `st.unroll_groups`: then one basic block, so
+  the scheduler overlaps one group's transposes and broadcasts (XLU) with
+  another's matmul chains (the inverse, which has none to hide). v6e,
+  Qwen3-Next heads, T=512 (kernel_cases' configs): gdn_fwd 82.8 -> 76.2 k
+  cycles, gdn_fwd_states 74.7 -> 66.8 k, gdn_bwd 119.9 -> 118.7 k; v5e
+  144.6 / 128.6 / 175.7 -> 133.5 / 122.0 / 165.0 k. tpu7x's backward
+  unrolled by 2 (C=64, interleave 4): 246.5 -> 215.0 k."""
+  lax.fori_loop(0, st.hv // st.interleave, group, 0, unroll=st.unroll_groups)
+
+
 def _fwd_kernel(*refs, names: tuple[str, ...], st: _Static, write_out: bool, emit: bool):
   r = _Refs(names, refs)
   code_ref, c_idx = r.code, pl.program_id(1)
@@ -1005,10 +1028,12 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
     a_list = [jnp.where(strict, qkk[kj(u)][c:] * gammas[u] * beta[u], 0.0) for u in heads]
     tmats = dict(zip(heads, invert_unit_lower(a_list, newton=st.newton,
                                               v5e_forms=st.v5e_forms)))   # T' = (I + M D_β)⁻¹
-    wu = {u: dot(tmats[u], _operand_cat([k[kj(u)] * dins[u], v[u]], 1, st))
-          for u in heads}                                  # [W̃ | Ũ]
-    v_new = {u: wu[u][:, dim_k:] - dot(wu[u][:, :dim_k], s[u])
-             for u in heads}                               # V″
+    # V″ = Ũ − W̃ S = T' (V − K_in S): the forward needs no W̃, so two
+    # products, not three, and the first does not wait for the inverse. v6e,
+    # Qwen3-Next heads, T=512: gdn_fwd 74.8 -> 73.6 k cycles, gdn_fwd_states
+    # 66.1 -> 64.8 k (v5e 133.5 / 121.9 -> 130.2 / 117.5 k).
+    x_in = {u: v[u] - dot(k[kj(u)] * dins[u], s[u]) for u in heads}   # V − K_in S
+    v_new = {u: dot(tmats[u], x_in[u]) for u in heads}                 # V″
     if write_out:
       for u, i in heads.items():
         p_tilde = qkk[kj(u)][:c] * gammas[u] * beta[u]
@@ -1030,7 +1055,7 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
         tm_ref[i] = _residual(tmats[u], tm_ref, st)
     return carry
 
-  lax.fori_loop(0, st.hv // st.interleave, group, 0)
+  _run_groups(st, group)
   if write_out and st.packed:
     for i in range(st.hv):
       lanes = slice(i * st.dim_v, (i + 1) * st.dim_v)
@@ -1109,19 +1134,22 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
     mk = {u: jnp.where(strict, qkk[kj(u)][c:] * gammas[u], 0.0) for u in heads}   # M
     # State part: dV″ = P̃ᵀ dO + (K ⊙ kout_i) dS′;  dS = Q_inᵀ dO − W̃ᵀ dV″ + λ dS′.
     d_vnew = {}
+    # The transposed products take their left operands as they are (ta): v6e,
+    # Qwen3-Next heads, T=512, gdn_bwd 118.7 -> 109.5 k cycles against
+    # transposing them first (XLU).
     for u in heads:
-      k_db = (kout[u] * k_t[kj(u)]).T                                   # K ⊙ (decay_out β)_i
-      d_vnew[u] = dot(_operand_cat([(pq[u] * beta[u]).T, k_db], 1, st),
-                      _operand_cat([do_s[u], dsn[u]], 0, st))
+      k_db = kout[u] * k_t[kj(u)]                                      # (K ⊙ (decay_out β)_i)ᵀ
+      d_vnew[u] = dot(_operand_cat([pq[u] * beta[u], k_db], 0, st),
+                      _operand_cat([do_s[u], dsn[u]], 0, st), ta=True)
     for u, i in heads.items():
-      lhs_t = jnp.concatenate([q[kj(u)] * dins[u], -wu[u][:, :dim_k]], 0).T
-      ds_scr[i] = lam[u] * dsn[u] + dot(lhs_t, jnp.concatenate([do_s[u], d_vnew[u]], 0))
+      lhs = jnp.concatenate([q[kj(u)] * dins[u], -wu[u][:, :dim_k]], 0)
+      ds_scr[i] = lam[u] * dsn[u] + dot(lhs, jnp.concatenate([do_s[u], d_vnew[u]], 0), ta=True)
     dqw = {u: dot(jnp.concatenate([do_s[u], -d_vnew[u]], 0), s[u], tb=True)
            for u in heads}                                              # [dO Sᵀ; dW̃]
     dpk = {u: dot(jnp.concatenate([do_s[u], dsn[u]], 0), v_new[u], tb=True)
            for u in heads}                                              # [dP̃; d(Kᵀ kout)]
     # WY part: [dK_in | dV] = T'ᵀ [dW̃ | dŨ];  dA' = −[dK_in | dV] [W̃ | Ũ]ᵀ.
-    d_xin = {u: dot(tm[u].T, jnp.concatenate([dqw[u][c:], d_vnew[u]], 1))
+    d_xin = {u: dot(tm[u], jnp.concatenate([dqw[u][c:], d_vnew[u]], 1), ta=True)
              for u in heads}
     d_a = {u: jnp.where(strict, -dot(d_xin[u], wu[u], tb=True), 0.0)
            for u in heads}
@@ -1138,7 +1166,7 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
       e = d_m * mk[u] + d_pq * pq[u]                                   # dΓ ⊙ Γ
       dqk = jnp.concatenate([d_qk, d_kk], 0)
       both = dot(dqk, k[ku])                                           # [d_QK K; d_KK K]
-      back = dot(dqk.T, jnp.concatenate([q[ku], k[ku]], 0))
+      back = dot(dqk, jnp.concatenate([q[ku], k[ku]], 0), ta=True)
       dq_acc[ku] = dq_acc[ku] + dqw[u][:c] * dins[u] + both[:c]
       dk_acc[ku] = dk_acc[ku] + d_xin[u][:, :dim_k] * dins[u] + both[c:] + back + (
           d_kb * kout[u]).T
@@ -1169,7 +1197,7 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
       dk_scr[j] = _normed_vjp((k[ku], _normed(kh_scr[j], st)[1]), dk_acc[ku])
     return carry
 
-  lax.fori_loop(0, st.hv // st.interleave, group, 0)
+  _run_groups(st, group)
   starts = None if gate.run is None else _starts_row(gate)
   d_g = chunk_cumsum(dgr_scr[...], starts, reverse=True)
   d_g = d_g[0] + d_g[1]
@@ -1281,6 +1309,13 @@ def _v5e_forms() -> bool:
   return gdn_config.target_generation().name == "v5e"
 
 
+def _unroll_groups(backward: bool = False) -> bool | int:
+  """How the head groups are unrolled (`_Static.unroll_groups`)."""
+  if gdn_config.target_generation().name != "tpu7x":
+    return True
+  return 2 if backward else False
+
+
 @dataclasses.dataclass(frozen=True)
 class Prologue:
   """The op's prologue (`prologue.prologue`), run in the kernels: with it
@@ -1317,7 +1352,8 @@ def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states
                  scale=float(scale), passes=passes, newton=newton,
                  interleave=normalize_interleave(interleave, hv, hv // hk),
                  has_seg=has_seg, has_h0=has_h0, n_states=n_states, v5e_forms=_v5e_forms(),
-                 qk_in_place=gdn_config.target_generation().name == "tpu7x", **pro.static())
+                 qk_in_place=gdn_config.target_generation().name == "tpu7x",
+                 unroll_groups=_unroll_groups(), **pro.static())
 
 
 def _head_scratch(st: _Static, values: tuple[str, ...]) -> list[_Operand]:
@@ -1621,7 +1657,7 @@ def gdn_fwd_requests(qkv: Float[Array, "T D"], log_decay: Float[Array, "T Hv"],
                newton=(1 if passes == 1 else 2) if newton is None else newton,
                interleave=normalize_interleave(interleave, hv, hv // hk), has_seg=False,
                has_h0=True, packed=True, qk_l2norm=True, beta_guard=True, requests=True,
-               gated=not all_run, v5e_forms=_v5e_forms())
+               gated=not all_run, v5e_forms=_v5e_forms(), unroll_groups=_unroll_groups())
   block, read, write, flags = _item_table(requests, t, chunk)
   if all_run:
     flags = flags | 1
@@ -1759,6 +1795,7 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
       chunk=chunk, scale=scale, interleave=interleave, newton=newton, sanitize=sanitize,
       guard=guard, pro=pro)
   b, t = q.shape[:2]
+  st = dataclasses.replace(st, unroll_groups=_unroll_groups(backward=True))
   states, tmats = residuals[:2]
   if states.shape[1] != nc:
     raise ValueError(f"residuals for {states.shape[1]} chunks; this call has {nc}.")
