@@ -428,8 +428,9 @@ class _Static:
   # The whole `isolation.SegmentGuard` in the kernels (`_guard_*`; not with
   # per-segment states): the raw gates, betas and states come in too, the
   # per-token bad flags are taken from the tiles the kernel loads and carried
-  # across the chunks, the tiles of a chunk with a bad token are sanitised in
-  # place (instead of `sanitize`'s selects in every chunk), and the outputs,
+  # across the chunks, the tiles are sanitised (the forward's k, v where the
+  # head groups read them, `_guard_finite`; the backward's in place in a
+  # chunk with a bad token, `_guard_sanitize`), and the outputs,
   # the final state and the gradients of the poisoned tokens are made NaN in
   # VMEM.
   guard: bool = False
@@ -672,11 +673,23 @@ def _bad_flag(x):
   return jnp.max(_bad_row(x), axis=1, keepdims=True)
 
 
+def _guard_finite(x, st: "_Static"):
+  """The forward's head tile x (a k or v tile as read from scratch) with NaN /
+  inf as 0 under `st.guard`: a select per tile in every chunk, where the
+  head groups read it. As a branch on the chunk's flags (`_guard_sanitize`)
+  it cost more: the branch splits the unrolled body into basic blocks the
+  scheduler cannot overlap (v6e, Qwen3-Next heads, T=512: gdn_fwd 80.0 ->
+  77.7 k cycles, gdn_fwd_states 70.2 -> 67.0 k selecting here)."""
+  return lhs_masked(jnp.isfinite(x), x, st.v5e_forms) if st.guard else x
+
+
 def _guard_sanitize(flags, tiles, st: "_Static"):
   """Where the chunk has a bad token (`flags` (H, C) f32 > 0 anywhere): the
   head tiles in scratch (`tiles`: refs of (H, C, D)) with NaN / inf as 0, in
-  place. Finite chunks (every chunk of a finite run) skip it; the test costs
-  the forward kernel 1.0 k cycles (v6e, Qwen3-Next heads, T=512)."""
+  place (the backward's q, k, v, dO). Finite chunks (every chunk of a finite
+  run) skip it; as a branch it costs the backward ~0.1 k cycles, as selects
+  per tile where the head groups read them (`_guard_finite`) 2.4 k (v6e,
+  Qwen3-Next heads, T=512)."""
   @pl.when(jnp.max(flags) > 0.0)
   def _():
     for ref in tiles:
@@ -760,7 +773,8 @@ def _guard_fwd_rows(r: "_Refs", st: "_Static", gate: "ChunkGate", causal, c_idx,
   else 0; the query is read as it is: a non-finite one reaches its own
   output only); under `emit` the flags go out for the backward
   (`guard_fwd`). k, v: the head tiles in scratch (tail rows zeroed;
-  normalised or raw, non-finite at the same rows)."""
+  normalised or raw, non-finite at the same rows), left as they are (the
+  head groups read them sanitised, `_guard_finite`)."""
   rows = r.guard_rows
   rows[...] = _guard_gate_rows(r, st, c_idx)
 
@@ -772,7 +786,6 @@ def _guard_fwd_rows(r: "_Refs", st: "_Static", gate: "ChunkGate", causal, c_idx,
 
   _guard_heads(st, key_head)
   bad = rows[...]
-  _guard_sanitize(bad, (r.kh, r.vh), st)
   c = st.chunk
   mask = jnp.where(causal, 1.0, 0.0).astype(BF16)
   count = _mm(bad.astype(BF16), mask, tb=True)          # Σ_{j <= i, same segment} bad_j
@@ -825,7 +838,10 @@ def _guard_bwd_tiles(r: "_Refs", st: "_Static"):
   """NaN into the chunk's dq, dk, dv head tiles (scratch) at the poisoned
   tokens (`guard_rows[0]`): dv per value head, dq and dk where any value
   head of the key head's group is (`SegmentGuard.poison_gradients`). Only
-  in a chunk with a poisoned token (never in a finite run)."""
+  in every chunk: as a branch taken only in a chunk with a poisoned token it
+  cost more, splitting the backward's body into basic blocks the scheduler
+  cannot overlap (v6e, Qwen3-Next heads, T=512: gdn_bwd 114.0 -> 113.6 k
+  cycles; the branch alone, with a one-tile body, cost 2.2 k)."""
   rows = r.guard_rows
 
   def key_head(j, heads):
@@ -838,7 +854,7 @@ def _guard_bwd_tiles(r: "_Refs", st: "_Static"):
     r.dq_heads[j] = r.dq_heads[j] + tile
     r.dk_heads[j] = r.dk_heads[j] + tile
 
-  pl.when(jnp.max(rows[0]) > 0.0)(lambda: _guard_heads(st, key_head))
+  _guard_heads(st, key_head)
 
 
 # Rows of the per-step row scratch (each (Hv, C) f32).
@@ -1015,8 +1031,8 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
     kj = lambda u: u // st.group
     norm = (lambda x: x) if st.qk_in_place else (lambda x: _normed(x, st)[0])
     q = {ku: norm(qh_scr[j]) for ku, j in kheads.items()}
-    k = {ku: _finite(norm(kh_scr[j]), st) for ku, j in kheads.items()}
-    v = {u: _finite(vh_scr[i], st) for u, i in heads.items()}
+    k = {ku: _finite(norm(_guard_finite(kh_scr[j], st)), st) for ku, j in kheads.items()}
+    v = {u: _finite(_guard_finite(vh_scr[i], st), st) for u, i in heads.items()}
     s = {u: s_scr[i] for u, i in heads.items()}
     beta = {u: _row(rows_scr, _BETA, i) for u, i in heads.items()}
     gammas, dins = {}, {}
