@@ -434,6 +434,15 @@ class _Static:
   # the final state and the gradients of the poisoned tokens are made NaN in
   # VMEM.
   guard: bool = False
+  # v5e: the forward's sanitising and the backward's gradient poison in
+  # branches taken in chunks with a bad token (`_guard_finite`,
+  # `_guard_bwd_tiles`); elsewhere selects in every chunk, cheaper there
+  # than a branch splitting the unrolled head groups. v6e, Qwen3-Next heads,
+  # T=512, gdn_fwd / gdn_fwd_states / gdn_bwd k cycles, branched -> not:
+  # v6e 80.0 / 70.2 / 114.0 -> 77.7 / 67.0 / 113.6, tpu7x 126.2 / 147.4 /
+  # 216.0 -> 125.1 / 145.4 / 214.9, v5e (no bf16 VPU) 132.3 / 122.3 / 160.0
+  # -> 134.6 / 123.0 / 164.6.
+  guard_branched: bool = False
   # The op's prologue in the kernel (`prologue.prologue`, from the raw
   # inputs): q, k L2-normalised (`qk_l2norm`, `_normed`); the log-decay
   # -exp(a_log) * softplus(g + dt_bias) of the raw gate (`gate_act`: a_log
@@ -680,7 +689,9 @@ def _guard_finite(x, st: "_Static"):
   it cost more: the branch splits the unrolled body into basic blocks the
   scheduler cannot overlap (v6e, Qwen3-Next heads, T=512: gdn_fwd 80.0 ->
   77.7 k cycles, gdn_fwd_states 70.2 -> 67.0 k selecting here)."""
-  return lhs_masked(jnp.isfinite(x), x, st.v5e_forms) if st.guard else x
+  if not st.guard or st.guard_branched:
+    return x
+  return lhs_masked(jnp.isfinite(x), x, st.v5e_forms)
 
 
 def _guard_sanitize(flags, tiles, st: "_Static"):
@@ -701,14 +712,14 @@ def _guard_sanitize(flags, tiles, st: "_Static"):
       lax.fori_loop(0, ref.shape[0], head, 0)
 
 
-def _poison_tile(nan_row, width: int):
+def _poison_tile(nan_row, width: int, st: "_Static"):
   """(C, width) f32: row c NaN where the (1, C) row `nan_row` is NaN, else 0:
   diag(nan_row) @ ones on the MXU (a per-row select of a tile would be a
   lane broadcast), NaN propagating as in the forward's poisoned P̃."""
   c = nan_row.shape[-1]
   diag = (lax.broadcasted_iota(jnp.int32, (c, c), 0)
           == lax.broadcasted_iota(jnp.int32, (c, c), 1))
-  return _mm(jnp.where(diag, nan_row, 0.0).astype(BF16), jnp.ones((c, width), BF16))
+  return _mm(lhs_masked(diag, nan_row, st.v5e_forms).astype(BF16), jnp.ones((c, width), BF16))
 
 
 def _nan_where(flags):
@@ -786,6 +797,8 @@ def _guard_fwd_rows(r: "_Refs", st: "_Static", gate: "ChunkGate", causal, c_idx,
 
   _guard_heads(st, key_head)
   bad = rows[...]
+  if st.guard_branched:
+    _guard_sanitize(bad, (r.kh, r.vh), st)
   c = st.chunk
   mask = jnp.where(causal, 1.0, 0.0).astype(BF16)
   count = _mm(bad.astype(BF16), mask, tb=True)          # Σ_{j <= i, same segment} bad_j
@@ -849,12 +862,15 @@ def _guard_bwd_tiles(r: "_Refs", st: "_Static"):
     for i in heads:
       flags = rows[0, pl.ds(i, 1), :]
       key = jnp.maximum(key, flags)
-      r.dv_heads[i] = r.dv_heads[i] + _poison_tile(_nan_where(flags), st.dim_v)
-    tile = _poison_tile(_nan_where(key), st.dim_k)
+      r.dv_heads[i] = r.dv_heads[i] + _poison_tile(_nan_where(flags), st.dim_v, st)
+    tile = _poison_tile(_nan_where(key), st.dim_k, st)
     r.dq_heads[j] = r.dq_heads[j] + tile
     r.dk_heads[j] = r.dk_heads[j] + tile
 
-  _guard_heads(st, key_head)
+  if st.guard_branched:
+    pl.when(jnp.max(rows[0]) > 0.0)(lambda: _guard_heads(st, key_head))
+  else:
+    _guard_heads(st, key_head)
 
 
 # Rows of the per-step row scratch (each (Hv, C) f32).
@@ -1369,7 +1385,8 @@ def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states
                  interleave=normalize_interleave(interleave, hv, hv // hk),
                  has_seg=has_seg, has_h0=has_h0, n_states=n_states, v5e_forms=_v5e_forms(),
                  qk_in_place=gdn_config.target_generation().name == "tpu7x",
-                 unroll_groups=_unroll_groups(), **pro.static())
+                 unroll_groups=_unroll_groups(), guard_branched=_v5e_forms(),
+                 **pro.static())
 
 
 def _head_scratch(st: _Static, values: tuple[str, ...]) -> list[_Operand]:
