@@ -54,9 +54,10 @@ def _params(cases=None):
   return out
 
 
-def _problem(per_segment_states=False):
+def _problem(per_segment_states=False, dtype=jnp.float32):
   t = BOUNDS[-1]
-  diff, static = h.inputs(3, b=2, t=t, hk=HV // GROUP, hv=HV, dk=8, dv=8, gate=True)
+  diff, static = h.inputs(3, b=2, t=t, hk=HV // GROUP, hv=HV, dk=8, dv=8, gate=True,
+                          dtype=dtype)
   seg = np.zeros((2, t), np.int32)
   for i, start in enumerate(BOUNDS[1:-1]):
     seg[:, start:] = i + 1
@@ -163,6 +164,25 @@ def test_bad_value_stays_in_its_segment(impl, chunk, name, value):
       _assert_same(grads[n][0, finite_grads], c_grads[n][0, finite_grads], f"d{n} after")
   if name == "initial_state":
     _all_nonfinite(grads["initial_state"][0, 1], "d_initial_state")
+
+
+@pytest.mark.parametrize("name,value", [("key", np.nan), ("value", np.inf)])
+def test_pallas_bfloat16_bad_value_stays_in_its_segment(name, value):
+  """bfloat16 inputs, forward: the Pallas kernel's bf16 forms of the guard
+  (the flags' x·0 and the outputs' NaN taken in bf16) poison the segment from
+  the bad token on and leave every other output as in the clean run."""
+  op = _op("pallas_mosaic_tpu", CHUNKS["pallas_mosaic_tpu"])
+  diff, static, cts = _problem(dtype=jnp.bfloat16)
+  c_out, c_final = h.call(op, diff, static)
+  out, final = h.call(op, *_inject(diff, cts, name, value)[:1], static)
+  s0, s1 = BOUNDS[1], BOUNDS[2]
+  for what, a, b in (("row 1", out[1], c_out[1]), ("segment 0", out[0, :s0], c_out[0, :s0]),
+                     ("before the bad token", out[0, s0:BAD_TOKEN], c_out[0, s0:BAD_TOKEN]),
+                     ("segment 2", out[0, s1:], c_out[0, s1:]), ("final", final, c_final)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), what)
+  _all_nonfinite(out[0, BAD_TOKEN:s1, 1], "out from the bad token on")
+  if name == "key":         # key head 0 is read by value heads 0 and 1
+    _all_nonfinite(out[0, BAD_TOKEN:s1, 0], "out of the key head's other value head")
 
 
 @pytest.mark.parametrize("impl,chunk", _params())

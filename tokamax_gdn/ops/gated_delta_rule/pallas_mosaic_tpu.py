@@ -15,20 +15,23 @@ last chunk and d log-decay per token are inside the kernels too.
 
 The NaN guard (`isolation.SegmentGuard`) runs in the kernels
 (`whole_guard_in_core`, `kernel._guard_*`): they read the raw inputs, states
-and cotangents, take each token's bad flags from the head tiles they load
-(row sums of x·0 on the MXU), carry the running flag along the sequential
-chunk axis (reset at segment starts), zero the non-finite values in VMEM
-(only in a chunk that has one) and write NaN into the poisoned tokens'
-outputs, final state and gradients; the states pass hands the backward the
-forward's flags ([B, NC, Hv, C] f32), and the backward carries the "bad
+and cotangents, take each token's bad flags from the head tiles they load (row
+sums of x·0 on the MXU), carry the running flag along the sequential chunk
+axis (reset at segment starts), zero the non-finite values in VMEM (the
+forward by a select where its head groups read a tile, the backward in a chunk
+that has one; `_Static.guard_branched`) and write NaN into the poisoned
+tokens' outputs, final state and gradients; the states pass hands the backward
+the forward's flags ([B, NC, Hv, C] f32), and the backward carries the "bad
 cotangent at or after" flag in reverse. In XLA, as reductions, selects and
 cumulative flags over the raw inputs, the guard cost v6e 21.4 k of the
-forward's 103.1 k cycles and 25.2 k of the step's 303.9 k (Qwen3-Next
-heads, T=512); in the kernels the forward kernel grew by 2.0 k, the states
-pass by 1.6 k and the backward by 0.4 k (each kernel alone, its inputs in
-HBM). With per-segment states ([B, N, Hv, K, V]) XLA still computes the
-flags (`guards_in_core`): the forward kernel gets the poison rows and the
-backward kernels zero non-finite q, k, v, dO in VMEM.
+forward's 103.1 k cycles and 25.2 k of the step's 303.9 k (Qwen3-Next heads,
+T=512); in the kernels the forward kernel grew by 2.0 k, the states pass by
+1.6 k and the backward by 0.4 k (each kernel alone, its inputs in HBM); with
+the head groups unrolled, by 1.6 k, 1.8 k and 4.1 k (75.2 / 66.5 / 113.6 k
+against 73.6 / 64.8 / 109.5 k without the guard). With per-segment states
+([B, N, Hv, K, V]) XLA still computes the flags (`guards_in_core`): the
+forward kernel gets the poison rows and the backward kernels zero non-finite
+q, k, v, dO in VMEM.
 
 Residuals for the backward, per token and value head, beyond the op inputs
 tokamax keeps anyway:

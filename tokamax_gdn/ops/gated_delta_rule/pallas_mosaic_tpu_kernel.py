@@ -428,11 +428,21 @@ class _Static:
   # The whole `isolation.SegmentGuard` in the kernels (`_guard_*`; not with
   # per-segment states): the raw gates, betas and states come in too, the
   # per-token bad flags are taken from the tiles the kernel loads and carried
-  # across the chunks, the tiles of a chunk with a bad token are sanitised in
-  # place (instead of `sanitize`'s selects in every chunk), and the outputs,
+  # across the chunks, the tiles are sanitised (the forward's k, v where the
+  # head groups read them, `_guard_finite`; the backward's in place in a
+  # chunk with a bad token, `_guard_sanitize`), and the outputs,
   # the final state and the gradients of the poisoned tokens are made NaN in
   # VMEM.
   guard: bool = False
+  # v5e: the forward's sanitising and the backward's gradient poison in
+  # branches taken in chunks with a bad token (`_guard_finite`,
+  # `_guard_bwd_tiles`); elsewhere selects in every chunk, cheaper there
+  # than a branch splitting the unrolled head groups. v6e, Qwen3-Next heads,
+  # T=512, gdn_fwd / gdn_fwd_states / gdn_bwd k cycles, branched -> not:
+  # v6e 80.0 / 70.2 / 114.0 -> 77.7 / 67.0 / 113.6, tpu7x 126.2 / 147.4 /
+  # 216.0 -> 125.1 / 145.4 / 214.9, v5e (no bf16 VPU) 132.3 / 122.3 / 160.0
+  # -> 134.6 / 123.0 / 164.6.
+  guard_branched: bool = False
   # The op's prologue in the kernel (`prologue.prologue`, from the raw
   # inputs): q, k L2-normalised (`qk_l2norm`, `_normed`); the log-decay
   # -exp(a_log) * softplus(g + dt_bias) of the raw gate (`gate_act`: a_log
@@ -654,7 +664,7 @@ def _residual(x, ref, st: _Static):
 # ----------------------------------------------------------------------------
 
 
-def _bad_row(x):
+def _bad_row(x, bf16=False):
   """(1, C) f32: 1 where row c of the tile x (C, D) holds a NaN or inf, else 0.
 
   The row sums of x·0 (0, or NaN for NaN / inf) by the MXU against ones (as
@@ -662,8 +672,17 @@ def _bad_row(x):
   reduction on the vector units costs ~9 cycles per vreg. v6e, Qwen3-Next
   heads, T=512: the forward kernel's k and v rows cost it 0.9 k cycles; the
   XLA reductions of the raw k and v they replace cost 15.7 k.
+
+  `bf16`: x holds bf16 values or values within ±1 (a tile of a bf16 input,
+  or its L2-normalised form), so its bf16 cast is finite where x is: x·0 is
+  then taken in bf16, half the vregs (v6e, as above: gdn_fwd 75.6 -> 75.2 k,
+  gdn_fwd_states 67.0 -> 66.5 k; in the backward it cost 0.1 k more).
   """
-  sums = _mm(jnp.ones((8, x.shape[1]), BF16), (x * 0.0).astype(BF16), tb=True)[0:1]
+  if bf16:
+    zeros = x.astype(BF16) * jnp.zeros((), BF16)
+  else:
+    zeros = (x * 0.0).astype(BF16)
+  sums = _mm(jnp.ones((8, x.shape[1]), BF16), zeros, tb=True)[0:1]
   return (sums != sums).astype(F32)
 
 
@@ -672,11 +691,25 @@ def _bad_flag(x):
   return jnp.max(_bad_row(x), axis=1, keepdims=True)
 
 
+def _guard_finite(x, st: "_Static"):
+  """The forward's head tile x (a k or v tile as read from scratch) with NaN /
+  inf as 0 under `st.guard`: a select per tile in every chunk, where the
+  head groups read it. As a branch on the chunk's flags (`_guard_sanitize`)
+  it cost more: the branch splits the unrolled body into basic blocks the
+  scheduler cannot overlap (v6e, Qwen3-Next heads, T=512: gdn_fwd 80.0 ->
+  77.7 k cycles, gdn_fwd_states 70.2 -> 67.0 k selecting here)."""
+  if not st.guard or st.guard_branched:
+    return x
+  return lhs_masked(jnp.isfinite(x), x, st.v5e_forms)
+
+
 def _guard_sanitize(flags, tiles, st: "_Static"):
   """Where the chunk has a bad token (`flags` (H, C) f32 > 0 anywhere): the
   head tiles in scratch (`tiles`: refs of (H, C, D)) with NaN / inf as 0, in
-  place. Finite chunks (every chunk of a finite run) skip it; the test costs
-  the forward kernel 1.0 k cycles (v6e, Qwen3-Next heads, T=512)."""
+  place (the backward's q, k, v, dO). Finite chunks (every chunk of a finite
+  run) skip it; as a branch it costs the backward ~0.1 k cycles, as selects
+  per tile where the head groups read them (`_guard_finite`) 2.4 k (v6e,
+  Qwen3-Next heads, T=512)."""
   @pl.when(jnp.max(flags) > 0.0)
   def _():
     for ref in tiles:
@@ -688,14 +721,24 @@ def _guard_sanitize(flags, tiles, st: "_Static"):
       lax.fori_loop(0, ref.shape[0], head, 0)
 
 
-def _poison_tile(nan_row, width: int):
+def _poison_tile(nan_row, width: int, st: "_Static"):
   """(C, width) f32: row c NaN where the (1, C) row `nan_row` is NaN, else 0:
   diag(nan_row) @ ones on the MXU (a per-row select of a tile would be a
   lane broadcast), NaN propagating as in the forward's poisoned P̃."""
   c = nan_row.shape[-1]
   diag = (lax.broadcasted_iota(jnp.int32, (c, c), 0)
           == lax.broadcasted_iota(jnp.int32, (c, c), 1))
-  return _mm(jnp.where(diag, nan_row, 0.0).astype(BF16), jnp.ones((c, width), BF16))
+  return _mm(lhs_masked(diag, nan_row, st.v5e_forms).astype(BF16), jnp.ones((c, width), BF16))
+
+
+def _poison_diag(x, nan_row, diag, st: "_Static"):
+  """The C×C matmul operand x with NaN on its diagonal where the (1, C) row
+  `nan_row` is NaN; in the operand's dtype (bf16 for bf16 inputs, but not
+  on v5e): half the vregs of an f32 select (v6e, Qwen3-Next heads, T=512:
+  gdn_fwd 77.7 -> 75.6 k cycles; tpu7x, its loop not unrolled, 125.1 -> 125.4 k)."""
+  if st.mm == BF16 and not st.v5e_forms:
+    x, nan_row = x.astype(BF16), nan_row.astype(BF16)
+  return jnp.where(diag, x + nan_row, x)
 
 
 def _nan_where(flags):
@@ -760,19 +803,23 @@ def _guard_fwd_rows(r: "_Refs", st: "_Static", gate: "ChunkGate", causal, c_idx,
   else 0; the query is read as it is: a non-finite one reaches its own
   output only); under `emit` the flags go out for the backward
   (`guard_fwd`). k, v: the head tiles in scratch (tail rows zeroed;
-  normalised or raw, non-finite at the same rows)."""
+  normalised or raw, non-finite at the same rows), left as they are (the
+  head groups read them sanitised, `_guard_finite`)."""
   rows = r.guard_rows
   rows[...] = _guard_gate_rows(r, st, c_idx)
 
+  v_bf16 = r.v.dtype == BF16 and not st.v5e_forms
+
   def key_head(j, heads):
-    k_bad = _bad_row(r.kh[j])
+    k_bad = _bad_row(r.kh[j], r.k.dtype == BF16 and not st.v5e_forms)
     for i in heads:
       rows[pl.ds(i, 1), :] = jnp.maximum(rows[pl.ds(i, 1), :],
-                                         jnp.maximum(k_bad, _bad_row(r.vh[i])))
+                                         jnp.maximum(k_bad, _bad_row(r.vh[i], v_bf16)))
 
   _guard_heads(st, key_head)
   bad = rows[...]
-  _guard_sanitize(bad, (r.kh, r.vh), st)
+  if st.guard_branched:
+    _guard_sanitize(bad, (r.kh, r.vh), st)
   c = st.chunk
   mask = jnp.where(causal, 1.0, 0.0).astype(BF16)
   count = _mm(bad.astype(BF16), mask, tb=True)          # Σ_{j <= i, same segment} bad_j
@@ -825,7 +872,10 @@ def _guard_bwd_tiles(r: "_Refs", st: "_Static"):
   """NaN into the chunk's dq, dk, dv head tiles (scratch) at the poisoned
   tokens (`guard_rows[0]`): dv per value head, dq and dk where any value
   head of the key head's group is (`SegmentGuard.poison_gradients`). Only
-  in a chunk with a poisoned token (never in a finite run)."""
+  in every chunk: as a branch taken only in a chunk with a poisoned token it
+  cost more, splitting the backward's body into basic blocks the scheduler
+  cannot overlap (v6e, Qwen3-Next heads, T=512: gdn_bwd 114.0 -> 113.6 k
+  cycles; the branch alone, with a one-tile body, cost 2.2 k)."""
   rows = r.guard_rows
 
   def key_head(j, heads):
@@ -833,12 +883,15 @@ def _guard_bwd_tiles(r: "_Refs", st: "_Static"):
     for i in heads:
       flags = rows[0, pl.ds(i, 1), :]
       key = jnp.maximum(key, flags)
-      r.dv_heads[i] = r.dv_heads[i] + _poison_tile(_nan_where(flags), st.dim_v)
-    tile = _poison_tile(_nan_where(key), st.dim_k)
+      r.dv_heads[i] = r.dv_heads[i] + _poison_tile(_nan_where(flags), st.dim_v, st)
+    tile = _poison_tile(_nan_where(key), st.dim_k, st)
     r.dq_heads[j] = r.dq_heads[j] + tile
     r.dk_heads[j] = r.dk_heads[j] + tile
 
-  pl.when(jnp.max(rows[0]) > 0.0)(lambda: _guard_heads(st, key_head))
+  if st.guard_branched:
+    pl.when(jnp.max(rows[0]) > 0.0)(lambda: _guard_heads(st, key_head))
+  else:
+    _guard_heads(st, key_head)
 
 
 # Rows of the per-step row scratch (each (Hv, C) f32).
@@ -1015,8 +1068,8 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
     kj = lambda u: u // st.group
     norm = (lambda x: x) if st.qk_in_place else (lambda x: _normed(x, st)[0])
     q = {ku: norm(qh_scr[j]) for ku, j in kheads.items()}
-    k = {ku: _finite(norm(kh_scr[j]), st) for ku, j in kheads.items()}
-    v = {u: _finite(vh_scr[i], st) for u, i in heads.items()}
+    k = {ku: _finite(norm(_guard_finite(kh_scr[j], st)), st) for ku, j in kheads.items()}
+    v = {u: _finite(_guard_finite(vh_scr[i], st), st) for u, i in heads.items()}
     s = {u: s_scr[i] for u, i in heads.items()}
     beta = {u: _row(rows_scr, _BETA, i) for u, i in heads.items()}
     gammas, dins = {}, {}
@@ -1042,7 +1095,7 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
           # token's own V″ row only, so exactly its output turns NaN (a
           # column row, a sublane broadcast; a per-row select of the output
           # would be a lane broadcast).
-          p_tilde = jnp.where(diag, p_tilde + poison_ref[pl.ds(i, 1), :], p_tilde)
+          p_tilde = _poison_diag(p_tilde, poison_ref[pl.ds(i, 1), :], diag, st)
         lhs = _operand_cat([q[kj(u)] * dins[u], p_tilde], 1, st)
         rhs = _operand_cat([s[u], v_new[u]], 0, st)
         out_scr[i] = st.scale * dot(lhs, rhs)
@@ -1353,7 +1406,8 @@ def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states
                  interleave=normalize_interleave(interleave, hv, hv // hk),
                  has_seg=has_seg, has_h0=has_h0, n_states=n_states, v5e_forms=_v5e_forms(),
                  qk_in_place=gdn_config.target_generation().name == "tpu7x",
-                 unroll_groups=_unroll_groups(), **pro.static())
+                 unroll_groups=_unroll_groups(), guard_branched=_v5e_forms(),
+                 **pro.static())
 
 
 def _head_scratch(st: _Static, values: tuple[str, ...]) -> list[_Operand]:
