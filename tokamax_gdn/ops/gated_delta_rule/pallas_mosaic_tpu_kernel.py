@@ -48,9 +48,10 @@ passes (hi·hi + hi·lo + lo·hi of a hi/lo split), ~2⁻¹⁶ relative per
 product; both the same in Pallas interpret mode on CPU, so tests there see
 the TPU's rounding. The inverse: T0 by Neumann products on 8×8 diagonal
 blocks merged blockwise up to C, all in bf16 passes, then Newton steps
-T ← T + T (I − (I + A') T), the residual with A' split hi + lo: one step
-for bf16 inputs (errors of a bf16 T0, up to 1e-2 on correlated keys, fall to
-~1e-4), two for float32 (~1e-5).
+T ← T + T (I − (I + A') T): one step for bf16 inputs, its residual with A'
+in bf16 (errors of a bf16 T0, up to 1e-2 on correlated keys, fall to ~1e-3,
+as close to (I + A')⁻¹ as rounding A' or T to bf16 puts it), two for float32,
+the second's residual with A' split hi + lo (~1e-5).
 
 v5e forms (`_Static.v5e_forms`, on when tracing for v5e). v5e has no bf16
 VPU, and Mosaic moves bf16 values between layouts there through 16-bit
@@ -334,8 +335,9 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   diagonal blocks, then exact block merges T ← T − T a_off T for sizes
   8 → 16 → … → C (a whole-chunk Neumann series is unstable: powers of a
   grow like binomials before they cancel; the merges do not), in bf16
-  passes. Then `newton` steps T ← T + T (I − (I + a) T), the residual with a
-  split hi + lo, each of which squares the error of T. `v5e_forms`: see the
+  passes. Then `newton` steps T ← T + T (I − (I + a) T), each of which
+  squares the error of T: the first's residual with a in bf16, later ones'
+  with a split hi + lo. `v5e_forms`: see the
   module docstring.
   """
   c = a_list[0].shape[0]
@@ -373,15 +375,22 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   strict = row > col
   ts = [round_bf16(inv) if v5e_forms else (inv.astype(BF16), None)
         for inv in invs]                                   # (bf16 T, f32 T or None)
-  for _ in range(newton):
+  for step in range(newton):
     staged = []
     for t, a in zip(ts, a_list):
-      stacked, a_hi = stacked_bf16(a, 2, v5e_forms)        # [a_hi; a_lo]: one weight push of T
-      if isinstance(t, tuple):
+      if step == 0:
+        # The first residual takes a in bf16 only (one 128-row product, no
+        # hi/lo split): the step converges to (I + bf16(a))⁻¹, a within 2⁻⁹
+        # per entry, the perturbation rounding T to bf16 for the products
+        # that use it makes anyway; a second step (float32 inputs) takes the
+        # residual with a_hi + a_lo. Near-duplicate keys (the inverse test):
+        # error 3.6e-6 -> 1.1e-3 after one step, 2.2e-6 -> 2.7e-6 after two.
+        # v6e, Qwen3-Next heads, T=512: gdn_fwd 80.0 -> 77.0 k cycles.
+        a_hi = round_bf16(a)[0] if v5e_forms else a.astype(BF16)
         t_parts, tf = [t[0]], t[0].astype(F32) if t[1] is None else t[1]
-        at2 = _mm(stacked, t[0])
-        at = at2[:c] + at2[c:]
+        at = _mm(a_hi, t[0])
       else:
+        stacked, a_hi = stacked_bf16(a, 2, v5e_forms)      # [a_hi; a_lo]: one weight push of T
         t_parts, tf = split_bf16(t, 2, v5e_forms), t
         at2 = _mm(stacked, t_parts[0])
         at = at2[:c] + (at2[c:] + _mm(a_hi, t_parts[1]))
