@@ -48,9 +48,10 @@ passes (hi·hi + hi·lo + lo·hi of a hi/lo split), ~2⁻¹⁶ relative per
 product; both the same in Pallas interpret mode on CPU, so tests there see
 the TPU's rounding. The inverse: T0 by Neumann products on 8×8 diagonal
 blocks merged blockwise up to C, all in bf16 passes, then Newton steps
-T ← T + T (I − (I + A') T), the residual with A' split hi + lo: one step
-for bf16 inputs (errors of a bf16 T0, up to 1e-2 on correlated keys, fall to
-~1e-4), two for float32 (~1e-5).
+T ← T + T (I − (I + A') T): one step for bf16 inputs, its residual with A'
+in bf16 (errors of a bf16 T0, up to 1e-2 on correlated keys, fall to ~1e-3,
+as close to (I + A')⁻¹ as rounding A' or T to bf16 puts it), two for float32,
+their residuals with A' split hi + lo (~1e-5).
 
 v5e forms (`_Static.v5e_forms`, on when tracing for v5e). v5e has no bf16
 VPU, and Mosaic moves bf16 values between layouts there through 16-bit
@@ -287,21 +288,28 @@ def chunk_gate(g_rows, starts):
                    run_col, causal, strict)
 
 
-def gamma_decay_in(gate_rows, masks, dim_k: int):
+def gamma_decay_in(gate_rows, masks, dim_k: int, row_exp: bool = False):
   """Γ (C×C) and decay_in broadcast over the key dim (C×dim_k) of one head.
 
   gate_rows: the head's (1, C) rows g_hi, g_lo and, with segments, run.
-  Columns come from transposing the row broadcast (XLU).
+  Columns come from transposing the row broadcast (XLU). `row_exp`:
+  decay_in's exp taken on the (1, C) row and transposed on its own (the
+  same values; one vreg of exp, not C×dim_k, for one more transpose). v6e,
+  Qwen3-Next heads, T=512: gdn_fwd 76.2 -> 75.7 k cycles, but gdn_bwd
+  114.0 -> 120.1 k, so the backward keeps the tile exp.
   """
   g_hi, g_lo, run = gate_rows
   causal, _ = masks
   c = g_hi.shape[-1]
-  width = max(c, dim_k)
+  width = c if row_exp else max(c, dim_k)
   hc = jnp.broadcast_to(g_hi, (width, c)).T             # (C, width): G_i in row i
   lc = jnp.broadcast_to(g_lo, (width, c)).T
   diff = (hc[:, :c] - g_hi) + (lc[:, :c] - g_lo)
   gamma = jnp.exp(jnp.where(causal, diff, _NEG_INF))
-  decay_in = jnp.exp(hc[:, :dim_k] + lc[:, :dim_k])
+  if row_exp:
+    decay_in = jnp.broadcast_to(jnp.exp(g_hi + g_lo), (dim_k, c)).T
+  else:
+    decay_in = jnp.exp(hc[:, :dim_k] + lc[:, :dim_k])
   if run is not None:
     first = jnp.broadcast_to(run, (dim_k, c)).T == 0.0
     decay_in = jnp.where(first, decay_in, 0.0)
@@ -330,13 +338,20 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   """(I + a)⁻¹ for a list of strictly lower-triangular a (C×C f32).
 
   Level-major over the list (each stage for every matrix before the next),
-  so the MXU always has independent work. T0: Neumann products on 8×8
-  diagonal blocks, then exact block merges T ← T − T a_off T for sizes
-  8 → 16 → … → C (a whole-chunk Neumann series is unstable: powers of a
-  grow like binomials before they cancel; the merges do not), in bf16
-  passes. Then `newton` steps T ← T + T (I − (I + a) T), the residual with a
-  split hi + lo, each of which squares the error of T. `v5e_forms`: see the
-  module docstring.
+  so the MXU always has independent work. T0: Neumann sums on 8×8
+  diagonal blocks (by doubling), then exact block merges T ← T − T a_off T
+  for sizes 8 → 16 → … → C (a whole-chunk Neumann series is unstable:
+  powers of a grow like binomials before they cancel; the merges do not),
+  in bf16 passes. Then `newton` steps T ← T + T (I − (I + a) T), each of
+  which squares the error of T, the residual with a split hi + lo, or with a
+  in bf16 when there is one step. `v5e_forms`: see the module docstring.
+
+  Cost (libtpu's estimate, v6e, gdn_fwd at Qwen3-Next heads, T=512, 77 k
+  cycles): a product costs about the same down to 64 rows or 64³ (the last
+  merge as two 64³ products saved 0.14 k, as 64-row products none), and
+  stacking products that share a right operand saves nothing beyond the
+  rows it adds ([K_in; Q_in] S and [P̃; K_outᵀ] V″ in `_fwd_chunk`: +0.6 k);
+  every doubling of the block size (Neumann or merge) is two C³ products.
   """
   c = a_list[0].shape[0]
   row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
@@ -359,9 +374,27 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
     invs = [eye + wide for _, wide in rounded]
   else:
     invs = [eye + p.astype(F32) for p in powers]
-  for _ in range(max(int(math.log2(base)) - 1, 0)):
-    powers = [_mm(p, p).astype(BF16) for p in powers]
-    invs = [inv + _mm(inv.astype(BF16), p) for inv, p in zip(invs, powers)]
+  # invs = I + p + … + p^(m−1) with m = 2, q = p^m: inv ← inv + q inv and
+  # q ← q q double m up to the base size; both take q on the left, so all but
+  # the last doubling are one product q [q | inv] (v6e, Qwen3-Next heads,
+  # T=512: gdn_fwd 77.0 -> 76.6 k cycles against q q and inv q apart).
+  doublings = max(int(math.log2(base)) - 1, 0)
+  qs = [_mm(p, p) for p in powers] if doublings else []           # p², f32
+  for d in range(doublings):
+    if v5e_forms:
+      q_pairs = [round_bf16(q) for q in qs]
+    else:
+      q_pairs = [(q.astype(BF16), None) for q in qs]
+    if d == doublings - 1:
+      invs = [inv + _mm(qb, inv.astype(BF16)) for inv, (qb, _) in zip(invs, q_pairs)]
+      break
+    if v5e_forms:
+      rhs = [jnp.concatenate([qw, inv], 1).astype(BF16) for inv, (_, qw) in zip(invs, q_pairs)]
+    else:
+      rhs = [jnp.concatenate([qb, inv.astype(BF16)], 1) for inv, (qb, _) in zip(invs, q_pairs)]
+    both = [_mm(qb, r) for (qb, _), r in zip(q_pairs, rhs)]      # [q q | q inv]
+    qs = [x[:, :c] for x in both]
+    invs = [inv + x[:, c:] for inv, x in zip(invs, both)]
   size = base
   while size < c:
     off = ((block_of(row, 2 * size) == block_of(col, 2 * size))
@@ -376,6 +409,19 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   for _ in range(newton):
     staged = []
     for t, a in zip(ts, a_list):
+      if newton == 1:
+        # One step (bf16 inputs): its residual takes a in bf16 only (one
+        # 128-row product, no hi/lo split), so it converges to
+        # (I + bf16(a))⁻¹, a within 2⁻⁹ per entry, the perturbation rounding
+        # T to bf16 for the products that use it makes anyway. Near-duplicate
+        # keys (the inverse test): error 3.6e-6 -> 1.1e-3. v6e, Qwen3-Next
+        # heads, T=512: gdn_fwd 80.0 -> 77.0 k cycles. (float32's first of two
+        # steps too cost its outputs ~25 % more error on unnormalised keys.)
+        a_hi = round_bf16(a)[0] if v5e_forms else a.astype(BF16)
+        t_parts, tf = [t[0]], t[0].astype(F32) if t[1] is None else t[1]
+        at = _mm(a_hi, t[0])
+        staged.append((t_parts, tf, at))
+        continue
       stacked, a_hi = stacked_bf16(a, 2, v5e_forms)        # [a_hi; a_lo]: one weight push of T
       if isinstance(t, tuple):
         t_parts, tf = [t[0]], t[0].astype(F32) if t[1] is None else t[1]
@@ -1075,10 +1121,13 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
     gammas, dins = {}, {}
     for u, i in heads.items():
       gammas[u], dins[u] = gamma_decay_in(
-          (_row(rows_scr, _G_HI, i), _row(rows_scr, _G_LO, i), gate.run), masks, dim_k)
+          (_row(rows_scr, _G_HI, i), _row(rows_scr, _G_LO, i), gate.run), masks, dim_k,
+          row_exp=True)
     qkk = {ku: dot(jnp.concatenate([q[ku], k[ku]], 0), k[ku], tb=True)
            for ku in kheads}                               # [Q; K] Kᵀ
-    a_list = [jnp.where(strict, qkk[kj(u)][c:] * gammas[u] * beta[u], 0.0) for u in heads]
+    # Γ ⊙ β_j once for A' and P̃ (v6e, Qwen3-Next heads, T=512: gdn_fwd -0.4 k cycles)
+    gbs = {u: gammas[u] * beta[u] for u in heads}
+    a_list = [jnp.where(strict, qkk[kj(u)][c:] * gbs[u], 0.0) for u in heads]
     tmats = dict(zip(heads, invert_unit_lower(a_list, newton=st.newton,
                                               v5e_forms=st.v5e_forms)))   # T' = (I + M D_β)⁻¹
     # V″ = Ũ − W̃ S = T' (V − K_in S): the forward needs no W̃, so two
@@ -1089,7 +1138,7 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
     v_new = {u: dot(tmats[u], x_in[u]) for u in heads}                 # V″
     if write_out:
       for u, i in heads.items():
-        p_tilde = qkk[kj(u)][:c] * gammas[u] * beta[u]
+        p_tilde = qkk[kj(u)][:c] * gbs[u]
         if poison_ref is not None:
           # NaN on the diagonal of a poisoned token's row: it meets that
           # token's own V″ row only, so exactly its output turns NaN (a
