@@ -101,6 +101,7 @@ cumsum in-kernel).
 import dataclasses
 import functools
 import math
+import operator
 from typing import Any
 
 import jax
@@ -308,16 +309,25 @@ def gamma_decay_in(gate_rows, masks, dim_k: int):
   return gamma, decay_in
 
 
-def rowsum_row(x, pieces=2, v5e_forms=False):
+def rowsum_row(x, pieces=2, weights=None, v5e_forms=False):
   """Row sums of x (C×n f32) as a (1, C) row, by the MXU against ones (NT).
 
   A lane reduction on the vector units costs ~9 cycles per vreg; the MXU sums
   exactly per bf16 piece: two pieces (hi + lo) keep ~2⁻¹⁶ of each term, three
   all of it (for sums that must cancel against a float32 sum of the same terms).
+  `weights` (1, n) f32: the row sums of x ⊙ weights (x's rows scaled per
+  column), against the weights' three bf16 pieces instead of ones (each
+  product exact) -- the scaled tile itself is never formed.
   """
-  c = x.shape[0]
-  ones = jnp.ones((8, x.shape[1]), BF16)
-  y = _mm(ones, stacked_bf16(x, pieces, v5e_forms)[0], tb=True)   # (8, pieces C)
+  c, n = x.shape
+  if weights is None:
+    lhs = jnp.ones((8, n), BF16)
+  else:
+    parts = [wide for _, wide in _split(weights, 3, v5e_forms)]
+    lhs = jnp.concatenate(parts + [jnp.zeros((5, n), F32)], 0).astype(BF16)
+  y = _mm(lhs, stacked_bf16(x, pieces, v5e_forms)[0], tb=True)   # (8, pieces C)
+  if weights is not None:
+    y = jnp.sum(y[0:3], axis=0, keepdims=True)
   return sum(y[0:1, p * c:(p + 1) * c] for p in range(pieces))
 
 
@@ -1114,8 +1124,10 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
     k_t = {ku: k[ku].T for ku in kheads}
     v = {u: _finite(vh_scr[i], st) for u, i in heads.items()}
     do_s = {u: st.scale * _finite(doh_scr[i], st) for u, i in heads.items()}
-    s = {u: states_ref[i].astype(F32) for u, i in heads.items()}
-    tm = {u: tm_ref[i].astype(F32) for u, i in heads.items()}
+    # The residuals as stored (bf16 for bf16 inputs): as matmul operands only,
+    # not widened to f32 and cast back (S in f32 for ⟨S, dS⟩ is a load of its own).
+    s = {u: states_ref[i] for u, i in heads.items()}
+    tm = {u: tm_ref[i] for u, i in heads.items()}
     dsn = {u: ds_scr[i] for u, i in heads.items()}
     beta = {u: _row(rows_scr, _BETA, i) for u, i in heads.items()}
     kout = {u: _row(rows_scr, _KOUT, i) for u, i in heads.items()}
@@ -1132,62 +1144,72 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
     v_new = {u: wu[u][:, dim_k:] - dot(wu[u][:, :dim_k], s[u]) for u in heads}
     pq = {u: qkk[kj(u)][:c] * gammas[u] for u in heads}                 # (Q Kᵀ) ⊙ Γ
     mk = {u: jnp.where(strict, qkk[kj(u)][c:] * gammas[u], 0.0) for u in heads}   # M
-    # State part: dV″ = P̃ᵀ dO + (K ⊙ kout_i) dS′;  dS = Q_inᵀ dO − W̃ᵀ dV″ + λ dS′.
-    d_vnew = {}
+    # State part: −dV″ = −P̃ᵀ dO − (K ⊙ kout_i) dS′ (the sign from β's and
+    # kout's rows, so that dS = Q_inᵀ dO + W̃ᵀ (−dV″) + λ dS′ and [dO Sᵀ; dW̃]
+    # take it as it is).
     # The transposed products take their left operands as they are (ta): v6e,
     # Qwen3-Next heads, T=512, gdn_bwd 118.7 -> 109.5 k cycles against
     # transposing them first (XLU).
+    nd_vnew = {}
     for u in heads:
-      k_db = kout[u] * k_t[kj(u)]                                      # (K ⊙ (decay_out β)_i)ᵀ
-      d_vnew[u] = dot(_operand_cat([pq[u] * beta[u], k_db], 0, st),
-                      _operand_cat([do_s[u], dsn[u]], 0, st), ta=True)
+      k_db = -kout[u] * k_t[kj(u)]                                     # −(K ⊙ (decay_out β)_i)ᵀ
+      nd_vnew[u] = dot(_operand_cat([pq[u] * -beta[u], k_db], 0, st),
+                       _operand_cat([do_s[u], dsn[u]], 0, st), ta=True)
     for u, i in heads.items():
-      lhs = jnp.concatenate([q[kj(u)] * dins[u], -wu[u][:, :dim_k]], 0)
-      ds_scr[i] = lam[u] * dsn[u] + dot(lhs, jnp.concatenate([do_s[u], d_vnew[u]], 0), ta=True)
-    dqw = {u: dot(jnp.concatenate([do_s[u], -d_vnew[u]], 0), s[u], tb=True)
+      lhs = jnp.concatenate([q[kj(u)] * dins[u], wu[u][:, :dim_k]], 0)
+      ds_scr[i] = lam[u] * dsn[u] + dot(lhs, jnp.concatenate([do_s[u], nd_vnew[u]], 0), ta=True)
+    dqw = {u: dot(jnp.concatenate([do_s[u], nd_vnew[u]], 0), s[u], tb=True)
            for u in heads}                                              # [dO Sᵀ; dW̃]
     dpk = {u: dot(jnp.concatenate([do_s[u], dsn[u]], 0), v_new[u], tb=True)
            for u in heads}                                              # [dP̃; d(Kᵀ kout)]
     # WY part: [dK_in | dV] = T'ᵀ [dW̃ | dŨ];  dA' = −[dK_in | dV] [W̃ | Ũ]ᵀ.
-    d_xin = {u: dot(tm[u], jnp.concatenate([dqw[u][c:], d_vnew[u]], 1), ta=True)
+    d_xin = {u: dot(tm[u], jnp.concatenate([dqw[u][c:], -nd_vnew[u]], 1), ta=True)
              for u in heads}
-    d_a = {u: jnp.where(strict, -dot(d_xin[u], wu[u], tb=True), 0.0)
-           for u in heads}
+    n_da = {u: jnp.where(strict, dot(d_xin[u], wu[u], tb=True), 0.0)   # −dA'
+            for u in heads}
     dq_acc = {ku: jnp.zeros((c, dim_k), F32) for ku in kheads}
     dk_acc = {ku: jnp.zeros((c, dim_k), F32) for ku in kheads}
+    # Summed over the value heads of a key head before the products with Q
+    # and K (and the transpose of d(K_out)): one product each per key head.
+    dqk_sum, dkb_sum = {}, {}
+    acc = lambda sums, ku, x: x if ku not in sums else sums[ku] + x
     for u, i in heads.items():
       ku = kj(u)
       d_p, d_kb = dpk[u][:c], dpk[u][c:]
       dv_scr[i] = d_xin[u][:, dim_k:]
-      d_m = d_a[u] * beta[u]
-      d_kk = d_m * gammas[u]
-      d_pq = d_p * beta[u]
-      d_qk = lhs_masked(causal, d_pq * gammas[u], st.v5e_forms)
-      e = d_m * mk[u] + d_pq * pq[u]                                   # dΓ ⊙ Γ
-      dqk = jnp.concatenate([d_qk, d_kk], 0)
-      both = dot(dqk, k[ku])                                           # [d_QK K; d_KK K]
-      back = dot(dqk, jnp.concatenate([q[ku], k[ku]], 0), ta=True)
-      dq_acc[ku] = dq_acc[ku] + dqw[u][:c] * dins[u] + both[:c]
-      dk_acc[ku] = dk_acc[ku] + d_xin[u][:, :dim_k] * dins[u] + both[c:] + back + (
-          d_kb * kout[u]).T
+      d_kk = n_da[u] * -beta[u] * gammas[u]                            # dA' ⊙ β_j Γ
+      d_qk = lhs_masked(causal, d_p * beta[u] * gammas[u], st.v5e_forms)
+      dqk_sum[ku] = acc(dqk_sum, ku, jnp.concatenate([d_qk, d_kk], 0))
+      dkb_sum[ku] = acc(dkb_sum, ku, d_kb * kout[u])
+      # dΓ ⊙ Γ = f ⊙ β_j with f = dA' ⊙ M + dP̃ ⊙ P̃; dβ_j gets colsum(f).
+      f = d_p * pq[u] - n_da[u] * mk[u]
+      f_col = jnp.sum(f, axis=0, keepdims=True)
+      dq_acc[ku] = dq_acc[ku] + dqw[u][:c] * dins[u]
+      dk_acc[ku] = dk_acc[ku] + d_xin[u][:, :dim_k] * dins[u]
       # Per-token parts of dβ and d_gcum (math.md), as rows.
       d_kout = jnp.sum(d_kb * k_t[ku], axis=0, keepdims=True)          # d(decay_out β)_j
       decay_out = _row(rows_scr, _DECAY_OUT, i)
       d_dout = d_kout * kout[u]                                          # d decay_out · decay_out
-      d_lam = jnp.sum(dsn[u] * s[u]) * lam[u]
-      dbr_scr[pl.ds(i, 1), :] = (jnp.sum(d_a[u] * mk[u], axis=0, keepdims=True)
-                                 + jnp.sum(d_p * pq[u], axis=0, keepdims=True)
-                                 + d_kout * decay_out)
+      d_lam = jnp.sum(dsn[u] * states_ref[i].astype(F32)) * lam[u]
+      din_row = jnp.exp(_row(rows_scr, _G_HI, i) + _row(rows_scr, _G_LO, i))
+      if gate.run is not None:
+        din_row = jnp.where(gate.run == 0.0, din_row, 0.0)
+      dbr_scr[pl.ds(i, 1), :] = f_col + d_kout * decay_out
       dgr_scr[pl.ds(i, 1), :] = (
           # rowsum(e) − colsum(e) cancels in every suffix sum of d_gcum (all of
           # e's pairs inside it): exact row sums, else the hi + lo truncation
           # (~2⁻¹⁶ of e) is left in every token's dg, large next to a strongly
           # decaying head's tiny true dg.
-          rowsum_row(e, pieces=3, v5e_forms=st.v5e_forms)
-          + rowsum_row((d_xin[u][:, :dim_k] * k[ku] + dqw[u][:c] * q[ku]) * dins[u],
-                       v5e_forms=st.v5e_forms)
-          - jnp.sum(e, axis=0, keepdims=True) - d_dout
+          rowsum_row(f, pieces=3, weights=beta[u], v5e_forms=st.v5e_forms)
+          + din_row * rowsum_row(d_xin[u][:, :dim_k] * k[ku] + dqw[u][:c] * q[ku],
+                                 v5e_forms=st.v5e_forms)
+          - beta[u] * f_col - d_dout
           + jnp.where(lane == c - 1, jnp.sum(d_dout) + d_lam, 0.0))
+    for ku in kheads:
+      both = dot(dqk_sum[ku], k[ku])                                   # [d_QK K; d_KK K]
+      back = dot(dqk_sum[ku], jnp.concatenate([q[ku], k[ku]], 0), ta=True)
+      dq_acc[ku] = dq_acc[ku] + both[:c]
+      dk_acc[ku] = dk_acc[ku] + both[c:] + back + dkb_sum[ku].T
     for ku, j in kheads.items():
       # The VJP at the sanitised q, k (they differ at non-finite rows only,
       # whose gradients come poisoned), the norms taken again: kept from the
@@ -1198,9 +1220,14 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
     return carry
 
   _run_groups(st, group)
-  starts = None if gate.run is None else _starts_row(gate)
-  d_g = chunk_cumsum(dgr_scr[...], starts, reverse=True)
-  d_g = d_g[0] + d_g[1]
+  # d_gcum's reverse cumsum in the segment, d_g_j = Σ_{i ≥ j, same segment}
+  # d_gcum_i, as d_gcum @ causal on the MXU (three bf16 pieces: exact products,
+  # float32 sums): v6e, Qwen3-Next heads, T=512, 3.9 k cycles of gdn_bwd as a
+  # compensated scan over lanes (`chunk_cumsum`, a dependent chain).
+  # (A product per piece: Hv rows need not be a multiple of bf16's 16.)
+  mask = jnp.where(causal, 1.0, 0.0).astype(BF16)
+  d_g = functools.reduce(operator.add, [
+      _mm(piece, mask) for piece in split_bf16(dgr_scr[...], 3, st.v5e_forms)])
   if st.guard:      # NaN into every gradient of the poisoned tokens
     _guard_bwd_tiles(r, st)
     poison = _nan_where(r.guard_rows[0])
@@ -1220,14 +1247,6 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
       _guard_state_out(dh0_ref, ds_scr, r.guard_rows.at[0])
     else:
       dh0_ref[...] = ds_scr[...]
-
-
-def _starts_row(gate: ChunkGate):
-  """The (1, C) start flags back from the in-chunk segment index."""
-  run = gate.run
-  prev = pltpu.roll(run, 1, 1)
-  lane = lax.broadcasted_iota(jnp.int32, run.shape, 1)
-  return jnp.where(lane == 0, run, run - prev)
 
 
 # ----------------------------------------------------------------------------
