@@ -288,8 +288,9 @@ def chunk_gate(g_rows, starts):
                    run_col, causal, strict)
 
 
-def gamma_decay_in(gate_rows, masks, dim_k: int):
-  """Γ (C×C) and decay_in broadcast over the key dim (C×dim_k) of one head.
+def gamma_decay_in(gate_rows, masks, dim_k: int, dim_v: int | None = None):
+  """Γ (C×C) and decay_in broadcast over the key dim (C×dim_k) of one head;
+  with `dim_v`, a third value: decay_in broadcast over the value dim (C×dim_v).
 
   gate_rows: the head's (1, C) rows g_hi, g_lo and, with segments, run;
   g_lo None: G = g_hi alone (uncompensated: G_i − G_j off by up to a few
@@ -299,20 +300,23 @@ def gamma_decay_in(gate_rows, masks, dim_k: int):
   g_hi, g_lo, run = gate_rows
   causal, _ = masks
   c = g_hi.shape[-1]
-  width = max(c, dim_k)
+  dim_in = max(dim_k, dim_v or 0)
+  width = max(c, dim_in)
   hc = jnp.broadcast_to(g_hi, (width, c)).T             # (C, width): G_i in row i
   if g_lo is None:
-    diff, log_in = hc[:, :c] - g_hi, hc[:, :dim_k]
+    diff, log_in = hc[:, :c] - g_hi, hc[:, :dim_in]
   else:
     lc = jnp.broadcast_to(g_lo, (width, c)).T
     diff = (hc[:, :c] - g_hi) + (lc[:, :c] - g_lo)
-    log_in = hc[:, :dim_k] + lc[:, :dim_k]
+    log_in = hc[:, :dim_in] + lc[:, :dim_in]
   gamma = jnp.exp(jnp.where(causal, diff, _NEG_INF))
   decay_in = jnp.exp(log_in)
   if run is not None:
-    first = jnp.broadcast_to(run, (dim_k, c)).T == 0.0
+    first = jnp.broadcast_to(run, (dim_in, c)).T == 0.0
     decay_in = jnp.where(first, decay_in, 0.0)
-  return gamma, decay_in
+  if dim_v is None:
+    return gamma, decay_in
+  return gamma, decay_in[:, :dim_k], decay_in[:, :dim_v]
 
 
 def rowsum_row(x, pieces=2, v5e_forms=False, *, weights=None):
@@ -1154,11 +1158,11 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
     # bfloat16 rounding of the inputs, for one transpose (XLU) and three vector
     # passes less per head (v6e, Qwen3-Next heads, T=512: gdn_bwd 101.6 -> 99.3 k
     # cycles).
-    gammas, dins = {}, {}
+    gammas, dins, dins_v = {}, {}, {}
     for u, i in heads.items():
       g_lo = _row(rows_scr, _G_LO, i) if st.passes > 1 else None
-      gammas[u], dins[u] = gamma_decay_in(
-          (_row(rows_scr, _G_HI, i), g_lo, gate.run), masks, dim_k)
+      gammas[u], dins[u], dins_v[u] = gamma_decay_in(
+          (_row(rows_scr, _G_HI, i), g_lo, gate.run), masks, dim_k, st.dim_v)
     qkk = {ku: dot(jnp.concatenate([q[ku], k[ku]], 0), k[ku], tb=True)
            for ku in kheads}
     # Forward recompute: [W̃ | Ũ] = T' [K_in | V], V″ = Ũ − W̃ S.
@@ -1172,28 +1176,34 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
     # The transposed products take their left operands as they are (ta): v6e,
     # Qwen3-Next heads, T=512, gdn_bwd 118.7 -> 109.5 k cycles against
     # transposing them first (XLU).
+    # Every stacked operand by `_operand_cat`, so that a tile stacked into
+    # several (dO, dS, −dV″) is cast to bf16 once.
     nd_vnew = {}
     for u in heads:
       k_db = -kout[u] * k_t[kj(u)]                                     # −(K ⊙ (decay_out β)_i)ᵀ
       nd_vnew[u] = dot(_operand_cat([qkk[kj(u)][:c] * ngb[u], k_db], 0, st),   # −P̃ ⊙ β_j
                        _operand_cat([d_o[u], dsn[u]], 0, st), ta=True)
+    # decay_in on dO's rows (Q_inᵀ dO = Qᵀ (decay_in ⊙ dO)), which then
+    # reaches dq's part, dO_in Sᵀ, too: one C×K pass per head less than on Q
+    # and on dO Sᵀ (v6e, Qwen3-Next heads, T=512: gdn_bwd 99.4 -> 98.5 k cycles).
+    d_oin = {u: d_o[u] * dins_v[u] for u in heads}
     for u, i in heads.items():
-      lhs = jnp.concatenate([q[kj(u)] * dins[u], wu[u][:, :dim_k]], 0)
-      ds_scr[i] = lam[u] * dsn[u] + dot(lhs, jnp.concatenate([d_o[u], nd_vnew[u]], 0), ta=True)
-    dqw = {u: dot(jnp.concatenate([d_o[u], nd_vnew[u]], 0), s[u], tb=True)
-           for u in heads}                                              # [dO Sᵀ; dW̃]
-    dpk = {u: dot(jnp.concatenate([d_o[u], dsn[u]], 0), v_new[u], tb=True)
+      lhs = _operand_cat([q[kj(u)], wu[u][:, :dim_k]], 0, st)
+      ds_scr[i] = lam[u] * dsn[u] + dot(lhs, _operand_cat([d_oin[u], nd_vnew[u]], 0, st),
+                                        ta=True)
+    dqw = {u: dot(_operand_cat([d_oin[u], nd_vnew[u]], 0, st), s[u], tb=True)
+           for u in heads}                                              # [dO_in Sᵀ; dW̃]
+    dpk = {u: dot(_operand_cat([d_o[u], dsn[u]], 0, st), v_new[u], tb=True)
            for u in heads}                                              # [dP̃; d(Kᵀ kout)]
     # WY part: [dK_in | dV] = T'ᵀ [dW̃ | dŨ];  dA' = −[dK_in | dV] [W̃ | Ũ]ᵀ.
-    d_xin = {u: dot(tm[u], jnp.concatenate([dqw[u][c:], -nd_vnew[u]], 1), ta=True)
+    d_xin = {u: dot(tm[u], _operand_cat([dqw[u][c:], -nd_vnew[u]], 1, st), ta=True)
              for u in heads}
     n_da = {u: jnp.where(strict, dot(d_xin[u], wu[u], tb=True), 0.0)   # −dA'
             for u in heads}
-    dq_acc = {ku: jnp.zeros((c, dim_k), F32) for ku in kheads}
-    dk_acc = {ku: jnp.zeros((c, dim_k), F32) for ku in kheads}
-    # Summed over the value heads of a key head before the products with Q
-    # and K (and the transpose of d(K_out)): one product each per key head.
-    dqk_sum, dkb_sum = {}, {}
+    # Sums per key head, started by their first term (no adds of zeros).
+    # d_QK, d_KK and d(K_out) are summed over a key head's value heads
+    # before the products with Q and K and the transpose: one per key head.
+    dq_acc, dk_acc, dqk_sum, dkb_sum = {}, {}, {}, {}
     acc = lambda sums, ku, x: x if ku not in sums else sums[ku] + x
     for u, i in heads.items():
       ku = kj(u)
@@ -1207,16 +1217,14 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
       # dβ_j gets colsum(f).
       f = gammas[u] * (d_p * qkk[ku][:c] - n_da[u] * qkk[ku][c:])
       f_col = jnp.sum(f, axis=0, keepdims=True)
-      dq_acc[ku] = dq_acc[ku] + dqw[u][:c] * dins[u]
-      dk_acc[ku] = dk_acc[ku] + d_xin[u][:, :dim_k] * dins[u]
+      dk_in = d_xin[u][:, :dim_k] * dins[u]
+      dq_acc[ku] = acc(dq_acc, ku, dqw[u][:c])
+      dk_acc[ku] = acc(dk_acc, ku, dk_in)
       # Per-token parts of dβ and d_gcum (math.md), as rows.
       d_kout = jnp.sum(d_kb * k_t[ku], axis=0, keepdims=True)          # d(decay_out β)_j
       decay_out = _row(rows_scr, _DECAY_OUT, i)
       d_dout = d_kout * kout[u]                                          # d decay_out · decay_out
       d_lam = jnp.sum(dsn[u] * states_ref[i].astype(F32)) * lam[u]
-      din_row = jnp.exp(_row(rows_scr, _G_HI, i) + _row(rows_scr, _G_LO, i))
-      if gate.run is not None:
-        din_row = jnp.where(gate.run == 0.0, din_row, 0.0)
       dbr_scr[pl.ds(i, 1), :] = f_col + d_kout * decay_out
       dgr_scr[pl.ds(i, 1), :] = (
           # rowsum(e) − colsum(e) cancels in every suffix sum of d_gcum (all of
@@ -1224,8 +1232,7 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
           # (~2⁻¹⁶ of e) is left in every token's dg, large next to a strongly
           # decaying head's tiny true dg.
           rowsum_row(f, pieces=3, weights=beta[u], v5e_forms=st.v5e_forms)
-          + din_row * rowsum_row(d_xin[u][:, :dim_k] * k[ku] + dqw[u][:c] * q[ku],
-                                 v5e_forms=st.v5e_forms)
+          + rowsum_row(dk_in * k[ku] + dqw[u][:c] * q[ku], v5e_forms=st.v5e_forms)
           - beta[u] * f_col - d_dout
           + jnp.where(lane == c - 1, jnp.sum(d_dout) + d_lam, 0.0))
     for ku in kheads:
@@ -1237,7 +1244,8 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
       # The VJP at the sanitised q, k (they differ at non-finite rows only,
       # whose gradients come poisoned), the norms taken again: kept from the
       # start, they took tpu7x's backward past its scoped VMEM limit
-      # (Qwen3-Next heads, T=4096, C=64: 21.10 of 21 MiB).
+      # (Qwen3-Next heads, T=4096, C=64: 21.10 of 21 MiB), and v6e's estimate
+      # gained nothing (Qwen3-Next heads, T=512: gdn_bwd 99.4 -> 99.6 k cycles).
       dq_scr[j] = _normed_vjp((q[ku], _normed(qh_scr[j], st)[1]), dq_acc[ku], st.scale)
       dk_scr[j] = _normed_vjp((k[ku], _normed(kh_scr[j], st)[1]), dk_acc[ku])
     return carry
