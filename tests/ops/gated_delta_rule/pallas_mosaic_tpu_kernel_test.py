@@ -151,6 +151,21 @@ def test_rowsum_row_keeps_float32_precision(pieces, v5e_forms):
   np.testing.assert_allclose(got[0], want, rtol=0, atol=2e-5 * np.abs(x).sum(1).max())
 
 
+@pytest.mark.parametrize("v5e_forms", [False, True], ids=["", "v5e_forms"])
+def test_rowsum_row_weighted_sums_exact_products(v5e_forms):
+  """`weights`: the row sums of x ⊙ w, every product exact (w in three bf16
+  pieces; a two-piece w would be off by ~2⁻¹⁶ of each term)."""
+  r = np.random.default_rng(5)
+  x = r.standard_normal((128, 256)).astype(np.float32)
+  x[:, 0] *= 1e4
+  w = r.random((1, 256)).astype(np.float32)
+
+  got = _call(lambda x, w: pk.rowsum_row(x, 3, v5e_forms, weights=w), x, w)
+  terms = x.astype(np.float64) * w.astype(np.float64)
+  np.testing.assert_allclose(got[0], terms.sum(1), rtol=0,
+                             atol=2e-6 * np.abs(terms).sum(1).max())
+
+
 def test_round_bf16_is_a_nearest_bf16():
   """`round_bf16` (f32 arithmetic) gives a bf16 value exactly, its f32 copy
   equal to it, and a nearest one: the cast's, or its neighbour at a tie."""

@@ -102,6 +102,7 @@ cumsum in-kernel).
 import dataclasses
 import functools
 import math
+import operator
 from typing import Any
 
 import jax
@@ -288,10 +289,14 @@ def chunk_gate(g_rows, starts):
                    run_col, causal, strict)
 
 
-def gamma_decay_in(gate_rows, masks, dim_k: int, row_exp: bool = False):
-  """Γ (C×C) and decay_in broadcast over the key dim (C×dim_k) of one head.
+def gamma_decay_in(gate_rows, masks, dim_k: int, dim_v: int | None = None,
+                   row_exp: bool = False):
+  """Γ (C×C) and decay_in broadcast over the key dim (C×dim_k) of one head;
+  with `dim_v`, a third value: decay_in broadcast over the value dim (C×dim_v).
 
-  gate_rows: the head's (1, C) rows g_hi, g_lo and, with segments, run.
+  gate_rows: the head's (1, C) rows g_hi, g_lo and, with segments, run;
+  g_lo None: G = g_hi alone (uncompensated: G_i − G_j off by up to a few
+  float32 ulps of |G|).
   Columns come from transposing the row broadcast (XLU). `row_exp`:
   decay_in's exp taken on the (1, C) row and transposed on its own (the
   same values; one vreg of exp, not C×dim_k, for one more transpose). v6e,
@@ -301,31 +306,51 @@ def gamma_decay_in(gate_rows, masks, dim_k: int, row_exp: bool = False):
   g_hi, g_lo, run = gate_rows
   causal, _ = masks
   c = g_hi.shape[-1]
-  width = c if row_exp else max(c, dim_k)
+  dim_in = max(dim_k, dim_v or 0)
+  width = c if row_exp else max(c, dim_in)
   hc = jnp.broadcast_to(g_hi, (width, c)).T             # (C, width): G_i in row i
-  lc = jnp.broadcast_to(g_lo, (width, c)).T
-  diff = (hc[:, :c] - g_hi) + (lc[:, :c] - g_lo)
+  if g_lo is None:
+    diff = hc[:, :c] - g_hi
+    log_in = None if row_exp else hc[:, :dim_in]
+  else:
+    lc = jnp.broadcast_to(g_lo, (width, c)).T
+    diff = (hc[:, :c] - g_hi) + (lc[:, :c] - g_lo)
+    log_in = None if row_exp else hc[:, :dim_in] + lc[:, :dim_in]
   gamma = jnp.exp(jnp.where(causal, diff, _NEG_INF))
   if row_exp:
-    decay_in = jnp.broadcast_to(jnp.exp(g_hi + g_lo), (dim_k, c)).T
+    g_row = g_hi if g_lo is None else g_hi + g_lo
+    decay_in = jnp.broadcast_to(jnp.exp(g_row), (dim_in, c)).T
   else:
-    decay_in = jnp.exp(hc[:, :dim_k] + lc[:, :dim_k])
+    decay_in = jnp.exp(log_in)
   if run is not None:
-    first = jnp.broadcast_to(run, (dim_k, c)).T == 0.0
+    first = jnp.broadcast_to(run, (dim_in, c)).T == 0.0
     decay_in = jnp.where(first, decay_in, 0.0)
-  return gamma, decay_in
+  if dim_v is None:
+    return gamma, decay_in
+  return gamma, decay_in[:, :dim_k], decay_in[:, :dim_v]
 
 
-def rowsum_row(x, pieces=2, v5e_forms=False):
+def rowsum_row(x, pieces=2, v5e_forms=False, *, weights=None):
   """Row sums of x (C×n f32) as a (1, C) row, by the MXU against ones (NT).
 
   A lane reduction on the vector units costs ~9 cycles per vreg; the MXU sums
   exactly per bf16 piece: two pieces (hi + lo) keep ~2⁻¹⁶ of each term, three
   all of it (for sums that must cancel against a float32 sum of the same terms).
+  `weights` (1, n) f32: the row sums of x ⊙ weights (x's rows scaled per
+  column), against the weights' three bf16 pieces instead of ones (each
+  product exact) -- the scaled tile itself is never formed.
   """
-  c = x.shape[0]
-  ones = jnp.ones((8, x.shape[1]), BF16)
-  y = _mm(ones, stacked_bf16(x, pieces, v5e_forms)[0], tb=True)   # (8, pieces C)
+  c, n = x.shape
+  if weights is None:
+    lhs = jnp.ones((8, n), BF16)
+  else:
+    parts = [wide for _, wide in _split(weights, 3, v5e_forms)]
+    # Rows 3..7 repeat the pieces (unused): zero rows made libtpu's v5e
+    # estimator abort (a masked matmul of a bf16 operand).
+    lhs = jnp.concatenate(parts * 2 + parts[:2], 0).astype(BF16)
+  y = _mm(lhs, stacked_bf16(x, pieces, v5e_forms)[0], tb=True)   # (8, pieces C)
+  if weights is not None:
+    y = jnp.sum(y[0:3], axis=0, keepdims=True)
   return sum(y[0:1, p * c:(p + 1) * c] for p in range(pieces))
 
 
@@ -605,7 +630,7 @@ def _packed_heads(x_ref, b_ref, qh_scr, kh_scr, vh_scr, st: _Static, c_idx, rows
     vh_scr[i] = v if live is None else jnp.where(live[i], v, 0.0)
 
 
-def _normed(x, st: _Static):
+def _normed(x, st: _Static, scale: float = 1.0):
   """A q or k head tile (C, K) f32 as the kernels use it, with the factor of
   its L2 norm: (x r, r), r = 1 / sqrt(sum(x²) + 1e-6) over each row (C, K)
   under `st.qk_l2norm` (`prologue.l2norm`, in float32 and not rounded to the
@@ -613,20 +638,25 @@ def _normed(x, st: _Static):
   scoped VMEM. The sums are lane reductions: by
   the MXU against ones (three bf16 pieces, as `rowsum_row`) v6e's estimate
   (Qwen3-Next heads, T=512) was 4.1 / 5.4 / 4.5 k cycles more in gdn_fwd /
-  gdn_fwd_states / gdn_bwd."""
+  gdn_fwd_states / gdn_bwd. `scale`: the tile times scale (the factor r
+  as it is)."""
   if not st.qk_l2norm:
-    return x, None
+    return (x, None) if scale == 1.0 else (x * scale, None)
   r = lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + prologue.L2NORM_EPS)
-  return x * r, r
+  return x * (r if scale == 1.0 else r * scale), r
 
 
-def _normed_vjp(normed, dy):
-  """The cotangent of the raw tile from dy, that of `normed = _normed(x)`:
-  r (dy - y <y, dy>) per row."""
+def _normed_vjp(normed, dy, scale: float = 1.0):
+  """The cotangent of the raw tile from dy, that of `normed = _normed(x,
+  scale=scale)` = (scale y, r): scale r (dy - y <y, dy>) per row."""
   y, r = normed
   if r is None:
-    return dy
-  return r * (dy - y * jnp.sum(y * dy, axis=-1, keepdims=True))
+    return dy if scale == 1.0 else dy * scale
+  if scale == 1.0:
+    return r * (dy - y * jnp.sum(y * dy, axis=-1, keepdims=True))
+  # y here is scale times the normed tile: the scales go on the (C, 1) columns.
+  dot_col = jnp.sum(y * dy, axis=-1, keepdims=True) * (1.0 / (scale * scale))
+  return (r * scale) * (dy - y * dot_col)
 
 
 def _log_decay(g_ref, params_ref, st: _Static):
@@ -1211,98 +1241,135 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
   def group(gi, carry):
     heads, kheads = _group_heads(st, gi)
     kj = lambda u: u // st.group
-    q = {ku: _finite(_normed(qh_scr[j], st)[0], st) for ku, j in kheads.items()}
+    # The attention scale goes on the queries (the L2 norm's (C, 1) factor), not
+    # on every value head's dO: the gradients are the same, dq's scale is
+    # `_normed_vjp`'s. v6e, Qwen3-Next heads, T=512: gdn_bwd 103.1 -> 102.7 k cycles.
+    q = {ku: _finite(_normed(qh_scr[j], st, st.scale)[0], st) for ku, j in kheads.items()}
     k = {ku: _finite(_normed(kh_scr[j], st)[0], st) for ku, j in kheads.items()}
     k_t = {ku: k[ku].T for ku in kheads}
     v = {u: _finite(vh_scr[i], st) for u, i in heads.items()}
-    do_s = {u: st.scale * _finite(doh_scr[i], st) for u, i in heads.items()}
-    s = {u: states_ref[i].astype(F32) for u, i in heads.items()}
-    tm = {u: tm_ref[i].astype(F32) for u, i in heads.items()}
+    d_o = {u: _finite(doh_scr[i], st) for u, i in heads.items()}
+    # The residuals as stored (bf16 for bf16 inputs): as matmul operands only,
+    # not widened to f32 and cast back (S in f32 for ⟨S, dS⟩ is a load of its own).
+    s = {u: states_ref[i] for u, i in heads.items()}
+    tm = {u: tm_ref[i] for u, i in heads.items()}
     dsn = {u: ds_scr[i] for u, i in heads.items()}
     beta = {u: _row(rows_scr, _BETA, i) for u, i in heads.items()}
     kout = {u: _row(rows_scr, _KOUT, i) for u, i in heads.items()}
     lam = {u: _row(rows_scr, _DECAY_CHUNK, i)[:, 0:1] for u, i in heads.items()}
-    gammas, dins = {}, {}
+    # Γ and decay_in from the compensated G for float32 inputs; for bfloat16
+    # inputs from its float32 part alone: off by up to a few float32 ulps of
+    # |G| (relative 6e-4 in Γ where |G| ~ 2000 at the −30 floor), below the
+    # bfloat16 rounding of the inputs, for one transpose (XLU) and three vector
+    # passes less per head (v6e, Qwen3-Next heads, T=512: gdn_bwd 101.6 -> 99.3 k
+    # cycles).
+    gammas, dins, dins_v = {}, {}, {}
     for u, i in heads.items():
-      gammas[u], dins[u] = gamma_decay_in(
-          (_row(rows_scr, _G_HI, i), _row(rows_scr, _G_LO, i), gate.run), masks, dim_k)
+      g_lo = _row(rows_scr, _G_LO, i) if st.passes > 1 else None
+      gammas[u], dins[u], dins_v[u] = gamma_decay_in(
+          (_row(rows_scr, _G_HI, i), g_lo, gate.run), masks, dim_k, st.dim_v)
     qkk = {ku: dot(jnp.concatenate([q[ku], k[ku]], 0), k[ku], tb=True)
            for ku in kheads}
     # Forward recompute: [W̃ | Ũ] = T' [K_in | V], V″ = Ũ − W̃ S.
     wu = {u: dot(tm[u], _operand_cat([k[kj(u)] * dins[u], v[u]], 1, st))
           for u in heads}
     v_new = {u: wu[u][:, dim_k:] - dot(wu[u][:, :dim_k], s[u]) for u in heads}
-    pq = {u: qkk[kj(u)][:c] * gammas[u] for u in heads}                 # (Q Kᵀ) ⊙ Γ
-    mk = {u: jnp.where(strict, qkk[kj(u)][c:] * gammas[u], 0.0) for u in heads}   # M
-    # State part: dV″ = P̃ᵀ dO + (K ⊙ kout_i) dS′;  dS = Q_inᵀ dO − W̃ᵀ dV″ + λ dS′.
-    d_vnew = {}
+    ngb = {u: gammas[u] * -beta[u] for u in heads}                      # −Γ ⊙ β_j
+    # State part: −dV″ = −P̃ᵀ dO − (K ⊙ kout_i) dS′ (the sign from β's and
+    # kout's rows, so that dS = Q_inᵀ dO + W̃ᵀ (−dV″) + λ dS′ and [dO Sᵀ; dW̃]
+    # take it as it is).
     # The transposed products take their left operands as they are (ta): v6e,
     # Qwen3-Next heads, T=512, gdn_bwd 118.7 -> 109.5 k cycles against
     # transposing them first (XLU).
+    # Every stacked operand by `_operand_cat`, so that a tile stacked into
+    # several (dO, dS, −dV″) is cast to bf16 once.
+    nd_vnew = {}
     for u in heads:
-      k_db = kout[u] * k_t[kj(u)]                                      # (K ⊙ (decay_out β)_i)ᵀ
-      d_vnew[u] = dot(_operand_cat([pq[u] * beta[u], k_db], 0, st),
-                      _operand_cat([do_s[u], dsn[u]], 0, st), ta=True)
+      k_db = -kout[u] * k_t[kj(u)]                                     # −(K ⊙ (decay_out β)_i)ᵀ
+      nd_vnew[u] = dot(_operand_cat([qkk[kj(u)][:c] * ngb[u], k_db], 0, st),   # −P̃ ⊙ β_j
+                       _operand_cat([d_o[u], dsn[u]], 0, st), ta=True)
+    # decay_in on dO's rows (Q_inᵀ dO = Qᵀ (decay_in ⊙ dO)), which then
+    # reaches dq's part, dO_in Sᵀ, too: one C×K pass per head less than on Q
+    # and on dO Sᵀ (v6e, Qwen3-Next heads, T=512: gdn_bwd 99.4 -> 98.5 k cycles).
+    d_oin = {u: d_o[u] * dins_v[u] for u in heads}
     for u, i in heads.items():
-      lhs = jnp.concatenate([q[kj(u)] * dins[u], -wu[u][:, :dim_k]], 0)
-      ds_scr[i] = lam[u] * dsn[u] + dot(lhs, jnp.concatenate([do_s[u], d_vnew[u]], 0), ta=True)
-    dqw = {u: dot(jnp.concatenate([do_s[u], -d_vnew[u]], 0), s[u], tb=True)
-           for u in heads}                                              # [dO Sᵀ; dW̃]
-    dpk = {u: dot(jnp.concatenate([do_s[u], dsn[u]], 0), v_new[u], tb=True)
+      lhs = _operand_cat([q[kj(u)], wu[u][:, :dim_k]], 0, st)
+      ds_scr[i] = lam[u] * dsn[u] + dot(lhs, _operand_cat([d_oin[u], nd_vnew[u]], 0, st),
+                                        ta=True)
+    dqw = {u: dot(_operand_cat([d_oin[u], nd_vnew[u]], 0, st), s[u], tb=True)
+           for u in heads}                                              # [dO_in Sᵀ; dW̃]
+    dpk = {u: dot(_operand_cat([d_o[u], dsn[u]], 0, st), v_new[u], tb=True)
            for u in heads}                                              # [dP̃; d(Kᵀ kout)]
     # WY part: [dK_in | dV] = T'ᵀ [dW̃ | dŨ];  dA' = −[dK_in | dV] [W̃ | Ũ]ᵀ.
-    d_xin = {u: dot(tm[u], jnp.concatenate([dqw[u][c:], d_vnew[u]], 1), ta=True)
+    d_xin = {u: dot(tm[u], _operand_cat([dqw[u][c:], -nd_vnew[u]], 1, st), ta=True)
              for u in heads}
-    d_a = {u: jnp.where(strict, -dot(d_xin[u], wu[u], tb=True), 0.0)
-           for u in heads}
-    dq_acc = {ku: jnp.zeros((c, dim_k), F32) for ku in kheads}
-    dk_acc = {ku: jnp.zeros((c, dim_k), F32) for ku in kheads}
+    n_da = {u: jnp.where(strict, dot(d_xin[u], wu[u], tb=True), 0.0)   # −dA'
+            for u in heads}
+    # Sums per key head, started by their first term (no adds of zeros).
+    # d_QK, d_KK and d(K_out) are summed over a key head's value heads
+    # before the products with Q and K and the transpose: one per key head.
+    dq_acc, dk_acc, dqk_sum, dkb_sum = {}, {}, {}, {}
+    acc = lambda sums, ku, x: x if ku not in sums else sums[ku] + x
     for u, i in heads.items():
       ku = kj(u)
       d_p, d_kb = dpk[u][:c], dpk[u][c:]
       dv_scr[i] = d_xin[u][:, dim_k:]
-      d_m = d_a[u] * beta[u]
-      d_kk = d_m * gammas[u]
-      d_pq = d_p * beta[u]
-      d_qk = lhs_masked(causal, d_pq * gammas[u], st.v5e_forms)
-      e = d_m * mk[u] + d_pq * pq[u]                                   # dΓ ⊙ Γ
-      dqk = jnp.concatenate([d_qk, d_kk], 0)
-      both = dot(dqk, k[ku])                                           # [d_QK K; d_KK K]
-      back = dot(dqk, jnp.concatenate([q[ku], k[ku]], 0), ta=True)
-      dq_acc[ku] = dq_acc[ku] + dqw[u][:c] * dins[u] + both[:c]
-      dk_acc[ku] = dk_acc[ku] + d_xin[u][:, :dim_k] * dins[u] + both[c:] + back + (
-          d_kb * kout[u]).T
+      d_kk = n_da[u] * ngb[u]                                          # dA' ⊙ β_j Γ
+      nd_qk = lhs_masked(causal, d_p * ngb[u], st.v5e_forms)           # −d_QK
+      dqk_sum[ku] = acc(dqk_sum, ku, jnp.concatenate([nd_qk, d_kk], 0))
+      dkb_sum[ku] = acc(dkb_sum, ku, d_kb * kout[u])
+      # dΓ ⊙ Γ = f ⊙ β_j with f = dA' ⊙ M + dP̃ ⊙ P̃ = Γ ⊙ (dP̃ ⊙ QKᵀ + dA' ⊙ KKᵀ);
+      # dβ_j gets colsum(f).
+      f = gammas[u] * (d_p * qkk[ku][:c] - n_da[u] * qkk[ku][c:])
+      f_col = jnp.sum(f, axis=0, keepdims=True)
+      dk_in = d_xin[u][:, :dim_k] * dins[u]
+      dq_acc[ku] = acc(dq_acc, ku, dqw[u][:c])
+      dk_acc[ku] = acc(dk_acc, ku, dk_in)
       # Per-token parts of dβ and d_gcum (math.md), as rows.
       d_kout = jnp.sum(d_kb * k_t[ku], axis=0, keepdims=True)          # d(decay_out β)_j
       decay_out = _row(rows_scr, _DECAY_OUT, i)
       d_dout = d_kout * kout[u]                                          # d decay_out · decay_out
-      d_lam = jnp.sum(dsn[u] * s[u]) * lam[u]
-      dbr_scr[pl.ds(i, 1), :] = (jnp.sum(d_a[u] * mk[u], axis=0, keepdims=True)
-                                 + jnp.sum(d_p * pq[u], axis=0, keepdims=True)
-                                 + d_kout * decay_out)
+      d_lam = jnp.sum(dsn[u] * states_ref[i].astype(F32)) * lam[u]
+      dbr_scr[pl.ds(i, 1), :] = f_col + d_kout * decay_out
       dgr_scr[pl.ds(i, 1), :] = (
           # rowsum(e) − colsum(e) cancels in every suffix sum of d_gcum (all of
           # e's pairs inside it): exact row sums, else the hi + lo truncation
           # (~2⁻¹⁶ of e) is left in every token's dg, large next to a strongly
           # decaying head's tiny true dg.
-          rowsum_row(e, pieces=3, v5e_forms=st.v5e_forms)
-          + rowsum_row((d_xin[u][:, :dim_k] * k[ku] + dqw[u][:c] * q[ku]) * dins[u],
+          rowsum_row(f, pieces=3, weights=beta[u], v5e_forms=st.v5e_forms)
+          # decay_in's part: no cancellation to keep, so one bf16 piece for
+          # bf16 inputs (v6e, Qwen3-Next heads, T=512: gdn_bwd 98.5 -> 97.3 k
+          # cycles; rel-RMS of a_log's / dt_bias's gradient in the bf16 case
+          # of pallas_mosaic_tpu_test 6.6e-3 / 6.9e-3 -> 7.3e-3 / 7.6e-3, of
+          # 2e-2), two for float32.
+          + rowsum_row(dk_in * k[ku] + dqw[u][:c] * q[ku], pieces=1 if st.passes == 1 else 2,
                        v5e_forms=st.v5e_forms)
-          - jnp.sum(e, axis=0, keepdims=True) - d_dout
+          - beta[u] * f_col - d_dout
           + jnp.where(lane == c - 1, jnp.sum(d_dout) + d_lam, 0.0))
+    for ku in kheads:
+      both = dot(dqk_sum[ku], k[ku])                                   # [−d_QK K; d_KK K]
+      back = dot(dqk_sum[ku], jnp.concatenate([-q[ku], k[ku]], 0), ta=True)
+      dq_acc[ku] = dq_acc[ku] - both[:c]
+      dk_acc[ku] = dk_acc[ku] + both[c:] + back + dkb_sum[ku].T
     for ku, j in kheads.items():
       # The VJP at the sanitised q, k (they differ at non-finite rows only,
       # whose gradients come poisoned), the norms taken again: kept from the
       # start, they took tpu7x's backward past its scoped VMEM limit
-      # (Qwen3-Next heads, T=4096, C=64: 21.10 of 21 MiB).
-      dq_scr[j] = _normed_vjp((q[ku], _normed(qh_scr[j], st)[1]), dq_acc[ku])
+      # (Qwen3-Next heads, T=4096, C=64: 21.10 of 21 MiB), and v6e's estimate
+      # gained nothing (Qwen3-Next heads, T=512: gdn_bwd 99.4 -> 99.6 k cycles).
+      dq_scr[j] = _normed_vjp((q[ku], _normed(qh_scr[j], st)[1]), dq_acc[ku], st.scale)
       dk_scr[j] = _normed_vjp((k[ku], _normed(kh_scr[j], st)[1]), dk_acc[ku])
     return carry
 
   _run_groups(st, group)
-  starts = None if gate.run is None else _starts_row(gate)
-  d_g = chunk_cumsum(dgr_scr[...], starts, reverse=True)
-  d_g = d_g[0] + d_g[1]
+  # d_gcum's reverse cumsum in the segment, d_g_j = Σ_{i ≥ j, same segment}
+  # d_gcum_i, as d_gcum @ causal on the MXU (three bf16 pieces: exact products,
+  # float32 sums): v6e, Qwen3-Next heads, T=512, 3.9 k cycles of gdn_bwd as a
+  # compensated scan over lanes (`chunk_cumsum`, a dependent chain).
+  # (A product per piece: Hv rows need not be a multiple of bf16's 16.)
+  mask = lhs_masked(causal, jnp.ones((c, c), F32), st.v5e_forms).astype(BF16)
+  d_g = functools.reduce(operator.add, [
+      _mm(piece, mask) for piece in split_bf16(dgr_scr[...], 3, st.v5e_forms)])
   if st.guard:      # NaN into every gradient of the poisoned tokens
     _guard_bwd_tiles(r, st)
     poison = _nan_where(r.guard_rows[0])
@@ -1322,14 +1389,6 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
       _guard_state_out(dh0_ref, ds_scr, r.guard_rows.at[0])
     else:
       dh0_ref[...] = ds_scr[...]
-
-
-def _starts_row(gate: ChunkGate):
-  """The (1, C) start flags back from the in-chunk segment index."""
-  run = gate.run
-  prev = pltpu.roll(run, 1, 1)
-  lane = lax.broadcasted_iota(jnp.int32, run.shape, 1)
-  return jnp.where(lane == 0, run, run - prev)
 
 
 # ----------------------------------------------------------------------------
