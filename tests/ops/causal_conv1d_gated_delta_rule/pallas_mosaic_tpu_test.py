@@ -227,12 +227,14 @@ def test_cached_decode_compiles_and_is_estimable_on_v5e():
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("target", ["v5e", "v6e", "tpu7x"])
+@pytest.mark.parametrize("target", ["v5e", "tpu7x"])
 def test_one_request_prefill_compiles(target):
   """tp8_prefill_1024 (one chunked request: the conv, `gdn_fwd_requests`, no
   XLA pass over the activations) compiles for the chip as it runs (block
   indices from SMEM: libtpu's estimator aborts on that kernel, see
-  `gdn_fwd_requests`)."""
+  `gdn_fwd_requests`). v6e's forms of the kernel (unrolled head groups)
+  compile in the next test, with static block indices instead (an own v6e
+  compile here cost 18 CPU-s of the CI budget)."""
   (res,) = aot.compile_in_child(
       target, "tests.ops.causal_conv1d_gated_delta_rule.pallas_mosaic_tpu_test:aot_cases",
       dict(spec_name="tp8_prefill_1024"), cycles=False, timeout=600)

@@ -146,5 +146,5 @@ def test_forward_mode_autodiff_raises_a_clear_error(impl):
                          jax.jit(lambda q: jax.jvp(f, (q,), (q,)))):
       with pytest.raises(TypeError, match="gated_delta_rule does not support forward-mode"):
         forward_mode(args[0])
-    # Reverse mode is what it supports.
-    assert jax.jit(jax.jacrev(lambda q: jnp.sum(f(q))))(args[0]).shape == args[0].shape
+    # Reverse mode, what it supports, every gradient test runs (here it cost
+    # the interpret-mode Pallas kernels 10 CPU-s of the CI budget).
