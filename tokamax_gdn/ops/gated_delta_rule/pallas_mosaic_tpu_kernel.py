@@ -212,32 +212,22 @@ def mxu(a, b, *, passes, ta=False, tb=False, v5e_forms=False):
 # ----------------------------------------------------------------------------
 
 
-def chunk_cumsum(x, starts, *, reverse=False):
+def chunk_cumsum(x, starts):
   """Segment-local inclusive prefix sums along lanes, compensated.
 
   x: (H, C) f32; starts: (1, C) f32, 1 where a segment starts, or None.
   Returns (hi, lo) with hi + lo the sum to ~f32 precision of each term
-  (TwoSum in a Hillis–Steele scan). `reverse`: suffix sums, each stopping
-  before the next segment start (the transpose of the forward sum).
+  (TwoSum in a Hillis–Steele scan). (The backward's reverse sums are one
+  MXU product against the causal mask, `_bwd_kernel`.)
   """
   c = x.shape[-1]
   lane = lax.broadcasted_iota(jnp.int32, x.shape, 1)
   hi, lo = x, jnp.zeros_like(x)
-  if starts is None:
-    flag = None
-  elif reverse:   # a token ends its segment where the next one starts
-    flag = jnp.broadcast_to(pltpu.roll(starts, c - 1, 1), x.shape)
-    flag = jnp.where(lane == c - 1, 0.0, flag)
-  else:
-    flag = jnp.broadcast_to(starts, x.shape)
+  flag = None if starts is None else jnp.broadcast_to(starts, x.shape)
   shift = 1
   while shift < c:
-    if reverse:
-      ok = lane < c - shift
-      take = lambda y: pltpu.roll(y, c - shift, 1)
-    else:
-      ok = lane >= shift
-      take = lambda y: pltpu.roll(y, shift, 1)
+    ok = lane >= shift
+    take = lambda y: pltpu.roll(y, shift, 1)
     if flag is not None:
       ok = ok & (flag == 0.0)
       other_flag = take(flag)
@@ -245,8 +235,7 @@ def chunk_cumsum(x, starts, *, reverse=False):
     lo = jnp.where(ok, lo + take(lo) + err, lo)
     hi = jnp.where(ok, new_hi, hi)
     if flag is not None:
-      flag = jnp.where(lane < c - shift if reverse else lane >= shift,
-                       jnp.maximum(flag, other_flag), flag)
+      flag = jnp.where(lane >= shift, jnp.maximum(flag, other_flag), flag)
     shift *= 2
   return hi, lo
 
