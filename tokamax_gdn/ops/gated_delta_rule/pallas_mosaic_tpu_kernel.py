@@ -423,6 +423,10 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   for _ in range(newton):
     staged = []
     for t, a in zip(ts, a_list):
+      if isinstance(t, tuple):
+        t_parts, tf = [t[0]], t[0].astype(F32) if t[1] is None else t[1]
+      else:
+        t_parts, tf = split_bf16(t, 2, v5e_forms), t
       if newton == 1:
         # One step (bf16 inputs): its residual takes a in bf16 only (one
         # 128-row product, no hi/lo split), so it converges to
@@ -432,19 +436,14 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
         # heads, T=512: gdn_fwd 80.0 -> 77.0 k cycles. (float32's first of two
         # steps too cost its outputs ~25 % more error on unnormalised keys.)
         a_hi = round_bf16(a)[0] if v5e_forms else a.astype(BF16)
-        t_parts, tf = [t[0]], t[0].astype(F32) if t[1] is None else t[1]
-        at = _mm(a_hi, t[0])
-        staged.append((t_parts, tf, at))
-        continue
-      stacked, a_hi = stacked_bf16(a, 2, v5e_forms)        # [a_hi; a_lo]: one weight push of T
-      if isinstance(t, tuple):
-        t_parts, tf = [t[0]], t[0].astype(F32) if t[1] is None else t[1]
-        at2 = _mm(stacked, t[0])
-        at = at2[:c] + at2[c:]
+        at = _mm(a_hi, t_parts[0])
       else:
-        t_parts, tf = split_bf16(t, 2, v5e_forms), t
+        stacked, a_hi = stacked_bf16(a, 2, v5e_forms)      # [a_hi; a_lo]: one weight push of T
         at2 = _mm(stacked, t_parts[0])
-        at = at2[:c] + (at2[c:] + _mm(a_hi, t_parts[1]))
+        if len(t_parts) == 1:
+          at = at2[:c] + at2[c:]
+        else:
+          at = at2[:c] + (at2[c:] + _mm(a_hi, t_parts[1]))
       staged.append((t_parts, tf, at))
     ts = []
     for t_parts, tf, at in staged:
@@ -494,15 +493,6 @@ class _Static:
   # the final state and the gradients of the poisoned tokens are made NaN in
   # VMEM.
   guard: bool = False
-  # v5e: the forward's sanitising and the backward's gradient poison in
-  # branches taken in chunks with a bad token (`_guard_finite`,
-  # `_guard_bwd_tiles`); elsewhere selects in every chunk, cheaper there
-  # than a branch splitting the unrolled head groups. v6e, Qwen3-Next heads,
-  # T=512, gdn_fwd / gdn_fwd_states / gdn_bwd k cycles, branched -> not:
-  # v6e 80.0 / 70.2 / 114.0 -> 77.7 / 67.0 / 113.6, tpu7x 126.2 / 147.4 /
-  # 216.0 -> 125.1 / 145.4 / 214.9, v5e (no bf16 VPU) 132.3 / 122.3 / 160.0
-  # -> 134.6 / 123.0 / 164.6.
-  guard_branched: bool = False
   # The op's prologue in the kernel (`prologue.prologue`, from the raw
   # inputs): q, k L2-normalised (`qk_l2norm`, `_normed`); the log-decay
   # -exp(a_log) * softplus(g + dt_bias) of the raw gate (`gate_act`: a_log
@@ -536,6 +526,18 @@ class _Static:
   # Traced for v5e: the forms libtpu's cycle estimator accepts there (module
   # docstring); the values are the same up to ties in rounding to bf16.
   v5e_forms: bool = False
+
+  @property
+  def guard_branched(self) -> bool:
+    # v5e: the forward's sanitising and the backward's gradient poison in
+    # branches taken in chunks with a bad token (`_guard_finite`,
+    # `_guard_bwd_tiles`); elsewhere selects in every chunk, cheaper there
+    # than a branch splitting the unrolled head groups. v6e, Qwen3-Next heads,
+    # T=512, gdn_fwd / gdn_fwd_states / gdn_bwd k cycles, branched -> not:
+    # v6e 80.0 / 70.2 / 114.0 -> 77.7 / 67.0 / 113.6, tpu7x 126.2 / 147.4 /
+    # 216.0 -> 125.1 / 145.4 / 214.9, v5e (no bf16 VPU) 132.3 / 122.3 / 160.0
+    # -> 134.6 / 123.0 / 164.6.
+    return self.v5e_forms
 
   @property
   def group(self) -> int:
@@ -1503,8 +1505,7 @@ def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states
                  interleave=normalize_interleave(interleave, hv, hv // hk),
                  has_seg=has_seg, has_h0=has_h0, n_states=n_states, v5e_forms=_v5e_forms(),
                  qk_in_place=gdn_config.target_generation().name == "tpu7x",
-                 unroll_groups=_unroll_groups(), guard_branched=_v5e_forms(),
-                 **pro.static())
+                 unroll_groups=_unroll_groups(), **pro.static())
 
 
 def _head_scratch(st: _Static, values: tuple[str, ...]) -> list[_Operand]:
