@@ -46,6 +46,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import jax  # pylint: disable=g-import-not-at-top
 from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
 from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+from jax.experimental.layout import Format, Layout  # pylint: disable=g-import-not-at-top
 from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
@@ -190,9 +191,16 @@ def compile_for(target: str, fn: Callable[..., Any], *arg_specs,
   # A function may name arguments to donate (`fn.aot_donate_argnums`): the
   # serving op's pools, updated in place as an engine calls it.
   donate = getattr(fn, "aot_donate_argnums", ())
+  layouts = {}
+  if getattr(fn, "aot_auto_layouts", False):
+    # Arguments and results in the layouts XLA picks for the program, as
+    # arrays inside a model are (a jit boundary's own defaults can differ
+    # from what the computation reads, and XLA then adds copies no model runs).
+    layouts = dict(in_shardings=tuple(Format(Layout.AUTO, a.sharding) for a in args),
+                   out_shardings=Format(Layout.AUTO))
   with on_target(mesh):
     compiled = jax.jit(functools.partial(fn, **static_kwargs),
-                       donate_argnums=donate).lower(*args).compile()
+                       donate_argnums=donate, **layouts).lower(*args).compile()
   mem = compiled.memory_analysis()
   return CompileReport(
       target=target,

@@ -5,7 +5,8 @@ Per token x [hidden] (r = Hv / Hk value heads per key head):
   [q k v | z | b | a] = x @ in_proj            q, k: Hk*K; v, z: Hv*V; b, a: Hv
   [q k v] = silu(causal_conv1d([q k v], conv_weight))   (depthwise, W taps, no bias)
   beta    = sigmoid(b);   g = -exp(a_log) * softplus(a + dt_bias)
-  o       = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)   (scale K**-0.5)
+  o       = gated_delta_rule(q, k, v, g, b, use_qk_l2norm=True,
+                             use_beta_sigmoid=True)   (scale K**-0.5)
   o       = rmsnorm(o, eps) * norm_weight * silu(z)      (per value head, over V)
   y       = o @ out_proj
 
@@ -339,13 +340,12 @@ def gated_deltanet(
   q = qkv[..., :cfg.key_dim].reshape(b, t, hk, dk)
   k = qkv[..., cfg.key_dim:2 * cfg.key_dim].reshape(b, t, hk, dk)
   v = qkv[..., 2 * cfg.key_dim:].reshape(b, t, hv, dv)
-  beta = jax.nn.sigmoid(beta_logit)
-
   o, new_state = gated_delta_rule(
-      q, k, v, a, beta,
+      q, k, v, a, beta_logit,
       initial_state=None if cache is None else cache.recurrent_state,
       output_final_state=return_cache,
       use_qk_l2norm=True,
+      use_beta_sigmoid=True,   # beta = sigmoid(b), in the op (in VMEM in the kernels)
       a_log=params["a_log"].astype(jnp.float32),
       dt_bias=params["dt_bias"].astype(jnp.float32),
       segment_ids=segment_ids,

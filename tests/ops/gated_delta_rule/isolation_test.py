@@ -323,3 +323,42 @@ def test_bad_value_poisons_its_segment_across_a_chunk_boundary(impl, chunk):
     h.assert_finite(grads[n][0, s1:50], f"d{n} of segment 2 before token 50")
   for n in h.POSITIONAL:
     _assert_same(grads[n][0, :s1], c_grads[n][0, :s1], f"d{n} of segments 0 and 1")
+
+
+@pytest.mark.parametrize("impl,chunk", _params())
+def test_beta_logits_nan_poisons_and_infinities_are_saturated_betas(impl, chunk):
+  """`use_beta_sigmoid`: a NaN logit is a bad beta (its segment is
+  poisoned, the others are untouched); ±inf logits are betas 1 and 0, not
+  bad values: the results equal those of sigmoid(logits) passed as beta, and
+  the logits' gradients are dbeta · beta (1 - beta) (0 at ±inf)."""
+  op = _op(impl, chunk)
+  diff, static = h.inputs(3, b=2, t=BOUNDS[-1], hk=HV // GROUP, hv=HV, dk=8, dv=8, gate=True,
+                          beta_logits=True)
+  seg = np.zeros((2, BOUNDS[-1]), np.int32)
+  for i, start in enumerate(BOUNDS[1:-1]):
+    seg[:, start:] = i + 1
+  static.update(segment_ids=jnp.asarray(seg), use_qk_l2norm=True)
+  cts = h.cotangents(diff, static, seed=4)
+  # Saturated logits in segment 1, on both heads of key head 0.
+  logits = diff["beta"].at[0, BAD_TOKEN, 1].set(np.inf).at[0, BAD_TOKEN + 3, 0].set(-np.inf)
+  out, final, grads = _run(op, dict(diff, beta=logits), static, cts)
+  probs = jax.nn.sigmoid(logits)
+  p_out, p_final, p_grads = _run(op, dict(diff, beta=probs),
+                                 dict(static, use_beta_sigmoid=False), cts)
+  _assert_same(out, p_out, "out")
+  _assert_same(final, p_final, "final")
+  for n in ("query", "key", "value", "g", "initial_state", "a_log", "dt_bias"):
+    _assert_same(grads[n], p_grads[n], f"d{n}")
+  _assert_same(grads["beta"], p_grads["beta"] * probs * (1 - probs), "d logits")
+  assert grads["beta"][0, BAD_TOKEN, 1] == 0 and grads["beta"][0, BAD_TOKEN + 3, 0] == 0
+  # A NaN logit: as a NaN beta.
+  out, final, grads = _run(op, dict(diff, beta=logits.at[0, BAD_TOKEN, 1].set(np.nan)),
+                           static, cts)
+  s1 = BOUNDS[2]
+  _all_nonfinite(out[0, BAD_TOKEN:s1, 1], "out from the NaN logit on")
+  _all_nonfinite(grads["beta"][0, BAD_TOKEN:s1, 1], "d logits from the NaN on")
+  for sl in (slice(0, BAD_TOKEN), slice(s1, None)):
+    _assert_same(out[0, sl], p_out[0, sl], f"out {sl}")
+    _assert_same(grads["value"][0, sl], p_grads["value"][0, sl], f"dvalue {sl}")
+  _assert_same(out[1], p_out[1], "row 1 out")
+  _assert_same(final[0], p_final[0], "final (of the last segment)")

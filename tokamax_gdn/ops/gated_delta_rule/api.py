@@ -20,6 +20,7 @@ def gated_delta_rule(
     initial_state: jax.Array | None = None,
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
+    use_beta_sigmoid: bool = False,
     a_log: jax.Array | None = None,
     dt_bias: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
@@ -38,7 +39,8 @@ def gated_delta_rule(
     value: [B, T, Hv, V]; Hv a multiple of Hk.
     g: [B, T, Hv] log-decay (<= 0); or, with `a_log`, the raw gate, turned into
       -exp(a_log) * softplus(g + dt_bias) inside (with gradients for all three).
-    beta: [B, T, Hv], in (0, 1).
+    beta: [B, T, Hv], in (0, 1); or, with `use_beta_sigmoid`, logits, turned
+      into sigmoid(beta) inside (the gradient is the logits').
     scale: output scale; default K**-0.5.
     initial_state: [B, Hv, K, V] float32 state before the first token. With
       `segment_ids` it may also be [B, N, Hv, K, V], one state per segment:
@@ -48,6 +50,9 @@ def gated_delta_rule(
     output_final_state: also return the state after the last token; for
       per-segment states, each segment's own end state.
     use_qk_l2norm: L2-normalise q and k (eps 1e-6) first.
+    use_beta_sigmoid: `beta` holds logits (as a GatedDeltaNet's projection
+      gives them); the Pallas kernels take the sigmoid and its VJP in VMEM,
+      with no XLA pass over beta before or dbeta after them.
     a_log, dt_bias: [Hv] gate parameters (see `g`).
     segment_ids: [B, T] int; the state resets to zero where the id changes
       (or to the segment's own initial state, see `initial_state`). A NaN or
@@ -85,7 +90,8 @@ def gated_delta_rule(
   """
   kwargs = dict(scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-                a_log=a_log, dt_bias=dt_bias, segment_ids=segment_ids)
+                use_beta_sigmoid=use_beta_sigmoid, a_log=a_log, dt_bias=dt_bias,
+                segment_ids=segment_ids)
   if named_residuals:
     if context_parallel_axis is not None:
       raise ValueError("named_residuals is not supported with context_parallel_axis")

@@ -26,13 +26,15 @@ def random_inputs(
     initial_state: bool = True,
     segments: int = 0,
     unit_keys: bool = False,
+    beta_logits: bool = False,
 ):
   """Realistic random GDN inputs (never zeros) as (args, kwargs).
 
   Keys are scaled so |beta k^T k| stays O(1) as in trained models (exactly
   unit keys with `unit_keys`); the log decay is -softplus(normal) / 2 (or the
-  raw gate with `a_log`/`dt_bias` when `gate`); `segments` > 0 packs about
-  that many random-length segments per row.
+  raw gate with `a_log`/`dt_bias` when `gate`); beta is sigmoid(normal), or
+  with `beta_logits` 2 * normal and `use_beta_sigmoid`; `segments` > 0 packs
+  about that many random-length segments per row.
   """
   ks = jax.random.split(key, 9)
   normal = lambda k, s: jax.random.normal(k, s, jnp.float32)
@@ -44,8 +46,12 @@ def random_inputs(
     k = k * dk**-0.5
   k = k.astype(dtype)
   v = normal(ks[2], (b, t, hv, dv)).astype(dtype)
-  beta = jax.nn.sigmoid(normal(ks[3], (b, t, hv))).astype(dtype)
-  kwargs = {}
+  if beta_logits:
+    beta = (2.0 * normal(ks[3], (b, t, hv))).astype(dtype)
+    kwargs = dict(use_beta_sigmoid=True)
+  else:
+    beta = jax.nn.sigmoid(normal(ks[3], (b, t, hv))).astype(dtype)
+    kwargs = {}
   if gate:
     g = normal(ks[4], (b, t, hv)).astype(dtype)
     kwargs["a_log"] = jnp.log(jax.random.uniform(ks[5], (hv,), jnp.float32, 1.0, 16.0))
@@ -82,10 +88,12 @@ ARG_SPECS: list[ArgSpec] = [
     _spec("gva_1to2_T40_gate", b=1, t=40, hk=1, hv=2, dk=16, dv=32, gate=True),
     _spec("gva_1to4_T70_segments", b=2, t=70, hk=1, hv=4, dk=32, dv=16, segments=3,
           initial_state=True),
+    # The layer's whole prologue: L2 norm, gate activation, beta's sigmoid.
     ArgSpec(
-        name="l2norm_gate_T33",
+        name="l2norm_gate_sigmoid_T33",
         make=lambda key: _with(
-            random_inputs(key, b=1, t=33, hk=2, hv=4, dk=16, dv=16, gate=True),
+            random_inputs(key, b=1, t=33, hk=2, hv=4, dk=16, dv=16, gate=True,
+                          beta_logits=True),
             use_qk_l2norm=True),
         diff_argnames=DIFF,
         tags=("conformance", "interpret"),

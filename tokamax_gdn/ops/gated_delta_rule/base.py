@@ -7,8 +7,9 @@ Recurrence (per batch b and value head h, reading key head h // (Hv // Hk)):
   o_t = scale * S_t^T q_t
 
 with q, k L2-normalised first (x / sqrt(sum x^2 + 1e-6)) when `use_qk_l2norm`,
-and g_t = -exp(a_log) * softplus(g_raw + dt_bias) when `a_log`/`dt_bias` are
-given. `segment_ids` resets S to zero where the id changes (t > 0); the first
+g_t = -exp(a_log) * softplus(g_raw + dt_bias) when `a_log`/`dt_bias` are
+given, and beta_t = sigmoid(b_t) of logits b when `use_beta_sigmoid`.
+`segment_ids` resets S to zero where the id changes (t > 0); the first
 segment starts from `initial_state`.
 
 Per-segment states: with `segment_ids`, `initial_state` may be [B, N, Hv, K, V]:
@@ -21,8 +22,8 @@ run this on a re-layout where every segment starts at a chunk boundary
 
 Split of work (one module per concept):
 - `GatedDeltaRule.bind` (here) validates and canonicalises once, for all backends.
-- `prologue` (l2norm + gate activation + the chunked log-decay floor) is
-  pointwise per token; it is shared and differentiated by autodiff in
+- `prologue` (l2norm + gate activation + the chunked log-decay floor + beta's
+  sigmoid) is pointwise per token; it is shared and differentiated by autodiff in
   `GatedDeltaRuleVjp`, or run (and differentiated) inside the core where the
   backend says so (`prologue_in_core`).
 - Backends implement `_core_fwd` (and, for an analytical backward, a
@@ -110,6 +111,22 @@ def _whole_guard(op_, initial_state) -> bool:
   return op_.whole_guard_in_core and (initial_state is None or initial_state.ndim == 4)
 
 
+def _without_beta_sigmoid(key):
+  """An autotuning cache key without `use_beta_sigmoid`: a pointwise sigmoid
+  of [B, T, Hv] changes which tiling is fastest no more than the values of
+  beta do, so calls with logits and with betas share their tuned entries
+  (and the entries tuned before the flag existed)."""
+  return type(key)({k: v for k, v in key.items() if k != "use_beta_sigmoid"})
+
+
+def _beta_sigmoid_in_core(op_, use_beta_sigmoid: bool, initial_state) -> bool:
+  """Whether `op_`'s core takes beta's logits and applies the sigmoid (and
+  its VJP) itself: with `prologue_in_core` on the whole-guard path (the
+  XLA guard's paths get sigmoid(beta), as cores without the prologue do)."""
+  return (use_beta_sigmoid and op_.prologue_in_core
+          and _whole_guard(op_, initial_state))
+
+
 def _float64_to_float32(tree):
   """Every float64 array of `tree` as float32.
 
@@ -128,6 +145,10 @@ def _float64_to_float32(tree):
 
 class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Residuals, C, K]):
   """Gated delta rule op. Subclasses implement `_core_fwd`."""
+
+  def _get_autotuning_cache_key(self, ba: op.BoundArguments) -> Any:
+    """tokamax's key without `use_beta_sigmoid` (`_without_beta_sigmoid`)."""
+    return _without_beta_sigmoid(super()._get_autotuning_cache_key(ba))
 
   # K or V above this: NotImplementedError, so `implementation=` falls through.
   max_head_dim: ClassVar[int | None] = None
@@ -151,9 +172,10 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
   whole_guard_in_core: ClassVar[bool] = False
   # Whether `_core_fwd` runs the prologue itself: it then gets the raw query,
   # key and g (sanitised as the guard does) and `use_qk_l2norm`, `a_log`,
-  # `dt_bias` as keywords, and floors the log-decay at `log_decay_floor`
-  # (the VJP's `_core_bwd` then does the same and returns the raw inputs'
-  # gradients: see `GatedDeltaRuleVjp.prologue_in_core`).
+  # `dt_bias` and `beta_sigmoid` (beta's logits come in: `_beta_sigmoid_in_core`)
+  # as keywords, and floors the log-decay at `log_decay_floor` (the VJP's
+  # `_core_bwd` then does the same and returns the raw inputs' gradients: see
+  # `GatedDeltaRuleVjp.prologue_in_core`).
   prologue_in_core: ClassVar[bool] = False
 
   def __call__(self, *args, **kwargs):
@@ -181,6 +203,7 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
       | Float[Array | AbstractArray, "B N Hv K V"] | None = None,
       output_final_state: bool = False,
       use_qk_l2norm: bool = False,
+      use_beta_sigmoid: bool = False,
       a_log: Float[Array | AbstractArray, "Hv"] | None = None,
       dt_bias: Float[Array | AbstractArray, "Hv"] | None = None,
       segment_ids: Int[Array | AbstractArray, "B T"] | None = None,
@@ -241,6 +264,7 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
         initial_state=initial_state,
         output_final_state=bool(output_final_state),
         use_qk_l2norm=bool(use_qk_l2norm),
+        use_beta_sigmoid=bool(use_beta_sigmoid),
         a_log=a_log,
         dt_bias=dt_bias,
         segment_ids=segment_ids,
@@ -259,6 +283,7 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
       initial_state: Float[Array, "B Hv K V"] | None,
       output_final_state: bool,
       use_qk_l2norm: bool,
+      use_beta_sigmoid: bool = False,   # (default: entries tuned before the flag still bind)
       a_log: Float[Array, "Hv"] | None,
       dt_bias: Float[Array, "Hv"] | None,
       segment_ids: Int[Array, "B T"] | None,
@@ -267,10 +292,13 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
   ) -> tuple[Output, Residuals]:
     core = functools.partial(self._core_fwd, scale=scale, segment_ids=segment_ids,
                              config=config)
+    sigmoid_in_core = _beta_sigmoid_in_core(self, use_beta_sigmoid, initial_state)
+    if use_beta_sigmoid and not sigmoid_in_core:
+      beta = prologue.beta_sigmoid(beta)
     if self.prologue_in_core:
       q, k, log_decay = query, key, g
       core = functools.partial(core, use_qk_l2norm=use_qk_l2norm, a_log=a_log,
-                               dt_bias=dt_bias)
+                               dt_bias=dt_bias, beta_sigmoid=sigmoid_in_core)
     else:
       q, k, log_decay = prologue.prologue(
           query, key, g, a_log, dt_bias, use_qk_l2norm=use_qk_l2norm,
@@ -338,8 +366,8 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
   # Whether `_core_bwd` runs the prologue and its VJP itself (with the
   # forward's `prologue_in_core`): it gets the raw query, key and g and the
   # prologue's keywords, and returns the gradients of the raw query, key and
-  # g, then with `a_log` a seventh array, [..., Hv]: parts of a_log's
-  # gradient, summed over the leading axes (dt_bias's is the sum of g's).
+  # g, then with `a_log` two more, [B, 1, Hv] float32 each: each batch
+  # row's parts of a_log's and dt_bias's gradients.
   prologue_in_core: ClassVar[bool] = False
 
   def _get_autotuning_cache_key(self, ba: op.BoundArguments) -> Any:
@@ -351,7 +379,7 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
     would orphan every tuned VJP entry. A backward whose config doesn't fit the
     saved residuals recomputes what it needs.
     """
-    key = super()._get_autotuning_cache_key(ba)
+    key = _without_beta_sigmoid(super()._get_autotuning_cache_key(ba))
     return type(key)({**key, "residuals": None})
 
   def _fwd(
@@ -369,6 +397,7 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
       initial_state: Float[Array, "B Hv K V"] | None,
       output_final_state: bool,
       use_qk_l2norm: bool,
+      use_beta_sigmoid: bool = False,   # (default: entries tuned before the flag still bind)
       a_log: Float[Array, "Hv"] | None,
       dt_bias: Float[Array, "Hv"] | None,
       segment_ids: Int[Array, "B T"] | None,
@@ -376,6 +405,10 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
       config: C,
   ) -> tuple[dict[str, jax.Array], None]:
     del out, return_residuals
+    sigmoid_in_core = _beta_sigmoid_in_core(self, use_beta_sigmoid, initial_state)
+    beta_logits = beta
+    if use_beta_sigmoid and not sigmoid_in_core:
+      beta = prologue.beta_sigmoid(beta)
     if self.prologue_in_core:
       q, k, log_decay = query, key, g
     else:
@@ -383,6 +416,7 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
                               log_decay_floor=self.log_decay_floor)
       (q, k, log_decay), pro_vjp = jax.vjp(pro, query, key, g, a_log, dt_bias)
     da_log = None if a_log is None else jnp.zeros(a_log.shape, jnp.float32)
+    ddt_bias = None if dt_bias is None else jnp.zeros(dt_bias.shape, jnp.float32)
     d_out, d_final = dout
     if not output_final_state or d_final is None:
       d_final = None
@@ -399,12 +433,12 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
                                    segment_ids=segment_ids, config=config)
       if self.prologue_in_core:
         core_bwd = functools.partial(core_bwd, use_qk_l2norm=use_qk_l2norm, a_log=a_log,
-                                     dt_bias=dt_bias)
+                                     dt_bias=dt_bias, beta_sigmoid=sigmoid_in_core)
       if _whole_guard(self, initial_state):
         grads = core_bwd(q, k, value, log_decay, beta, d_out, d_final,
                          initial_state=initial_state, guard=True)
         if self.prologue_in_core and a_log is not None:
-          da_log = jnp.sum(grads[6].reshape(-1, grads[6].shape[-1]), 0)
+          da_log, ddt_bias = (jnp.sum(x, (0, 1)) for x in grads[6:8])
         dq, dk, dv, d_log_decay, dbeta, d_initial = grads[:6]
       else:
         guard = isolation.guard_segments(query, key, value, beta, initial_state, segment_ids,
@@ -420,24 +454,23 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
                            isolation.zero_nonfinite(d_final),
                            initial_state=clean_state)
         if self.prologue_in_core and a_log is not None:
-          parts = grads[6]
-          da_log = guard.poison_head_sums(poison,
-                                          jnp.sum(parts.reshape(-1, parts.shape[-1]), 0))
+          da_log, ddt_bias = (guard.poison_head_sums(poison, jnp.sum(x, (0, 1)))
+                              for x in grads[6:8])
         dq, dk, dv, d_log_decay, dbeta, d_initial = guard.poison_gradients(poison, *grads[:6])
     if self.prologue_in_core:   # the core's gradients are the raw inputs'
       dquery, dkey, dg = dq.astype(query.dtype), dk.astype(key.dtype), d_log_decay
-      ddt_bias = None if dt_bias is None else jnp.sum(d_log_decay.astype(jnp.float32),
-                                                      axis=(0, 1))
     else:
       dquery, dkey, dg, da_log, ddt_bias = pro_vjp(
           (dq.astype(q.dtype), dk.astype(k.dtype), d_log_decay.astype(jnp.float32))
       )
+    if use_beta_sigmoid and not sigmoid_in_core:   # sigmoid's VJP
+      dbeta = dbeta.astype(jnp.float32) * (beta * (1.0 - beta))
     grads = dict(
         query=dquery,
         key=dkey,
         value=dv.astype(value.dtype),
         g=dg.astype(g.dtype),
-        beta=dbeta.astype(beta.dtype),
+        beta=dbeta.astype(beta_logits.dtype),
     )
     if initial_state is not None:
       grads["initial_state"] = d_initial.astype(initial_state.dtype)

@@ -117,6 +117,7 @@ def gated_delta_rule(
     initial_state: jax.Array | None,
     output_final_state: bool,
     use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
     a_log: jax.Array | None,
     dt_bias: jax.Array | None,
     segment_ids: jax.Array | None,
@@ -148,8 +149,8 @@ def gated_delta_rule(
     return registry.call(
         "gated_delta_rule", implementation, q, k, v, g, beta,
         scale=scale, initial_state=s0, output_final_state=final,
-        use_qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
-        segment_ids=segment_ids)
+        use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid, a_log=a_log,
+        dt_bias=dt_bias, segment_ids=segment_ids)
 
   def final_only(*args):
     return call(*args)[1]

@@ -133,25 +133,26 @@ def chunk_gated_delta_rule(
   if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
     raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`"
                      " (as in FLA).")
-  if use_beta_sigmoid_in_kernel:
-    beta = jax.nn.sigmoid(beta.astype(jnp.float32)).astype(beta.dtype)
-    if allow_neg_eigval:
-      beta = 2 * beta
+  # The op takes the logits itself (`use_beta_sigmoid`), except for
+  # allow_neg_eigval's 2 sigmoid, taken here.
+  use_beta_sigmoid = use_beta_sigmoid_in_kernel and not allow_neg_eigval
+  if allow_neg_eigval:
+    beta = 2 * jax.nn.sigmoid(beta.astype(jnp.float32)).astype(beta.dtype)
   if state_v_first and initial_state is not None:
     initial_state = jnp.swapaxes(initial_state, -1, -2)
   out, final = _chunk_gated_delta_rule(
       q, k, v, g, beta, scale=scale, initial_state=initial_state,
       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, a_log=a_log, dt_bias=dt_bias,
-      implementation=implementation)
+      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid=use_beta_sigmoid,
+      a_log=a_log, dt_bias=dt_bias, implementation=implementation)
   if state_v_first and final is not None:
     final = jnp.swapaxes(final, -1, -2)
   return out, final
 
 
 def _chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state,
-                            cu_seqlens, use_qk_l2norm_in_kernel, a_log, dt_bias,
-                            implementation):
+                            cu_seqlens, use_qk_l2norm_in_kernel, use_beta_sigmoid, a_log,
+                            dt_bias, implementation):
   """`chunk_gated_delta_rule` in our layouts (states [N, Hv, K, V])."""
   if cu_seqlens is None or (initial_state is None and not output_final_state):
     # No per-sequence state to carry: plain segments (every implementation).
@@ -159,7 +160,8 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_fi
     out, final = api.gated_delta_rule(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids,
         output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm_in_kernel,
-        a_log=a_log, dt_bias=dt_bias, implementation=implementation)
+        use_beta_sigmoid=use_beta_sigmoid, a_log=a_log, dt_bias=dt_bias,
+        implementation=implementation)
     return out.astype(q.dtype), final
 
   segment_ids, cu = _segment_ids(q, cu_seqlens)
@@ -182,7 +184,8 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_fi
   out, final = api.gated_delta_rule(
       q, k, v, g, beta, scale=scale, initial_state=run_states[None],
       output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm_in_kernel,
-      a_log=a_log, dt_bias=dt_bias, segment_ids=segment_ids, implementation=implementation)
+      use_beta_sigmoid=use_beta_sigmoid, a_log=a_log, dt_bias=dt_bias,
+      segment_ids=segment_ids, implementation=implementation)
   if final is not None:
     final = jnp.where(nonempty[:, None, None, None],
                       final[0, jnp.clip(run_of_seq, 0, n - 1)], states)

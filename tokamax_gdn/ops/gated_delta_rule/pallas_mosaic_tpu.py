@@ -308,13 +308,13 @@ class PallasMosaicTpuGatedDeltaRule(_KernelConfigs, base.GatedDeltaRule[Config, 
 
   def _core_fwd(self, q, k, v, g, beta, *, scale, initial_state,
                 segment_ids, config: Config, poison=None, guard=False, use_qk_l2norm=False,
-                a_log=None, dt_bias=None):
+                a_log=None, dt_bias=None, beta_sigmoid=False):
     """The forward kernel on the raw q, k and gate (`prologue_in_core`)."""
     interpret = _check_supported(q, v)
 
     def body(q, k, v, g, beta, initial_state, segment_ids, poison, a_log, dt_bias):
       pro = kernel.Prologue(qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
-                            log_decay_floor=self.log_decay_floor)
+                            log_decay_floor=self.log_decay_floor, beta_sigmoid=beta_sigmoid)
       out, final, res = kernel.gdn_fwd(
           q, k, v, g, beta, scale=scale, initial_state=initial_state,
           segment_ids=segment_ids, emit_residuals=config.save_states, poison=poison,
@@ -346,7 +346,8 @@ class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Co
 
   def _core_bwd(self, residuals: base.Residuals | None, q, k, v, g, beta, d_out, d_final, *,
                 scale, initial_state, segment_ids, config: Config, sanitize: bool = False,
-                guard: bool = False, use_qk_l2norm=False, a_log=None, dt_bias=None):
+                guard: bool = False, use_qk_l2norm=False, a_log=None, dt_bias=None,
+                beta_sigmoid=False):
     """The kernels on the raw q, k and gate (`prologue_in_core`)."""
     interpret = _check_supported(q, v)
     t = q.shape[1]
@@ -373,7 +374,7 @@ class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Co
     def body(q, k, v, g, beta, d_out, d_final, states, tmats, guard_flags, initial_state,
              segment_ids, a_log, dt_bias):
       pro = kernel.Prologue(qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
-                            log_decay_floor=self.log_decay_floor)
+                            log_decay_floor=self.log_decay_floor, beta_sigmoid=beta_sigmoid)
       if states is None:   # pass 1: the forward kernel without outputs
         _, _, saved = kernel.gdn_fwd(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -389,8 +390,8 @@ class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Co
 
     out_labels = [_LABELS[n] for n in ("q", "k", "v", "g", "beta")]
     out_labels.append(_state_label(initial_state))
-    if a_log is not None:   # the chunks' parts of a_log's gradient
-      out_labels.append("b nc one hv")
+    if a_log is not None:   # each row's parts of a_log's and dt_bias's gradients
+      out_labels += ["b one hv", "b one hv"]
     return _per_shard(body, out_labels, q.shape[2], v.shape[2], dict(
         q=q, k=k, v=v, g=g, beta=beta, d_out=d_out,
         d_final=d_final, states=states, tmats=tmats, guard_flags=flags, initial_state=initial_state,

@@ -496,11 +496,13 @@ class _Static:
   # The op's prologue in the kernel (`prologue.prologue`, from the raw
   # inputs): q, k L2-normalised (`qk_l2norm`, `_normed`); the log-decay
   # -exp(a_log) * softplus(g + dt_bias) of the raw gate (`gate_act`: a_log
-  # and dt_bias are the rows of the `gate_params` input) and floored at
-  # `log_decay_floor` (`_log_decay`).
+  # and dt_bias are the `a_log` and `dt_bias` inputs: `_gate_params`) and floored at
+  # `log_decay_floor` (`_log_decay`); beta the sigmoid of the beta input's
+  # logits (`beta_sigmoid`, `_beta_block`).
   qk_l2norm: bool = False
   gate_act: bool = False
   log_decay_floor: float | None = None
+  beta_sigmoid: bool = False
   # The forward kernels' q, k normalised in place in the head-major scratch
   # before the head groups (tpu7x: less scoped VMEM), else where a head group
   # reads them (faster: v6e, Qwen3-Next heads, T=512, gdn_fwd 80.3 k cycles
@@ -607,7 +609,7 @@ def _packed_heads(x_ref, b_ref, qh_scr, kh_scr, vh_scr, st: _Static, c_idx, rows
   kd, vd, hk = st.dim_k, st.dim_v, st.hk
   live = None
   if st.beta_guard:
-    beta = _row_mask(_tail_mask(b_ref[...].astype(F32), st, c_idx), rows)   # (C, Hv)
+    beta = _row_mask(_tail_mask(_beta_block(b_ref, st), st, c_idx), rows)   # (C, Hv)
     live = [beta[:, i:i + 1] != 0.0 for i in range(st.hv)]
   lanes = lambda start, width: _tail_mask(x_ref[:, start:start + width].astype(F32), st, c_idx)
   for j in range(hk):
@@ -650,15 +652,29 @@ def _normed_vjp(normed, dy, scale: float = 1.0):
   return (r * scale) * (dy - y * dot_col)
 
 
-def _log_decay(g_ref, params_ref, st: _Static):
+def _beta_block(b_ref, st: _Static):
+  """The chunk's betas (C, Hv) f32 from its beta block: with `st.beta_sigmoid`
+  the sigmoid of its logits (±inf: 1 and 0; NaN stays NaN, a bad beta)."""
+  beta = b_ref[...].astype(F32)
+  if st.beta_sigmoid:
+    beta = 1.0 / (1.0 + jnp.exp(-beta))
+  return beta
+
+
+def _gate_params(r: "_Refs"):
+  """(a_log, dt_bias) as (1, Hv) f32 rows under `st.gate_act`, else None."""
+  return None if r.a_log is None else (r.a_log[...], r.dt_bias[...])
+
+
+def _log_decay(g_ref, params, st: _Static):
   """The chunk's log-decays (C, Hv) f32 from its gate block: the raw gate
   activated under `st.gate_act` (`prologue.gate_log_decay`, a_log and dt_bias
-  the rows of `params_ref`), then, with `st.log_decay_floor`, floored there,
+  the rows `params`: `_gate_params`), then, with `st.log_decay_floor`, floored there,
   a non-finite one read as 0 (the guard's bad gates, whose outputs it
   poisons: `isolation.SegmentGuard.sanitize_small`)."""
   g = g_ref[...].astype(F32)
   if st.gate_act:
-    g = prologue.gate_log_decay(g, params_ref[0:1, :], params_ref[1:2, :])
+    g = prologue.gate_log_decay(g, *params)
   if st.log_decay_floor is not None:
     g = jnp.where(jnp.isfinite(g), jnp.maximum(g, st.log_decay_floor), 0.0)
   elif st.guard:
@@ -666,7 +682,7 @@ def _log_decay(g_ref, params_ref, st: _Static):
   return g
 
 
-def _log_decay_vjp(g_ref, params_ref, st: _Static, d_ld):
+def _log_decay_vjp(g_ref, params, st: _Static, d_ld):
   """`_log_decay`'s VJP: from the log-decays' cotangent d_ld (C, Hv), the raw
   gate's and, under `st.gate_act`, the per-token terms of a_log's (d_ld times
   the log-decay; dt_bias's are the gate's), else None. Floored log-decays
@@ -675,7 +691,7 @@ def _log_decay_vjp(g_ref, params_ref, st: _Static, d_ld):
   g = g_ref[...].astype(F32)
   ld = g
   if st.gate_act:
-    a_log, dt_bias = params_ref[0:1, :], params_ref[1:2, :]
+    a_log, dt_bias = params
     ld = prologue.gate_log_decay(g, a_log, dt_bias)
   if st.log_decay_floor is not None:
     floor = st.log_decay_floor
@@ -817,10 +833,9 @@ def _guard_gate_rows(r: "_Refs", st: "_Static", c_idx):
   floor) or its beta is not finite (`isolation.guard_segments`' `bad_gate`
   and beta; `_log_decay` and `_step_prologue` read them as 0); tail rows 0."""
   g = r.log_decay[...].astype(F32)
-  bad = ~jnp.isfinite(g) | ~jnp.isfinite(r.beta[...].astype(F32))
+  bad = ~jnp.isfinite(g) | ~jnp.isfinite(_beta_block(r.beta, st))
   if st.gate_act:
-    params = r.gate_params
-    bad = bad | ~jnp.isfinite(prologue.gate_log_decay(g, params[0:1, :], params[1:2, :]))
+    bad = bad | ~jnp.isfinite(prologue.gate_log_decay(g, *_gate_params(r)))
   return _tail_mask(bad.astype(F32), st, c_idx).T
 
 
@@ -967,14 +982,14 @@ _N_ROWS = 6
 
 
 def _step_prologue(g_ref, b_ref, st_ref, rows_scr, st: _Static, c_idx, rows=None,
-                   params_ref=None):
+                   params=None):
   """Gates of the chunk for every head, into `rows_scr`; returns (gate, masks).
 
   masks: (causal, strict) C×C, with segments restricted to one segment.
-  `rows`: see `_row_mask`; `params_ref`: see `_log_decay`.
+  `rows`: see `_row_mask`; `params`: see `_log_decay`.
   """
-  g_rows = _row_mask(_tail_mask(_log_decay(g_ref, params_ref, st), st, c_idx), rows).T
-  b_rows = b_ref[...].astype(F32)
+  g_rows = _row_mask(_tail_mask(_log_decay(g_ref, params, st), st, c_idx), rows).T
+  b_rows = _beta_block(b_ref, st)
   if st.guard:      # a non-finite beta as 0 (its tokens' results come poisoned)
     b_rows = jnp.where(jnp.isfinite(b_rows), b_rows, 0.0)
   b_rows = _row_mask(_tail_mask(b_rows, st, c_idx), rows).T
@@ -1106,7 +1121,7 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
   dot = functools.partial(mxu, passes=st.passes, v5e_forms=st.v5e_forms)
   poison_ref = (r.guard_rows if st.guard else r.poison) if write_out else None
   gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx, rows,
-                               r.gate_params)
+                               _gate_params(r))
   _, strict = masks
   # With `sanitize` the keys and values are sanitised per head in `group` (a
   # NaN would reach earlier tokens through 0-coefficients; a select over a
@@ -1221,7 +1236,7 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
       ds_scr[...] = dht_ref[...].astype(F32)
 
   gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx,
-                               params_ref=r.gate_params)
+                               params=_gate_params(r))
   causal, strict = masks
   for ref, scr in ((q_ref, qh_scr), (k_ref, kh_scr), (v_ref, vh_scr), (do_ref, doh_scr)):
     scr[...] = _tail_mask(_heads(ref), st, c_idx)
@@ -1366,11 +1381,29 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
     poison = _nan_where(r.guard_rows[0])
     d_g = d_g + poison
     dbr_scr[...] = dbr_scr[...] + poison
-  d_gate, d_a_log = _log_decay_vjp(g_ref, r.gate_params, st, d_g.T)
+  d_gate, d_a_log = _log_decay_vjp(g_ref, _gate_params(r), st, d_g.T)
   dg_ref[...] = d_gate.astype(dg_ref.dtype)
-  if d_a_log is not None:   # the chunk's sum (per-token terms took tpu7x past its VMEM)
-    r.d_a_log[...] = jnp.sum(_tail_mask(d_a_log, st, c_idx), axis=0, keepdims=True)
-  db_ref[...] = dbr_scr[...].T.astype(db_ref.dtype)
+  if d_a_log is not None:
+    # a_log's and dt_bias's gradients, summed over the row's chunks in the
+    # resident output block (per-token terms took tpu7x past its VMEM; per
+    # chunk parts and dg in float32 for XLA to sum cost two fusions and a
+    # convert: v6e, Qwen3-Next heads, T=512, 2.7 k cycles of glue; one
+    # stacked [B, 2, Hv] output cost a slicing fusion, 0.5 k).
+    for ref, x in ((r.d_a_log, d_a_log), (r.d_dt_bias, d_gate)):
+      chunk_sum = jnp.sum(_tail_mask(x, st, c_idx), axis=0, keepdims=True)
+
+      @pl.when(pl.program_id(1) == 0)
+      def _():
+        ref[...] = chunk_sum
+
+      @pl.when(pl.program_id(1) > 0)
+      def _():
+        ref[...] += chunk_sum
+  d_beta = dbr_scr[...]
+  if st.beta_sigmoid:     # the sigmoid's VJP: beta (1 - beta) from the chunk's rows
+    beta = rows_scr[_BETA]
+    d_beta = d_beta * (beta * (1.0 - beta))
+  db_ref[...] = d_beta.T.astype(db_ref.dtype)
   for ref, scr in ((dq_ref, dq_scr), (dk_ref, dk_scr), (dv_ref, dv_scr)):
     ref[...] = pltpu.einshape("hcd->chd", scr[...]).astype(ref.dtype)
 
@@ -1479,18 +1512,21 @@ class Prologue:
   a_log: jax.Array | None = None
   dt_bias: jax.Array | None = None
   log_decay_floor: float | None = None
+  beta_sigmoid: bool = False
 
   def static(self) -> dict:
     return dict(qk_l2norm=self.qk_l2norm, gate_act=self.a_log is not None,
-                log_decay_floor=self.log_decay_floor)
+                log_decay_floor=self.log_decay_floor, beta_sigmoid=self.beta_sigmoid)
 
-  def gate_params(self) -> jax.Array | None:
-    """[2, Hv] f32: a_log, dt_bias (the `gate_params` input), or None."""
+  def gate_params(self) -> tuple[jax.Array, jax.Array] | None:
+    """(a_log, dt_bias) as [1, Hv] f32 (the kernels' inputs of those names;
+    two inputs, not one stacked [2, Hv]: the stack was an XLA fusion of its
+    own, 0.6 k cycles per call on v6e), or None."""
     if self.a_log is None:
       return None
-    a_log = self.a_log.astype(F32)
-    dt = jnp.zeros_like(a_log) if self.dt_bias is None else self.dt_bias.astype(F32)
-    return jnp.stack([a_log, dt])
+    a_log = self.a_log.astype(F32).reshape(1, -1)
+    dt = jnp.zeros_like(a_log) if self.dt_bias is None else self.dt_bias.astype(F32).reshape(1, -1)
+    return a_log, dt
 
 
 def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states=0,
@@ -1544,8 +1580,8 @@ def _common_inputs(q, k, v, log_decay, beta, starts, st: _Static, chunk_of,
     ops.append(_Operand("starts", starts, block=pl.BlockSpec(
         (None, 1, st.chunk), lambda b, i, *_: (b, 0, chunk_of(i)))))
   if st.gate_act:
-    ops.append(_Operand("gate_params", pro.gate_params(),
-                        block=pl.BlockSpec((2, hv), lambda b, i, *_: (0, 0))))
+    ops += [_Operand(name, x, block=pl.BlockSpec((1, hv), lambda b, i, *_: (0, 0)))
+            for name, x in zip(("a_log", "dt_bias"), pro.gate_params())]
   return ops
 
 
@@ -1923,11 +1959,12 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
             sanitize=False, guard=False, pro: Prologue = Prologue()):
   """Chunked GDN backward: (dq, dk, dv, d_log_decay, dbeta, d_initial_state f32).
 
-  With `pro` (the raw q, k and gate in, as `gdn_fwd`'s) the gradients are
-  those of the raw inputs (dq, dk through the L2 norm, d_log_decay that of
-  the raw g), and with `pro.a_log` one more, [B, NC, 1, Hv] f32: each
-  chunk's part of a_log's gradient (its sum over B and NC; dt_bias's is the
-  sum of d_log_decay's).
+  The gradients of the inputs come in their dtypes. With `pro` (the raw q, k
+  and gate in, as `gdn_fwd`'s) they are those of the raw inputs (dq, dk
+  through the L2 norm, d_log_decay that of the raw g), and with `pro.a_log`
+  there are two more, [B, 1, Hv] f32 each: each batch row's part of
+  a_log's gradient and of dt_bias's (the sum of d_log_decay's in float32);
+  the gradients are their sums over B.
 
   `sanitize`: non-finite q, k, v and d_out count as 0 (the in-kernel half of
   the backward's `isolation.SegmentGuard`; the rest comes sanitised).
@@ -1978,7 +2015,7 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
     inputs.append(_guard_fwd_operand(st, b, nc, rev, residuals[2]))
   hk = q.shape[2]
   grad_names = ("dq", "dk", "dv", "d_gate", "dbeta", "d_h0") + (
-      ("d_a_log",) if st.gate_act else ())
+      ("d_a_log", "d_dt_bias") if st.gate_act else ())
   outputs = [
       _Operand("dq", block=_token_block(st, rev, hk, st.dim_k),
                shape=jax.ShapeDtypeStruct(q.shape, q.dtype)),
@@ -1987,16 +2024,16 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
       _Operand("dv", block=_token_block(st, rev, st.hv, st.dim_v),
                shape=jax.ShapeDtypeStruct(v.shape, v.dtype)),
       _Operand("d_gate", block=_token_block(st, rev, st.hv),
-               shape=jax.ShapeDtypeStruct((b, t, st.hv), F32)),
+               shape=jax.ShapeDtypeStruct((b, t, st.hv), log_decay.dtype)),
       _Operand("dbeta", block=_token_block(st, rev, st.hv),
-               shape=jax.ShapeDtypeStruct((b, t, st.hv), F32)),
+               shape=jax.ShapeDtypeStruct((b, t, st.hv), beta.dtype)),
       _Operand("d_h0", block=state_spec, shape=_state_shape(st, b)),
   ]
   if st.gate_act:
-    outputs.append(_Operand("d_a_log",
-                            block=pl.BlockSpec((None, None, 1, st.hv),
-                                               lambda b, i, *_: (b, rev(i), 0, 0)),
-                            shape=jax.ShapeDtypeStruct((b, nc, 1, st.hv), F32)))
+    # Resident over the chunks: the kernel accumulates into them.
+    outputs += [_Operand(name, block=pl.BlockSpec((None, 1, st.hv), lambda b, i, *_: (b, 0, 0)),
+                         shape=jax.ShapeDtypeStruct((b, 1, st.hv), F32))
+                for name in ("d_a_log", "d_dt_bias")]
   scratch = ([_Operand("ds", shape=pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32))]
              + _head_scratch(st, ("vh", "doh"))
              + [_Operand("dq_heads", shape=pltpu.VMEM((st.hk, chunk, st.dim_k), F32)),

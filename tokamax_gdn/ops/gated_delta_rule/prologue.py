@@ -3,10 +3,12 @@
 q, k are L2-normalised (x / sqrt(sum x^2 + 1e-6), in float32) when
 `use_qk_l2norm`; the log-decay is g itself, or -exp(a_log) * softplus(g +
 dt_bias) when `a_log` / `dt_bias` are given, floored for chunked backends
-(`CHUNKED_LOG_DECAY_FLOOR`). It is pointwise per token, runs in XLA before the
-core and is differentiated by autodiff (`base.GatedDeltaRuleVjp`), except in
-cores that run it themselves (`prologue_in_core`: the Pallas kernels, which
-call these same functions on their tiles).
+(`CHUNKED_LOG_DECAY_FLOOR`); beta is sigmoid(beta) in float32 when
+`use_beta_sigmoid` (the op's `beta` then holds logits: `beta_sigmoid`). It is
+pointwise per token, runs in XLA before the core and is differentiated by
+autodiff (`base.GatedDeltaRuleVjp`), except in cores that run it themselves
+(`prologue_in_core`: the Pallas kernels, which call these same functions on
+their tiles).
 """
 
 import jax
@@ -27,6 +29,11 @@ def l2norm(x: jax.Array) -> jax.Array:
   """x / sqrt(sum(x^2) + 1e-6) over the last axis, computed in float32."""
   x32 = x.astype(jnp.float32)
   return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def beta_sigmoid(beta: jax.Array) -> jax.Array:
+  """The write strengths from logits: sigmoid(beta) in float32."""
+  return jax.nn.sigmoid(beta.astype(jnp.float32))
 
 
 def gate_log_decay(

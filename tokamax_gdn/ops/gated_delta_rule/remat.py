@@ -84,7 +84,8 @@ def call(op, query, key, value, g, beta, *, initial_state=None, a_log=None, dt_b
   """`op(query, ..., **static)` -> (out, final_state), with named residuals.
 
   `op` is a gated-delta-rule Op with an analytical VJP (`op.vjp`); `static`
-  holds its non-array keywords (scale, output_final_state, use_qk_l2norm).
+  holds its non-array keywords (scale, output_final_state, use_qk_l2norm,
+  use_beta_sigmoid).
   Raises NotImplementedError for an op without one (callers fall through).
   """
   if op.vjp is None:

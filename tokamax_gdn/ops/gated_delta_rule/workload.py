@@ -2,7 +2,8 @@
 
 `LayerShape` names one layer call (B, T, Hk, Hv, K, V, activation dtype);
 `abstract_inputs` and `layer_fns` build that call (q, k, v, the raw gate and
-beta in the activation dtype, float32 `a_log`/`dt_bias`, `use_qk_l2norm=True`),
+beta's logits in the activation dtype, float32 `a_log`/`dt_bias`,
+`use_qk_l2norm=True`, `use_beta_sigmoid=True`),
 so autotuning (`tokamax-gdn autotune`) tunes the cache entries the layer looks
 up and `tokamax-gdn aot` compiles what the layer runs.
 
@@ -95,7 +96,8 @@ def layer_fns(implementation, remat_policy: str | None = None):
 
   def forward(q, k, v, g, beta, a_log, dt_bias):
     return gated_delta_rule(q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias,
-                            use_qk_l2norm=True, implementation=implementation,
+                            use_qk_l2norm=True, use_beta_sigmoid=True,
+                            implementation=implementation,
                             named_residuals=named)[0]
 
   def loss(*xs):
