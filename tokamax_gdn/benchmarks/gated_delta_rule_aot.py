@@ -321,7 +321,8 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
   args = workload.abstract_inputs(s)
   op = registry.get("gated_delta_rule", "pallas_mosaic_tpu")
   with aot.on_target(mesh):
-    ba = op.bind(*args[:5], a_log=args[5], dt_bias=args[6], use_qk_l2norm=True)
+    ba = op.bind(*args[:5], a_log=args[5], dt_bias=args[6], use_qk_l2norm=True,
+                 use_beta_sigmoid=True)
     fwd_cfg = ba.default_config
     bwd_cfg = pallas._heuristics(ba, backward=True)   # pylint: disable=protected-access
     states_cfg = pallas._states_config(bwd_cfg, pallas._shapes(ba))   # pylint: disable=protected-access
@@ -345,7 +346,8 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
     return out
 
   pro = lambda a_log, dt_bias: kernel.Prologue(
-      qk_l2norm=True, a_log=a_log, dt_bias=dt_bias, log_decay_floor=op.log_decay_floor)
+      qk_l2norm=True, a_log=a_log, dt_bias=dt_bias, log_decay_floor=op.log_decay_floor,
+      beta_sigmoid=True)
 
   def fwd(q, k, v, g, beta, a_log, dt_bias):
     return kernel.gdn_fwd(q, k, v, g, beta, scale=scale, pro=pro(a_log, dt_bias),

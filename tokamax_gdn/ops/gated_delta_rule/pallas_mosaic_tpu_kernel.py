@@ -59,8 +59,8 @@ integer packing, which libtpu's static cycle estimator rejects (an LLO type
 check aborts the compile; the chip compile itself succeeds). Four constructs
 led there; for v5e the kernels avoid them, elsewhere they keep the bf16
 forms (v6e, Qwen3-Next heads, T=512: gdn_fwd / gdn_fwd_states / gdn_bwd
-78.3 / 70.0 / 112.9 k cycles in the bf16 forms, 80.0 / 72.1 / 116.1 k in
-the v5e forms):
+72.4 / 60.7 / 94.0 k cycles in the bf16 forms, 81.7 / 68.3 / 95.0 k in the
+v5e forms, the forward's guard branches, `_Static.guard_branched`, included):
 - a concatenation of bf16 arrays: matmul operands are concatenated in f32
   and cast once (`_operand_cat`, `stacked_bf16`);
 - a bf16 value that is both a matmul operand and widened back to f32 (its
@@ -531,14 +531,17 @@ class _Static:
 
   @property
   def guard_branched(self) -> bool:
-    # v5e: the forward's sanitising and the backward's gradient poison in
-    # branches taken in chunks with a bad token (`_guard_finite`,
-    # `_guard_bwd_tiles`); elsewhere selects in every chunk, cheaper there
-    # than a branch splitting the unrolled head groups. v6e, Qwen3-Next heads,
-    # T=512, gdn_fwd / gdn_fwd_states / gdn_bwd k cycles, branched -> not:
-    # v6e 80.0 / 70.2 / 114.0 -> 77.7 / 67.0 / 113.6, tpu7x 126.2 / 147.4 /
-    # 216.0 -> 125.1 / 145.4 / 214.9, v5e (no bf16 VPU) 132.3 / 122.3 / 160.0
-    # -> 134.6 / 123.0 / 164.6.
+    # v5e: the forward's sanitising in a branch taken in chunks with a bad
+    # token (`_guard_sanitize`); elsewhere selects in every chunk where the
+    # head groups read the tiles (`_guard_finite`), cheaper there than a
+    # branch splitting the unrolled head groups. (The backward's gradient
+    # poison branches everywhere: `_guard_bwd_tiles`.) Qwen3-Next heads,
+    # T=512, gdn_fwd / gdn_fwd_states k cycles, branched -> not: v6e 75.1 /
+    # 63.8 -> 72.4 / 60.7 (the current kernels); before this round's kernel
+    # changes (gdn_bwd too, then not branched anywhere): v6e 80.0 / 70.2 /
+    # 114.0 -> 77.7 / 67.0 / 113.6, tpu7x 126.2 / 147.4 / 216.0 -> 125.1 /
+    # 145.4 / 214.9, v5e (no bf16 VPU) 132.3 / 122.3 / 160.0 -> 134.6 / 123.0
+    # / 164.6.
     return self.v5e_forms
 
   @property
@@ -953,11 +956,13 @@ def _guard_bwd_rows(r: "_Refs", st: "_Static", gate: "ChunkGate", causal, leave)
 def _guard_bwd_tiles(r: "_Refs", st: "_Static"):
   """NaN into the chunk's dq, dk, dv head tiles (scratch) at the poisoned
   tokens (`guard_rows[0]`): dv per value head, dq and dk where any value
-  head of the key head's group is (`SegmentGuard.poison_gradients`). Only
-  in every chunk: as a branch taken only in a chunk with a poisoned token it
-  cost more, splitting the backward's body into basic blocks the scheduler
-  cannot overlap (v6e, Qwen3-Next heads, T=512: gdn_bwd 114.0 -> 113.6 k
-  cycles; the branch alone, with a one-tile body, cost 2.2 k)."""
+  head of the key head's group is (`SegmentGuard.poison_gradients`), in a
+  branch taken only in a chunk with a poisoned token, on every generation.
+  (It sits after the head groups, not inside an unrolled body. Adding the
+  tiles in every chunk instead was the cheaper form once, v6e, Qwen3-Next
+  heads, T=512: gdn_bwd 114.0 -> 113.6 k cycles; since this round's leaner
+  backward the branch is: v6e 96.8 -> 94.0 k, tpu7x, all heads on one
+  device, 183.4 -> 181.0 k.)"""
   rows = r.guard_rows
 
   def key_head(j, heads):
@@ -970,10 +975,7 @@ def _guard_bwd_tiles(r: "_Refs", st: "_Static"):
     r.dq_heads[j] = r.dq_heads[j] + tile
     r.dk_heads[j] = r.dk_heads[j] + tile
 
-  if st.guard_branched:
-    pl.when(jnp.max(rows[0]) > 0.0)(lambda: _guard_heads(st, key_head))
-  else:
-    _guard_heads(st, key_head)
+  pl.when(jnp.max(rows[0]) > 0.0)(lambda: _guard_heads(st, key_head))
 
 
 # Rows of the per-step row scratch (each (Hv, C) f32).
