@@ -155,7 +155,7 @@ def forward(params: Params, tokens: jax.Array, cfg: ModelConfig, *, implementati
 
   def make(kind):
     fn = functools.partial(block, cfg=cfg, kind=kind, implementation=implementation, mesh=mesh,
-                           named_residuals=remat and remat_policy != gdn_remat.RECOMPUTE)
+                           named_residuals=remat)   # see workload.layer_fns
     fn = jax.checkpoint(fn, policy=policy) if remat else fn
     return lambda x, p: fn(p, x)       # (carry, xs) order for lax.scan
 

@@ -83,8 +83,12 @@ def layer_fns(implementation, remat_policy: str | None = None):
   `ops.gated_delta_rule.remat`) the call and the loss run under
   `jax.checkpoint` with that policy, as a model's block runs (its output is
   then internal to the region, and the square's VJP needs it, as the
-  layer's gated norm does), with named residuals unless "recompute". The
-  sum is inside the region too: outside it, the scalar loss's cotangent
+  layer's gated norm does), with named residuals (under "recompute" too:
+  nothing is kept, and the backward's rerun of the forward emits the
+  residuals, so no states pass runs: v6e, Qwen3-Next heads, T=512, 242 k
+  cycles against 300 k for the plain path, temporaries at T=4096 133.2 vs
+  132.3 MiB). The sum is inside the region too: outside it, the scalar
+  loss's cotangent
   reached the region as a [B, T, Hv, V] broadcast of ones that XLA
   materialised (a cotangent no model has: a block's arrives from the next
   layer), 1.6 k of save_gdn's 14.0 k cycles of glue at the Qwen3-Next
@@ -92,7 +96,7 @@ def layer_fns(implementation, remat_policy: str | None = None):
   """
   from tokamax_gdn.ops.gated_delta_rule import remat  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule  # pylint: disable=g-import-not-at-top
-  named = remat_policy not in (None, remat.RECOMPUTE)
+  named = remat_policy is not None
 
   def forward(q, k, v, g, beta, a_log, dt_bias):
     return gated_delta_rule(q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias,
