@@ -85,10 +85,12 @@ Prologue in-kernel (`Prologue`). The kernels read the raw q, k and gate:
 q, k are L2-normalised per head tile (`_normed`; row sums as lane
 reductions), as a head group reads them (in the forward kernels on tpu7x:
 in the head-major scratch first, `_Static.qk_in_place`), the gate is activated and floored in the
-(C, Hv) block before the gate rows (`_log_decay`). The backward takes
-each tile's norm again for the L2 norm's VJP (`_normed_vjp`), applies the
-gate's VJP to d log-decay per token (`_log_decay_vjp`) and sums a_log's
-gradient per chunk. The prologue costs the backward about 0.3 MiB of scoped
+(C, Hv) block before the gate rows (`_log_decay`), and beta's logits go
+through the sigmoid there too (`_beta_block`, `use_beta_sigmoid`). The
+backward takes each tile's norm again for the L2 norm's VJP
+(`_normed_vjp`), applies the gate's VJP to d log-decay per token
+(`_log_decay_vjp`), the sigmoid's to dbeta, and sums a_log's and dt_bias's
+gradients over the chunks in resident outputs. The prologue costs the backward about 0.3 MiB of scoped
 VMEM (`pallas_mosaic_tpu.vmem_estimate`).
 
 Backward. Pass 1 is the forward kernel without outputs, emitting the state
