@@ -109,12 +109,14 @@ def _run_cp(f_plain, f_cp, d, seg, cts, mesh, specs, seg_spec, out_specs):
 
 # ------------------------------------------------------------------ GDN
 def gdn_call(d, seg, impl, axis=None):
-  """The GDN op on problem dict `d` (sharding_checks' names), segments `seg`."""
+  """The GDN op on problem dict `d` (sharding_checks' names), segments `seg`;
+  with the gate parameters, beta is read as logits (`use_beta_sigmoid`), as
+  the layer calls it."""
   d = dict(d)
   pos = [d.pop(n) for n in sc.GDN_POS]
   return gated_delta_rule(*pos, **d, segment_ids=seg, use_qk_l2norm=True,
-                          output_final_state=True, implementation=impl,
-                          context_parallel_axis=axis)
+                          use_beta_sigmoid="a_log" in d, output_final_state=True,
+                          implementation=impl, context_parallel_axis=axis)
 
 
 def gdn_cp(impl, mesh_shape, names, *, b=2, hk=2, hv=8, segments=True, init=True, gates=True):
