@@ -36,8 +36,9 @@ def _op(impl, chunk):
 # share one chunk). xla runs at chunk 16, where segment 1 shares chunks with
 # both neighbours and spans a chunk boundary.
 CHUNKS = {"reference": None, "xla": 16, "pallas_mosaic_tpu": 64}
+# (A NaN beta: `test_beta_logits_...`, as a NaN logit, the layer's beta.)
 PALLAS_CASES = (("value", np.nan), ("d_out", np.inf), ("key", np.nan), ("query", np.inf),
-                ("g", np.nan), ("beta", np.nan), ("initial_state", np.nan))
+                ("g", np.nan), ("initial_state", np.nan))
 
 
 def _params(cases=None):
@@ -357,8 +358,14 @@ def test_beta_logits_nan_poisons_and_infinities_are_saturated_betas(impl, chunk)
   s1 = BOUNDS[2]
   _all_nonfinite(out[0, BAD_TOKEN:s1, 1], "out from the NaN logit on")
   _all_nonfinite(grads["beta"][0, BAD_TOKEN:s1, 1], "d logits from the NaN on")
+  d_logits = p_grads["beta"] * probs * (1 - probs)
   for sl in (slice(0, BAD_TOKEN), slice(s1, None)):
     _assert_same(out[0, sl], p_out[0, sl], f"out {sl}")
-    _assert_same(grads["value"][0, sl], p_grads["value"][0, sl], f"dvalue {sl}")
+    for n in ("query", "key", "value", "g"):
+      _assert_same(grads[n][0, sl], p_grads[n][0, sl], f"d{n} {sl}")
+    _assert_same(grads["beta"][0, sl], d_logits[0, sl], f"d logits {sl}")
+  for n in ("value", "g", "query", "key"):
+    _all_nonfinite(grads[n][0, BAD_TOKEN:s1, 1 if n in ("value", "g") else 0],
+                   f"d{n} of the poisoned tokens")
   _assert_same(out[1], p_out[1], "row 1 out")
   _assert_same(final[0], p_final[0], "final (of the last segment)")
