@@ -65,9 +65,11 @@ def remat_pass(policy: str) -> str:
   return f"fwd+bwd/{policy}"
 
 
-def _gdn_fn(pass_: str):
-  """The layer's call for `pass_`, compiled with `Layout.AUTO` arguments and
-  results (`aot.compile_for`'s `aot_auto_layouts`).
+def _gdn_fn(pass_: str, s: workload.LayerShape):
+  """The layer's call for `pass_` on `workload.abstract_inputs(s, flat=True)`
+  (q, k, v as the layer's projections make them), compiled with
+  `Layout.AUTO` arguments and results (`aot.compile_for`'s
+  `aot_auto_layouts`).
 
   In a model the gate and beta come from the input projection's fusions,
   written in the layout the kernels read, and their gradients go to its
@@ -78,10 +80,10 @@ def _gdn_fn(pass_: str):
   such copies).
   """
   if pass_ == "fwd":
-    fn = workload.layer_fns("pallas_mosaic_tpu")[0]
+    fn = workload.layer_fns("pallas_mosaic_tpu", flat_shape=s)[0]
   else:
     policy = pass_.split("/", 1)[1] if "/" in pass_ else None
-    fn = workload.layer_fns("pallas_mosaic_tpu", policy)[1]
+    fn = workload.layer_fns("pallas_mosaic_tpu", policy, flat_shape=s)[1]
 
   def call(*args):
     return fn(*args)
@@ -97,7 +99,8 @@ def cases(mesh: Mesh, shape: dict[str, Any], kda: bool = False,
   Passes: "fwd", "fwd+bwd", and `remat_pass(policy)` (GDN only)."""
   s = workload.LayerShape(**shape)
   rep = NamedSharding(mesh, P())
-  out = [(f"{GDN}|{p}", _gdn_fn(p), workload.abstract_inputs(s, rep)) for p in passes]
+  out = [(f"{GDN}|{p}", _gdn_fn(p, s), workload.abstract_inputs(s, rep, flat=True))
+         for p in passes]
   passes = [p for p in passes if p in PASSES]
   if kda:
     sds = lambda *dims: jax.ShapeDtypeStruct((s.hv, s.b, s.t) + dims, s.dtype, sharding=rep)
@@ -386,7 +389,7 @@ def sharded_cases(mesh: Mesh, shape: dict[str, Any],
     raise ValueError(f"{s.hk} key heads do not split over {n} devices")
   heads, vec = P(None, None, "x"), P("x")
   in_specs = (heads,) * 5 + (vec, vec)
-  forward, step = workload.layer_fns("pallas_mosaic_tpu")
+  forward, step = workload.layer_fns("pallas_mosaic_tpu", flat_shape=s)
 
   def local_step(*xs):
     loss, grads = step(*xs)
@@ -397,5 +400,5 @@ def sharded_cases(mesh: Mesh, shape: dict[str, Any],
          "fwd+bwd": jax.shard_map(local_step, mesh=mesh, in_specs=in_specs,
                                   out_specs=(P(), in_specs), check_vma=False)}
   args = [aot.spec(mesh, x.shape, x.dtype, spec)
-          for x, spec in zip(workload.abstract_inputs(s), in_specs)]
+          for x, spec in zip(workload.abstract_inputs(s, flat=True), in_specs)]
   return [(f"{GDN}|{p}|{n} devices", fns[p], args) for p in passes]

@@ -50,12 +50,18 @@ def layer_shape(args) -> LayerShape:
   return LayerShape(b=b, t=t, hk=hk, hv=v.shape[2], k=k, v=v.shape[3], dtype=v.dtype)
 
 
-def abstract_inputs(s: LayerShape, sharding=None) -> tuple[jax.ShapeDtypeStruct, ...]:
-  """(q, k, v, g, beta, a_log, dt_bias) of the layer's call, as ShapeDtypeStructs."""
+def abstract_inputs(s: LayerShape, sharding=None, *, flat: bool = False
+                    ) -> tuple[jax.ShapeDtypeStruct, ...]:
+  """(q, k, v, g, beta, a_log, dt_bias) of the layer's call, as ShapeDtypeStructs.
+
+  `flat`: q, k, v as [B, T, H D], the layout of the projections they come
+  from in the layer (`layer_fns(flat_shape=...)` takes them so).
+  """
   sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  heads = lambda h, d: (s.b, s.t, h * d) if flat else (s.b, s.t, h, d)
   return (
-      sds((s.b, s.t, s.hk, s.k), s.dtype), sds((s.b, s.t, s.hk, s.k), s.dtype),
-      sds((s.b, s.t, s.hv, s.v), s.dtype), sds((s.b, s.t, s.hv), s.dtype),
+      sds(heads(s.hk, s.k), s.dtype), sds(heads(s.hk, s.k), s.dtype),
+      sds(heads(s.hv, s.v), s.dtype), sds((s.b, s.t, s.hv), s.dtype),
       sds((s.b, s.t, s.hv), s.dtype),
       sds((s.hv,), jnp.float32), sds((s.hv,), jnp.float32),
   )
@@ -73,8 +79,19 @@ def step_loss(out: jax.Array) -> jax.Array:
   return jnp.sum(jnp.square(out.astype(jnp.float32)))
 
 
-def layer_fns(implementation, remat_policy: str | None = None):
+def layer_fns(implementation, remat_policy: str | None = None, *,
+              flat_shape: LayerShape | None = None):
   """(forward, forward+backward) of the layer's call on `abstract_inputs`' arguments.
+
+  `flat_shape`: the functions take q, k, v as [B, T, H D] of that shape
+  (`abstract_inputs(flat=True)`) and split the heads, and the forward
+  returns the output as [B, T, Hv V], as the layer makes its projections'
+  outputs into heads and its output back for the output projection, so a
+  compile sees the arrays as the layer has them. (The Pallas kernels read
+  and write them [B, T, H D]: XLA folds the reshapes. As [B, T, H, D]
+  arguments and result of a jit, laid out tiled over (H, D), XLA copies
+  them into that layout and back: v6e, Qwen3-Next heads, T=512, 13.1 k
+  cycles of glue on the forward's 75.4 k.)
 
   forward+backward is `jax.value_and_grad` of `step_loss(out)` with respect
   to all seven inputs, as a training step takes them (the loss is reported):
@@ -99,10 +116,15 @@ def layer_fns(implementation, remat_policy: str | None = None):
   named = remat_policy is not None
 
   def forward(q, k, v, g, beta, a_log, dt_bias):
-    return gated_delta_rule(q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias,
-                            use_qk_l2norm=True, use_beta_sigmoid=True,
-                            implementation=implementation,
-                            named_residuals=named)[0]
+    if flat_shape is not None:
+      s = flat_shape
+      q, k = (x.reshape(s.b, s.t, -1, s.k) for x in (q, k))
+      v = v.reshape(s.b, s.t, -1, s.v)
+    out = gated_delta_rule(q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias,
+                           use_qk_l2norm=True, use_beta_sigmoid=True,
+                           implementation=implementation,
+                           named_residuals=named)[0]
+    return out if flat_shape is None else out.reshape(*out.shape[:2], -1)
 
   def loss(*xs):
     return step_loss(forward(*xs))
