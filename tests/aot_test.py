@@ -187,6 +187,9 @@ def test_aot_command_reports_kernels_glue_total_and_roofline(capsys):
     assert all(n.startswith("gdn_") for n in kernels if n != report_lib.GLUE), kernels
     assert p["total_cycles"] == sum(kernels.values()) > 0
     assert p["total_over_floor"] == pytest.approx(p["total_cycles"] / p["floor_cycles"])
+  # The layer's arrays reach the forward kernel and leave it as they are
+  # ([B, T, H D] q, k, v and output): no XLA relayout around it.
+  assert estimated["fwd"]["kernels"][report_lib.GLUE] == 0, estimated["fwd"]["kernels"]
   if "fwd+bwd/save_gdn" in estimated:   # saved residuals: no states pass
     assert "gdn_fwd_states" not in estimated["fwd+bwd/save_gdn"]["kernels"]
 
