@@ -127,6 +127,16 @@ def _beta_sigmoid_in_core(op_, use_beta_sigmoid: bool, initial_state) -> bool:
           and _whole_guard(op_, initial_state))
 
 
+def _core_beta(op_, beta, use_beta_sigmoid: bool, initial_state):
+  """(beta as `op_`'s core takes it, whether the core takes the sigmoid):
+  the logits where `_beta_sigmoid_in_core`, else sigmoid(logits) in XLA
+  (or beta itself without `use_beta_sigmoid`)."""
+  in_core = _beta_sigmoid_in_core(op_, use_beta_sigmoid, initial_state)
+  if use_beta_sigmoid and not in_core:
+    beta = prologue.beta_sigmoid(beta)
+  return beta, in_core
+
+
 def _float64_to_float32(tree):
   """Every float64 array of `tree` as float32.
 
@@ -292,9 +302,7 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
   ) -> tuple[Output, Residuals]:
     core = functools.partial(self._core_fwd, scale=scale, segment_ids=segment_ids,
                              config=config)
-    sigmoid_in_core = _beta_sigmoid_in_core(self, use_beta_sigmoid, initial_state)
-    if use_beta_sigmoid and not sigmoid_in_core:
-      beta = prologue.beta_sigmoid(beta)
+    beta, sigmoid_in_core = _core_beta(self, beta, use_beta_sigmoid, initial_state)
     if self.prologue_in_core:
       q, k, log_decay = query, key, g
       core = functools.partial(core, use_qk_l2norm=use_qk_l2norm, a_log=a_log,
@@ -405,10 +413,8 @@ class GatedDeltaRuleVjp[C, K](ShippedAutotuningCacheMixin, op.Op[Any, dict[str, 
       config: C,
   ) -> tuple[dict[str, jax.Array], None]:
     del out, return_residuals
-    sigmoid_in_core = _beta_sigmoid_in_core(self, use_beta_sigmoid, initial_state)
     beta_logits = beta
-    if use_beta_sigmoid and not sigmoid_in_core:
-      beta = prologue.beta_sigmoid(beta)
+    beta, sigmoid_in_core = _core_beta(self, beta, use_beta_sigmoid, initial_state)
     if self.prologue_in_core:
       q, k, log_decay = query, key, g
     else:
