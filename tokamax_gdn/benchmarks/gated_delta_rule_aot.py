@@ -309,7 +309,11 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
   """The three GDN kernels of a training step, each compiled alone ("gdn_fwd",
   "gdn_fwd_states", "gdn_bwd" with its residuals as inputs), on the raw
   inputs of the layer's call (the prologue and the NaN guard in the kernels,
-  as the op runs them), with the configs the op picks for `shape`.
+  as the op runs them), with the configs the op picks for `shape`. q, k, v,
+  dO and the per-head results are [B, T, H D] arguments and results, as in
+  the layer (`workload.layer_fns`' `flat_shape`): as [B, T, H, D] ones XLA
+  copies them into the kernels' layout, and at T=512 it keeps those copies
+  in VMEM, which took tpu7x's backward past its VMEM here.
 
   For per-kernel cycles where the whole step's estimate does not compile:
   with the cycle dump on, XLA reserves VMEM of its own next to the kernel
@@ -331,7 +335,9 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
     states_cfg = pallas._states_config(bwd_cfg, pallas._shapes(ba))   # pylint: disable=protected-access
   sds = lambda dims, dtype: aot.spec(mesh, dims, dtype)
   dtype, f32 = jnp.dtype(s.dtype), jnp.float32
-  q, v = sds((s.b, s.t, s.hk, s.k), dtype), sds((s.b, s.t, s.hv, s.v), dtype)
+  q, v = sds((s.b, s.t, s.hk * s.k), dtype), sds((s.b, s.t, s.hv * s.v), dtype)
+  heads = lambda x, d: x.reshape(s.b, s.t, -1, d)       # [B, T, H D] -> [B, T, H, D]
+  flat = lambda x: x.reshape(*x.shape[:2], -1)
   g, beta = sds((s.b, s.t, s.hv), dtype), sds((s.b, s.t, s.hv), dtype)
   a_log = sds((s.hv,), f32)
   c = bwd_cfg.chunk_size
@@ -343,7 +349,7 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
 
   def kwargs(cfg):
     with aot.on_target(mesh):
-      out = pallas._kernel_args(cfg, q, v, False)   # pylint: disable=protected-access
+      out = pallas._kernel_args(cfg, *args[:3:2], False)   # pylint: disable=protected-access
     if vmem_limit_mib:
       out["vmem_limit_bytes"] = vmem_limit_mib << 20
     return out
@@ -353,18 +359,22 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
       beta_sigmoid=True)
 
   def fwd(q, k, v, g, beta, a_log, dt_bias):
-    return kernel.gdn_fwd(q, k, v, g, beta, scale=scale, pro=pro(a_log, dt_bias),
-                          guard=True, **kwargs(fwd_cfg))[:2]
+    out, final, _ = kernel.gdn_fwd(heads(q, s.k), heads(k, s.k), heads(v, s.v), g, beta,
+                                   scale=scale, pro=pro(a_log, dt_bias), guard=True,
+                                   **kwargs(fwd_cfg))
+    return flat(out), final
 
   def states_pass(q, k, v, g, beta, a_log, dt_bias):
-    return kernel.gdn_fwd(q, k, v, g, beta, scale=scale, write_out=False,
-                          emit_residuals=True, guard=True, pro=pro(a_log, dt_bias),
-                          **kwargs(states_cfg))[2]
+    return kernel.gdn_fwd(heads(q, s.k), heads(k, s.k), heads(v, s.v), g, beta, scale=scale,
+                          write_out=False, emit_residuals=True, guard=True,
+                          pro=pro(a_log, dt_bias), **kwargs(states_cfg))[2]
 
   def bwd(q, k, v, g, beta, a_log, dt_bias, d_out, states, tmats, flags):
-    return kernel.gdn_bwd(q, k, v, g, beta, d_out, None, scale=scale,
-                          residuals=(states, tmats, flags), guard=True,
-                          pro=pro(a_log, dt_bias), **kwargs(bwd_cfg))
+    grads = kernel.gdn_bwd(heads(q, s.k), heads(k, s.k), heads(v, s.v), g, beta,
+                           heads(d_out, s.v), None, scale=scale,
+                           residuals=(states, tmats, flags), guard=True,
+                           pro=pro(a_log, dt_bias), **kwargs(bwd_cfg))
+    return tuple(map(flat, grads[:3])) + tuple(grads[3:])
 
   label = lambda name, cfg: f"{name} C={cfg.chunk_size} interleave={cfg.interleave}"
   raw = [q, q, v, g, beta, a_log, a_log]
