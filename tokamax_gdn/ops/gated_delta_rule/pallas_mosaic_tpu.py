@@ -104,6 +104,10 @@ def _shapes(ba: op.BoundArguments) -> _Shapes:
 # `vmem_estimate`): the growth measured up to T = 131072 (README.md, "VMEM
 # model"), with a quarter MiB to spare.
 _LONG_BWD_FROM, _LONG_BWD_HEADROOM = 4096, 5 * _MIB // 4
+# The forward's growth past the same length: 8 heads interleaved, tpu7x,
+# Qwen3-Next heads, 16.68 -- 17.0 MiB at T=4096, 18.68 -- 19.0 MiB at
+# T=32768 with an initial state.
+_LONG_FWD_HEADROOM = 2 * _MIB
 
 
 def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, itemsize: int,
@@ -115,9 +119,10 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
 
   The kernel's f32 scratch (the state or dS, the head-major copies of the
   blocks, the gate rows), exactly; plus what Mosaic allocates itself: a part
-  proportional to one chunk of q, k, v in f32 (2× in the forward kernels,
-  2.25× in the backward), the C×C / C×D f32 tiles live per interleaved head
-  (6 in the forward kernels, 12 in the backward: 10 before the prologue ran
+  proportional to one chunk of q, k, v in f32 (1× in the forward, 2× in the
+  states pass, 2.25× in the backward), the C×C / C×D f32 tiles live per
+  interleaved head (7 in the forward, 6 in the states pass, 12 in the
+  backward: 10 before the prologue ran
   in the kernels; it took the backward at C=64, 8 heads, T=4096 from 20.72 to
   21.04 MiB, over tpu7x's 21 MiB, and the estimate from 0.35 MiB under the
   measurement to 0.65 over), and about one more copy of
@@ -125,7 +130,10 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
   Mosaic keeps at long sequences and the estimate adds at every length. Past
   T = 4096 (`length`, 0 if unknown) the backward's scoped allocation grows
   by up to another MiB, so the backward estimate then adds
-  `_LONG_BWD_HEADROOM`. v5e/v6e need more for the backward, which their
+  `_LONG_BWD_HEADROOM`, and the forward's by up to 2 MiB
+  (`_LONG_FWD_HEADROOM`): so tpu7x's forward interleaves 16 heads up to
+  T = 4096 (24 % fewer cycles than 8 at Qwen3-Next heads, T=512) and 8
+  past it, where 16 no longer fits. v5e/v6e need more for the backward, which their
   larger `vmem_cap` leaves room for.
 
   The coefficients are fitted to the compiler's own scoped allocation, which
@@ -148,9 +156,18 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
   values = 2 if kernel == "fwd" else 1
   scratch = state + 2 * key + values * value + rows
   blocks = (2 * key + values * value) * itemsize // 4
-  blocks += residuals if kernel == "states" else 0
-  written = residuals if kernel == "fwd" and save_states else 0
-  return scratch + 2 * (2 * key + value) + blocks // 2 + written + interleave * 6 * tile
+  if kernel == "states":
+    blocks += residuals
+    return scratch + 2 * (2 * key + value) + blocks // 2 + interleave * 6 * tile
+  # The forward, refitted since its blocks are [B, T, H D] (no relayout in
+  # the kernel): one copy of the q, k, v chunk in f32 where Mosaic had two,
+  # 7 tiles per head where it had 6 (tpu7x, Qwen3-Next heads, T=4096, C=128:
+  # 16.68 -- 17.0 / 20.05 -- 20.5 MiB with 8 / 16 heads, estimated 17.1 /
+  # 20.6; 23.0 MiB with 16 heads and the relayout). The states pass is not
+  # refitted.
+  written = residuals if save_states else 0
+  long = _LONG_FWD_HEADROOM if length > _LONG_BWD_FROM else 0
+  return scratch + (2 * key + value) + blocks // 2 + written + interleave * 7 * tile + long
 
 
 def vmem_cap(gen: gdn_config.TpuGeneration) -> int:
