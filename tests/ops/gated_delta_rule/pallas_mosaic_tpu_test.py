@@ -199,3 +199,19 @@ def test_heuristics_in_autotuning_configs(chip):
     assert heur.chunk_size in (64, 128, 256) and 32 % heur.interleave == 0
   finally:
     tokamax_gdn.config.set_target_chip(None)
+
+
+@pytest.mark.parametrize("t,interleave", [(4096, 16), (8192, 8)])
+def test_tpu7x_forward_interleave_follows_the_length(t, interleave):
+  """tpu7x's forward at Qwen3-Next heads: 16 heads interleaved fit its 21 MiB
+  of scoped VMEM up to T=4096 (measured 20.05 -- 20.5 MiB), not at T=8192 with
+  an initial state (over 21.05): the estimate's growth past T=4096 picks 8."""
+  q = jax.ShapeDtypeStruct((1, t, 16, 128), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((1, t, 32, 128), jnp.bfloat16)
+  g = jax.ShapeDtypeStruct((1, t, 32), jnp.bfloat16)
+  tokamax_gdn.config.set_target_chip("tpu7x")
+  try:
+    heur = pallas_mosaic_tpu.IMPLEMENTATION.bind(q, q, v, g, g).heuristics_config
+  finally:
+    tokamax_gdn.config.set_target_chip(None)
+  assert (heur.chunk_size, heur.interleave) == (128, interleave)
