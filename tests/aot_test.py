@@ -36,15 +36,10 @@ QWEN = [workload.layer_shape(s.abstract()[0])
 KERNELS = ("gdn_fwd", "gdn_fwd_states", "gdn_bwd")
 
 
-def _train_fn():
-  """Value and gradients of the layer's GDN call: all three kernels, one compile."""
-  return workload.layer_fns(IMPL)[1]
-
-
 def _check_compiles(target, shape):
   mesh = aot.target_mesh(target)
   args = workload.abstract_inputs(shape, NamedSharding(mesh, P()))
-  fn = _train_fn()
+  fn = workload.layer_fns(shape, IMPL)[1]   # value and gradients: all three kernels
   with aot.on_target(mesh):
     hlo = jax.jit(fn).lower(*args).as_text()
   for name in KERNELS:   # each Pallas kernel by its name (not a prefix of another)
@@ -88,9 +83,9 @@ def test_the_measured_grad_program_keeps_the_forward_kernel():
   does not use the outputs' values (sum(out)) loses it, and so must fail the
   same check."""
   mesh = aot.target_mesh("v6e")
-  args = workload.abstract_inputs(workload.LayerShape(b=1, t=128, hk=1, hv=2, k=128, v=128),
-                                  NamedSharding(mesh, P()))
-  forward, grad = workload.layer_fns(IMPL)
+  s = workload.LayerShape(b=1, t=128, hk=1, hv=2, k=128, v=128)
+  args = workload.abstract_inputs(s, NamedSharding(mesh, P()))
+  forward, grad = workload.layer_fns(s, IMPL)
   step = {name: 1 for name in KERNELS}
   assert aot.compile_for("v6e", grad, *args, mesh=mesh).pallas_calls == step
   plain_sum = jax.grad(lambda *xs: jnp.sum(forward(*xs).astype(jnp.float32)),

@@ -38,7 +38,7 @@ def bound_args(op_name: str, impl: str, shape: workload.LayerShape, *, backward:
   if op_name not in TUNABLE_OPS:
     raise ValueError(f"autotuning supports the ops {', '.join(TUNABLE_OPS)}; got {op_name!r}")
   args = workload.abstract_inputs(shape)
-  fwd, grad = workload.layer_fns(impl)
+  fwd, grad = workload.layer_fns(shape, impl)
   found = [("fwd", ba) for ba in hlo_utils.get_bound_args(fwd, *args)]
   if backward:
     for ba in hlo_utils.get_bound_args(grad, *args):

@@ -66,8 +66,8 @@ def remat_pass(policy: str) -> str:
 
 
 def _gdn_fn(pass_: str, s: workload.LayerShape):
-  """The layer's call for `pass_` on `workload.abstract_inputs(s, flat=True)`
-  (q, k, v as the layer's projections make them), compiled with
+  """The layer's call for `pass_` on `workload.abstract_inputs(s)` (`s.flat`:
+  q, k, v as the layer's projections make them), compiled with
   `Layout.AUTO` arguments and results (`aot.compile_for`'s
   `aot_auto_layouts`).
 
@@ -80,10 +80,10 @@ def _gdn_fn(pass_: str, s: workload.LayerShape):
   such copies).
   """
   if pass_ == "fwd":
-    fn = workload.layer_fns("pallas_mosaic_tpu", flat_shape=s)[0]
+    fn = workload.layer_fns(s, "pallas_mosaic_tpu")[0]
   else:
     policy = pass_.split("/", 1)[1] if "/" in pass_ else None
-    fn = workload.layer_fns("pallas_mosaic_tpu", policy, flat_shape=s)[1]
+    fn = workload.layer_fns(s, "pallas_mosaic_tpu", policy)[1]
 
   def call(*args):
     return fn(*args)
@@ -97,9 +97,9 @@ def cases(mesh: Mesh, shape: dict[str, Any], kda: bool = False,
   """AOT cases "<impl>|<pass>" for `shape` (LayerShape fields; dtype by name).
 
   Passes: "fwd", "fwd+bwd", and `remat_pass(policy)` (GDN only)."""
-  s = workload.LayerShape(**shape)
+  s = dataclasses.replace(workload.LayerShape(**shape), flat=True)
   rep = NamedSharding(mesh, P())
-  out = [(f"{GDN}|{p}", _gdn_fn(p, s), workload.abstract_inputs(s, rep, flat=True))
+  out = [(f"{GDN}|{p}", _gdn_fn(p, s), workload.abstract_inputs(s, rep))
          for p in passes]
   passes = [p for p in passes if p in PASSES]
   if kda:
@@ -151,7 +151,7 @@ def extrapolate(values: Sequence[float], lengths: Sequence[int], t: int) -> floa
 def _chunk_size(s: workload.LayerShape, mesh: Mesh) -> int:
   """The chunk the Pallas forward uses for `s` (its config from the cache or heuristics)."""
   op = registry.get("gated_delta_rule", "pallas_mosaic_tpu")
-  args = workload.abstract_inputs(s)
+  args = workload.abstract_inputs(dataclasses.replace(s, flat=False))
   with aot.on_target(mesh):
     cfg = op.bind(*args[:5], a_log=args[5], dt_bias=args[6], use_qk_l2norm=True).default_config
   return int(getattr(cfg, "chunk_size", 64))
@@ -311,7 +311,7 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
   inputs of the layer's call (the prologue and the NaN guard in the kernels,
   as the op runs them), with the configs the op picks for `shape`. q, k, v,
   dO and the per-head results are [B, T, H D] arguments and results, as in
-  the layer (`workload.layer_fns`' `flat_shape`): as [B, T, H, D] ones XLA
+  the layer (`workload.LayerShape.flat`): as [B, T, H, D] ones XLA
   copies them into the kernels' layout, and at T=512 it keeps those copies
   in VMEM, which took tpu7x's backward past its VMEM here.
 
@@ -324,8 +324,8 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
   """
   from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu as pallas  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as kernel  # pylint: disable=g-import-not-at-top
-  s = workload.LayerShape(**shape)
-  args = workload.abstract_inputs(s)
+  s = dataclasses.replace(workload.LayerShape(**shape), flat=True)
+  args = workload.abstract_inputs(dataclasses.replace(s, flat=False))
   op = registry.get("gated_delta_rule", "pallas_mosaic_tpu")
   with aot.on_target(mesh):
     ba = op.bind(*args[:5], a_log=args[5], dt_bias=args[6], use_qk_l2norm=True,
@@ -333,18 +333,13 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
     fwd_cfg = ba.default_config
     bwd_cfg = pallas._heuristics(ba, backward=True)   # pylint: disable=protected-access
     states_cfg = pallas._states_config(bwd_cfg, pallas._shapes(ba))   # pylint: disable=protected-access
+  raw = list(workload.abstract_inputs(s, NamedSharding(mesh, P())))   # the layer's call
   sds = lambda dims, dtype: aot.spec(mesh, dims, dtype)
-  dtype, f32 = jnp.dtype(s.dtype), jnp.float32
-  q, v = sds((s.b, s.t, s.hk * s.k), dtype), sds((s.b, s.t, s.hv * s.v), dtype)
-  heads = lambda x, d: x.reshape(s.b, s.t, -1, d)       # [B, T, H D] -> [B, T, H, D]
-  flat = lambda x: x.reshape(*x.shape[:2], -1)
-  g, beta = sds((s.b, s.t, s.hv), dtype), sds((s.b, s.t, s.hv), dtype)
-  a_log = sds((s.hv,), f32)
   c = bwd_cfg.chunk_size
   nc = -(-s.t // c)
-  states = sds((s.b, nc, s.hv, s.k, s.v), dtype)
-  tmats = sds((s.b, nc, s.hv, c, c), dtype)
-  flags = sds((s.b, nc, s.hv, c), f32)     # the guard's forward flags
+  states = sds((s.b, nc, s.hv, s.k, s.v), s.dtype)
+  tmats = sds((s.b, nc, s.hv, c, c), s.dtype)
+  flags = sds((s.b, nc, s.hv, c), jnp.float32)     # the guard's forward flags
   scale = s.k ** -0.5
 
   def kwargs(cfg):
@@ -357,30 +352,29 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
   pro = lambda a_log, dt_bias: kernel.Prologue(
       qk_l2norm=True, a_log=a_log, dt_bias=dt_bias, log_decay_floor=op.log_decay_floor,
       beta_sigmoid=True)
+  heads = lambda q, k, v: (workload.split_heads(q, s.k), workload.split_heads(k, s.k),
+                           workload.split_heads(v, s.v))
 
   def fwd(q, k, v, g, beta, a_log, dt_bias):
-    out, final, _ = kernel.gdn_fwd(heads(q, s.k), heads(k, s.k), heads(v, s.v), g, beta,
-                                   scale=scale, pro=pro(a_log, dt_bias), guard=True,
-                                   **kwargs(fwd_cfg))
-    return flat(out), final
+    out, final, _ = kernel.gdn_fwd(*heads(q, k, v), g, beta, scale=scale,
+                                   pro=pro(a_log, dt_bias), guard=True, **kwargs(fwd_cfg))
+    return workload.merge_heads(out), final
 
   def states_pass(q, k, v, g, beta, a_log, dt_bias):
-    return kernel.gdn_fwd(heads(q, s.k), heads(k, s.k), heads(v, s.v), g, beta, scale=scale,
+    return kernel.gdn_fwd(*heads(q, k, v), g, beta, scale=scale,
                           write_out=False, emit_residuals=True, guard=True,
                           pro=pro(a_log, dt_bias), **kwargs(states_cfg))[2]
 
   def bwd(q, k, v, g, beta, a_log, dt_bias, d_out, states, tmats, flags):
-    grads = kernel.gdn_bwd(heads(q, s.k), heads(k, s.k), heads(v, s.v), g, beta,
-                           heads(d_out, s.v), None, scale=scale,
-                           residuals=(states, tmats, flags), guard=True,
+    grads = kernel.gdn_bwd(*heads(q, k, v), g, beta, workload.split_heads(d_out, s.v), None,
+                           scale=scale, residuals=(states, tmats, flags), guard=True,
                            pro=pro(a_log, dt_bias), **kwargs(bwd_cfg))
-    return tuple(map(flat, grads[:3])) + tuple(grads[3:])
+    return tuple(map(workload.merge_heads, grads[:3])) + tuple(grads[3:])
 
   label = lambda name, cfg: f"{name} C={cfg.chunk_size} interleave={cfg.interleave}"
-  raw = [q, q, v, g, beta, a_log, a_log]
   return [(label("gdn_fwd", fwd_cfg), fwd, raw),
           (label("gdn_fwd_states", states_cfg), states_pass, raw),
-          (label("gdn_bwd", bwd_cfg), bwd, raw + [v, states, tmats, flags])]
+          (label("gdn_bwd", bwd_cfg), bwd, raw + [raw[2], states, tmats, flags])]
 
 
 # ------------------------------------------------------------ heads over devices
@@ -393,13 +387,13 @@ def sharded_cases(mesh: Mesh, shape: dict[str, Any],
   them). The compiled program is one device's: its memory and cycles are
   per device. fwd+bwd: value and gradients of `workload.step_loss`, the loss
   summed over the devices."""
-  s = workload.LayerShape(**shape)
+  s = dataclasses.replace(workload.LayerShape(**shape), flat=True)
   n = mesh.devices.size
   if s.hk % n:
     raise ValueError(f"{s.hk} key heads do not split over {n} devices")
   heads, vec = P(None, None, "x"), P("x")
   in_specs = (heads,) * 5 + (vec, vec)
-  forward, step = workload.layer_fns("pallas_mosaic_tpu", flat_shape=s)
+  forward, step = workload.layer_fns(s, "pallas_mosaic_tpu")
 
   def local_step(*xs):
     loss, grads = step(*xs)
@@ -410,5 +404,5 @@ def sharded_cases(mesh: Mesh, shape: dict[str, Any],
          "fwd+bwd": jax.shard_map(local_step, mesh=mesh, in_specs=in_specs,
                                   out_specs=(P(), in_specs), check_vma=False)}
   args = [aot.spec(mesh, x.shape, x.dtype, spec)
-          for x, spec in zip(workload.abstract_inputs(s, flat=True), in_specs)]
+          for x, spec in zip(workload.abstract_inputs(s), in_specs)]
   return [(f"{GDN}|{p}|{n} devices", fns[p], args) for p in passes]

@@ -84,7 +84,7 @@ def test_each_policy_runs_the_kernels_it_should_on_v6e():
   args = workload.abstract_inputs(s, NamedSharding(mesh, P()))
   calls, host = {}, {}
   for policy in remat.POLICIES:
-    rep = aot.compile_for("v6e", workload.layer_fns("pallas_mosaic_tpu", policy)[1], *args,
+    rep = aot.compile_for("v6e", workload.layer_fns(s, "pallas_mosaic_tpu", policy)[1], *args,
                           mesh=mesh)
     calls[policy], host[policy] = rep.pallas_calls, rep.host_temp_bytes
   assert calls[remat.SAVE] == calls[remat.OFFLOAD] == dict(gdn_fwd=1, gdn_bwd=1)

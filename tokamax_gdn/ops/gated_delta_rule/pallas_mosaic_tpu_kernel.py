@@ -594,12 +594,18 @@ class _Operand:
   shape: Any = None
 
 
+def _lanes(ref, start: int, width: int, st: _Static, c_idx):
+  """Lanes [start, start + width) of a (C, ·) token block in f32, an aligned
+  slice (no relayout); rows at or past T zeroed."""
+  return _tail_mask(ref[:, start:start + width].astype(F32), st, c_idx)
+
+
 def _load_heads(ref, scr, st: _Static, c_idx):
-  """A (C, H D) block's heads into the head-major f32 scratch `scr` (H, C, D):
-  aligned lane slices, no relayout (`_token_block`); rows at or past T zeroed."""
+  """A (C, H D) block's heads into the head-major f32 scratch `scr` (H, C, D)
+  (`_token_block`)."""
   d = scr.shape[-1]
   for j in range(scr.shape[0]):
-    scr[j] = _tail_mask(ref[:, j * d:(j + 1) * d].astype(F32), st, c_idx)
+    scr[j] = _lanes(ref, j * d, d, st, c_idx)
 
 
 def _store_heads(scr, ref, rows=None):
@@ -635,7 +641,7 @@ def _packed_heads(x_ref, b_ref, qh_scr, kh_scr, vh_scr, st: _Static, c_idx, rows
   if st.beta_guard:
     beta = _row_mask(_tail_mask(_beta_block(b_ref, st), st, c_idx), rows)   # (C, Hv)
     live = [beta[:, i:i + 1] != 0.0 for i in range(st.hv)]
-  lanes = lambda start, width: _tail_mask(x_ref[:, start:start + width].astype(F32), st, c_idx)
+  lanes = lambda start, width: _lanes(x_ref, start, width, st, c_idx)
   for j in range(hk):
     q, k = lanes(j * kd, kd), lanes((hk + j) * kd, kd)
     if live is not None:

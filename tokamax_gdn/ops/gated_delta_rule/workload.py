@@ -28,7 +28,12 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class LayerShape:
-  """One layer's gated-delta-rule call: [B, T, Hk, K] keys, [B, T, Hv, V] values."""
+  """One layer's gated-delta-rule call: [B, T, Hk, K] keys, [B, T, Hv, V] values.
+
+  `flat`: the call takes q, k, v and returns the output as [B, T, H D], the
+  layout of the projections they come from and go to in the layer
+  (`abstract_inputs` and `layer_fns` both follow it; see `layer_fns`).
+  """
 
   b: int
   t: int
@@ -37,10 +42,21 @@ class LayerShape:
   k: int
   v: int
   dtype: Any = jnp.bfloat16
+  flat: bool = False
 
   def __str__(self):
     return (f"B{self.b} T{self.t} Hk{self.hk} Hv{self.hv} K{self.k} V{self.v}"
             f" {jnp.dtype(self.dtype).name}")
+
+
+def split_heads(x: jax.Array, dim: int) -> jax.Array:
+  """[B, T, H D] -> [B, T, H, D] (heads of size `dim`)."""
+  return x.reshape(*x.shape[:2], -1, dim)
+
+
+def merge_heads(x: jax.Array) -> jax.Array:
+  """[B, T, H, D] -> [B, T, H D]."""
+  return x.reshape(*x.shape[:2], -1)
 
 
 def layer_shape(args) -> LayerShape:
@@ -50,15 +66,11 @@ def layer_shape(args) -> LayerShape:
   return LayerShape(b=b, t=t, hk=hk, hv=v.shape[2], k=k, v=v.shape[3], dtype=v.dtype)
 
 
-def abstract_inputs(s: LayerShape, sharding=None, *, flat: bool = False
-                    ) -> tuple[jax.ShapeDtypeStruct, ...]:
-  """(q, k, v, g, beta, a_log, dt_bias) of the layer's call, as ShapeDtypeStructs.
-
-  `flat`: q, k, v as [B, T, H D], the layout of the projections they come
-  from in the layer (`layer_fns(flat_shape=...)` takes them so).
-  """
+def abstract_inputs(s: LayerShape, sharding=None) -> tuple[jax.ShapeDtypeStruct, ...]:
+  """(q, k, v, g, beta, a_log, dt_bias) of the layer's call, as ShapeDtypeStructs
+  (q, k, v as [B, T, H D] where `s.flat`)."""
   sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-  heads = lambda h, d: (s.b, s.t, h * d) if flat else (s.b, s.t, h, d)
+  heads = lambda h, d: (s.b, s.t, h * d) if s.flat else (s.b, s.t, h, d)
   return (
       sds(heads(s.hk, s.k), s.dtype), sds(heads(s.hk, s.k), s.dtype),
       sds(heads(s.hv, s.v), s.dtype), sds((s.b, s.t, s.hv), s.dtype),
@@ -79,15 +91,13 @@ def step_loss(out: jax.Array) -> jax.Array:
   return jnp.sum(jnp.square(out.astype(jnp.float32)))
 
 
-def layer_fns(implementation, remat_policy: str | None = None, *,
-              flat_shape: LayerShape | None = None):
-  """(forward, forward+backward) of the layer's call on `abstract_inputs`' arguments.
+def layer_fns(s: LayerShape, implementation, remat_policy: str | None = None):
+  """(forward, forward+backward) of the layer's call on `abstract_inputs(s)`.
 
-  `flat_shape`: the functions take q, k, v as [B, T, H D] of that shape
-  (`abstract_inputs(flat=True)`) and split the heads, and the forward
-  returns the output as [B, T, Hv V], as the layer makes its projections'
-  outputs into heads and its output back for the output projection, so a
-  compile sees the arrays as the layer has them. (The Pallas kernels read
+  With `s.flat` the functions take q, k, v as [B, T, H D] and split the
+  heads, and the forward returns the output as [B, T, Hv V], as the layer
+  makes its projections' outputs into heads and its output back for the
+  output projection, so a compile sees the arrays as the layer has them. (The Pallas kernels read
   and write them [B, T, H D]: XLA folds the reshapes. As [B, T, H, D]
   arguments and result of a jit, laid out tiled over (H, D), XLA copies
   them into that layout and back: v6e, Qwen3-Next heads, T=512, 13.1 k
@@ -116,15 +126,13 @@ def layer_fns(implementation, remat_policy: str | None = None, *,
   named = remat_policy is not None
 
   def forward(q, k, v, g, beta, a_log, dt_bias):
-    if flat_shape is not None:
-      s = flat_shape
-      q, k = (x.reshape(s.b, s.t, -1, s.k) for x in (q, k))
-      v = v.reshape(s.b, s.t, -1, s.v)
+    if s.flat:
+      q, k, v = split_heads(q, s.k), split_heads(k, s.k), split_heads(v, s.v)
     out = gated_delta_rule(q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias,
                            use_qk_l2norm=True, use_beta_sigmoid=True,
                            implementation=implementation,
                            named_residuals=named)[0]
-    return out if flat_shape is None else out.reshape(*out.shape[:2], -1)
+    return merge_heads(out) if s.flat else out
 
   def loss(*xs):
     return step_loss(forward(*xs))
