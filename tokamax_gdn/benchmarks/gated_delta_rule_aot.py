@@ -65,6 +65,12 @@ def remat_pass(policy: str) -> str:
   return f"fwd+bwd/{policy}"
 
 
+def _layer_call(shape: dict[str, Any]) -> workload.LayerShape:
+  """`shape` (LayerShape fields) as the layer calls the op: q, k, v and the
+  output as [B, T, H D] (`LayerShape.flat`), in every builder here."""
+  return dataclasses.replace(workload.LayerShape(**shape), flat=True)
+
+
 def _gdn_fn(pass_: str, s: workload.LayerShape):
   """The layer's call for `pass_` on `workload.abstract_inputs(s)` (`s.flat`:
   q, k, v as the layer's projections make them), compiled with
@@ -97,7 +103,7 @@ def cases(mesh: Mesh, shape: dict[str, Any], kda: bool = False,
   """AOT cases "<impl>|<pass>" for `shape` (LayerShape fields; dtype by name).
 
   Passes: "fwd", "fwd+bwd", and `remat_pass(policy)` (GDN only)."""
-  s = dataclasses.replace(workload.LayerShape(**shape), flat=True)
+  s = _layer_call(shape)
   rep = NamedSharding(mesh, P())
   out = [(f"{GDN}|{p}", _gdn_fn(p, s), workload.abstract_inputs(s, rep))
          for p in passes]
@@ -324,7 +330,7 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
   """
   from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu as pallas  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as kernel  # pylint: disable=g-import-not-at-top
-  s = dataclasses.replace(workload.LayerShape(**shape), flat=True)
+  s = _layer_call(shape)
   args = workload.abstract_inputs(dataclasses.replace(s, flat=False))
   op = registry.get("gated_delta_rule", "pallas_mosaic_tpu")
   with aot.on_target(mesh):
@@ -387,7 +393,7 @@ def sharded_cases(mesh: Mesh, shape: dict[str, Any],
   them). The compiled program is one device's: its memory and cycles are
   per device. fwd+bwd: value and gradients of `workload.step_loss`, the loss
   summed over the devices."""
-  s = dataclasses.replace(workload.LayerShape(**shape), flat=True)
+  s = _layer_call(shape)
   n = mesh.devices.size
   if s.hk % n:
     raise ValueError(f"{s.hk} key heads do not split over {n} devices")
