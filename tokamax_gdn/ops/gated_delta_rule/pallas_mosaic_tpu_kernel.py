@@ -363,12 +363,19 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   which squares the error of T, the residual with a split hi + lo, or with a
   in bf16 when there is one step. `v5e_forms`: see the module docstring.
 
-  Cost (libtpu's estimate, v6e, gdn_fwd at Qwen3-Next heads, T=512, 77 k
-  cycles): a product costs about the same down to 64 rows or 64³ (the last
-  merge as two 64³ products saved 0.14 k, as 64-row products none), and
-  stacking products that share a right operand saves nothing beyond the
-  rows it adds ([K_in; Q_in] S and [P̃; K_outᵀ] V″ in `_fwd_chunk`: +0.6 k);
-  every doubling of the block size (Neumann or merge) is two C³ products.
+  Cost. A product's MXU time follows its left operand's rows (libtpu's
+  bundles, v6e, against a 128×128 right operand: 32 MXU slot-ops for 128
+  rows, 16 for 64, 8 for 32; 64 for 128 rows against 256×256), not its
+  inner or output size, so stacking products that share a right operand
+  saves nothing beyond the rows it adds ([K_in; Q_in] S and [P̃; K_outᵀ] V″
+  in `_fwd_chunk`: +0.6 k cycles). A merge changes only the lower half of
+  each window's rows, so both its products take those C/2 rows alone
+  (Qwen3-Next heads, T=512, gdn_fwd / gdn_fwd_states against full C-row
+  products: v6e 65.8 / 54.9 -> 64.8 / 53.8 k cycles, where the MXU's slot-ops
+  per grid step fell 20.9 -> 16.7 k and the chains' latency binds; v5e
+  122 / 101 -> 103 / 82.8 k; tpu7x 85.7 / 131 -> 86.0 / 130 k). A Neumann
+  doubling is two C-row products (one of them [q q | q inv], C wide), a
+  Newton step two (v6e: 5.0 k of gdn_fwd's 64.8 k).
   """
   c = a_list[0].shape[0]
   row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
@@ -382,10 +389,8 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   if v5e_forms:
     rounded = [round_bf16(jnp.where(diag, -a, 0.0)) for a in a_list]
     powers = [p for p, _ in rounded]
-    off_block = lambda off, i: lhs_masked(off, a_list[i], True).astype(BF16)
   else:
     powers = [jnp.where(diag, -a, zero) for a in a_bf]
-    off_block = lambda off, i: jnp.where(off, a_bf[i], zero)
   eye = (row == col).astype(F32)
   if v5e_forms:
     invs = [eye + wide for _, wide in rounded]
@@ -412,13 +417,33 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
     both = [_mm(qb, r) for (qb, _), r in zip(q_pairs, rhs)]      # [q q | q inv]
     qs = [x[:, :c] for x in both]
     invs = [inv + x[:, c:] for inv, x in zip(invs, both)]
+  # A merge changes only the rows of each window's second half, C/2 of them:
+  # both products take those rows alone as their left operand (an MXU
+  # product's cost follows its left operand's rows). Rows are moved in f32,
+  # whose (8, 128) tiles any block of 8 or more rows fills (bf16's are 16).
+  half_row = lax.broadcasted_iota(jnp.int32, (c // 2, c), 0)
+  half_col = lax.broadcasted_iota(jnp.int32, (c // 2, c), 1)
   size = base
   while size < c:
-    off = ((block_of(row, 2 * size) == block_of(col, 2 * size))
-           & (block_of(row, size) != block_of(col, size)))
+    lows = range(size, c, 2 * size)                  # each window's second half
+    lower = lambda x: jnp.concatenate([x[s:s + size] for s in lows], 0)
+    # The lower rows of window w (rows w·size.. of the compacted C/2) meet
+    # the columns of w's first half.
+    off = block_of(half_col, size) == 2 * block_of(half_row, size)
     inv_bf = [inv.astype(BF16) for inv in invs]
-    tmp = [_mm(off_block(off, i), ib).astype(BF16) for i, ib in enumerate(inv_bf)]
-    invs = [inv - _mm(ib, t) for inv, ib, t in zip(invs, inv_bf, tmp)]
+    tmp = [_mm(lhs_masked(off, lower(a), v5e_forms).astype(BF16), ib)
+           for a, ib in zip(a_list, inv_bf)]           # a_off T, its lower rows
+    # T (a_off T): T's lower rows against a_off T put back at its rows (the
+    # upper rows, zeros, meet only T's zero entries).
+    zeros = jnp.zeros((size, c), F32)
+    weights = [jnp.concatenate([p for w in range(len(lows))
+                                for p in (zeros, t[w * size:(w + 1) * size])], 0).astype(BF16)
+               for t in tmp]
+    corr = [_mm(lower(inv).astype(BF16), wt) for inv, wt in zip(invs, weights)]
+    invs = [jnp.concatenate([p for w, s in enumerate(lows)
+                             for p in (inv[s - size:s],
+                                       inv[s:s + size] - cr[w * size:(w + 1) * size])], 0)
+            for inv, cr in zip(invs, corr)]
     size *= 2
   strict = row > col
   ts = [round_bf16(inv) if v5e_forms else (inv.astype(BF16), None)
