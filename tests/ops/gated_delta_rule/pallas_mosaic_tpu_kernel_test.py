@@ -109,14 +109,16 @@ def test_chunk_cumsum_restarts_at_segment_starts():
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("c", [64, 128, 256])
 @pytest.mark.parametrize("v5e_forms", [False, True], ids=["", "v5e_forms"])
 @pytest.mark.parametrize("near_duplicates", [False, True])
 @pytest.mark.parametrize("newton", [1, 2])
-def test_invert_unit_lower_matches_xla_stage(newton, near_duplicates, v5e_forms):
+def test_invert_unit_lower_matches_xla_stage(newton, near_duplicates, v5e_forms, c):
   """bf16 start + `newton` Newton steps against xla's substitution inverse
   (f32 HIGHEST): one step suffices for bf16 inputs, two for float32; the same
-  with the forms the kernels take on v5e."""
-  c, dk, h = 128, 64, 3
+  with the forms the kernels take on v5e; at every chunk size the kernels
+  take (each merge level moves its own row blocks)."""
+  dk, h = 64, 3
   r = np.random.default_rng(newton + 2 * near_duplicates)
   k = r.standard_normal((h, c, dk))
   if near_duplicates:   # keys that repeat with small changes: ill-conditioned I + A

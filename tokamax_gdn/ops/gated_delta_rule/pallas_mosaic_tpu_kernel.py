@@ -371,11 +371,14 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   in `_fwd_chunk`: +0.6 k cycles). A merge changes only the lower half of
   each window's rows, so both its products take those C/2 rows alone
   (Qwen3-Next heads, T=512, gdn_fwd / gdn_fwd_states against full C-row
-  products: v6e 65.8 / 54.9 -> 64.8 / 53.8 k cycles, where the MXU's slot-ops
-  per grid step fell 20.9 -> 16.7 k and the chains' latency binds; v5e
-  122 / 101 -> 103 / 82.8 k; tpu7x 85.7 / 131 -> 86.0 / 130 k). A Neumann
-  doubling is two C-row products (one of them [q q | q inv], C wide), a
-  Newton step two (v6e: 5.0 k of gdn_fwd's 64.8 k).
+  products: v6e 65.8 / 54.9 -> 64.8 / 53.8 k cycles; v5e 122 / 101 -> 103 /
+  82.8 k; tpu7x 85.7 / 131 -> 86.0 / 130 k). On v6e the MXU's slot-ops per
+  grid step fell 20.9 -> 16.7 k but the estimate's critical path, one MXU's
+  instruction stream, stayed at 12.5 k cycles per grid step; the inner
+  dimension compacted to C/2 as well (lane rolls and selects) cost 37 k
+  cycles more, and even for free it saved 0.7 k. A Neumann doubling is two
+  C-row products (one of them [q q | q inv], C wide), a Newton step two
+  (v6e: 5.0 k of gdn_fwd's 64.8 k).
   """
   c = a_list[0].shape[0]
   row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
