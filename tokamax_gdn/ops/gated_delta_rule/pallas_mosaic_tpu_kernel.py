@@ -363,13 +363,16 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   which squares the error of T, the residual with a split hi + lo, or with a
   in bf16 when there is one step. `v5e_forms`: see the module docstring.
 
-  Cost. A product's MXU time follows its left operand's rows (libtpu's
-  bundles, v6e, against a 128×128 right operand: 32 MXU slot-ops for 128
-  rows, 16 for 64, 8 for 32; 64 for 128 rows against 256×256), not its
-  inner or output size, so stacking products that share a right operand
-  saves nothing beyond the rows it adds ([K_in; Q_in] S and [P̃; K_outᵀ] V″
-  in `_fwd_chunk`: +0.6 k cycles). A merge changes only the lower half of
-  each window's rows, so both its products take those C/2 rows alone
+  Cost. A product's MXU slot-ops follow its left operand's rows (libtpu's
+  per-bundle counts, v6e, against a 128×128 right operand: 32 for 128 rows,
+  16 for 64, 8 for 32; 64 for 128 rows against 256×256); in a stream of
+  independent products v6e's estimate takes the larger of the rows and the
+  inner size (16 cycles per 128³ product, 16 at 64 rows, 8 at 64 rows and 64
+  inner, 32 at 256 rows or against 256×256). Stacking products that share
+  a right operand saves nothing beyond the rows it adds ([K_in; Q_in] S and
+  [P̃; K_outᵀ] V″ in `_fwd_chunk`: +0.6 k cycles). A merge changes only the
+  lower half of each window's rows, so both its products take those C/2 rows
+  alone
   (Qwen3-Next heads, T=512, gdn_fwd / gdn_fwd_states against full C-row
   products: v6e 65.8 / 54.9 -> 64.8 / 53.8 k cycles; v5e 122 / 101 -> 103 /
   82.8 k; tpu7x 85.7 / 131 -> 86.0 / 130 k). On v6e the MXU's slot-ops per
@@ -421,8 +424,8 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
     qs = [x[:, :c] for x in both]
     invs = [inv + x[:, c:] for inv, x in zip(invs, both)]
   # A merge changes only the rows of each window's second half, C/2 of them:
-  # both products take those rows alone as their left operand (an MXU
-  # product's cost follows its left operand's rows). Rows are moved in f32,
+  # both products take those rows alone as their left operand (half the
+  # rows through the MXU; see Cost above). Rows are moved in f32,
   # whose (8, 128) tiles any block of 8 or more rows fills (bf16's are 16).
   half_row = lax.broadcasted_iota(jnp.int32, (c // 2, c), 0)
   half_col = lax.broadcasted_iota(jnp.int32, (c // 2, c), 1)
