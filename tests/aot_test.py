@@ -189,6 +189,35 @@ def test_aot_command_reports_kernels_glue_total_and_roofline(capsys):
     assert "gdn_fwd_states" not in estimated["fwd+bwd/save_gdn"]["kernels"]
 
 
+def test_bundle_units_are_slot_shares_of_the_schedule(tmp_path):
+  """Per unit: ops over (slots per bundle × bundles), from libtpu's
+  per-bundle utilization file (its header spells "CAPACTIY")."""
+  path = tmp_path / "1-k.1-70-final_hlo-static-per-bundle-utilization.txt"
+  path.write_text("== CAPACTIY:\nMXU, XLU, VALU\n    2     2     4\n== UTILIZATION:\n"
+                  "0 0 0\n2 1 4\n1 0 2\n1 1 0\n")
+  units = aot.bundle_units(str(path))
+  assert units == {"bundles": 4.0, "MXU": 4 / 8, "XLU": 2 / 8, "VALU": 6 / 16}
+
+
+@pytest.mark.aot
+def test_aot_units_give_each_kernels_slot_use(capsys):
+  """`--units`: every Pallas kernel of each pass gets its schedule's length
+  and its slot shares (a share is at most 1; the GDN kernels use the MXU)."""
+  rc = cli.main(["aot", "--target", "v6e", "--hk", "1", "--hv", "2", "--k", "128", "--v", "128",
+                 "--seq-len", "256", "--cycle-lengths", "256", "--scaled-memory", "--units",
+                 "--json"])
+  (report,) = json.loads(capsys.readouterr().out)
+  assert rc == 0, report
+  for p in report["passes"]:
+    if p["total_cycles"] is None:    # libtpu's estimator aborted on this pass
+      continue
+    kernels = {n for n in p["kernels"] if n != report_lib.GLUE}
+    assert set(p["units"]) == kernels, (p["units"], kernels)
+    for u in p["units"].values():
+      assert u["bundles"] > 0 and 0 < u["MXU"] <= 1 and 0 < u["VALU"] <= 1, u
+      assert all(0 <= share <= 1 for name, share in u.items() if name != "bundles"), u
+
+
 _HOLD_LIBTPU = """
 from jax.experimental import topologies
 topologies.get_topology_desc(topology_name="v6e:2x2", platform="tpu")

@@ -56,8 +56,15 @@ from tokamax import config as tokamax_config  # pylint: disable=g-import-not-at-
 from tokamax_gdn import config  # pylint: disable=g-import-not-at-top
 
 _DUMP_FLAG = "--xla_jf_dump_static_llo_profile_to="
+# libtpu's LLO text dump (every pass of every compile, ~2 GiB for the GDN
+# layer's step at T=512): its per-bundle utilization files give each
+# kernel's VLIW slot use (`bundle_units`).
+_LLO_DIR_FLAG = "--xla_jf_dump_to="
+_LLO_TEXT_FLAG = "--xla_jf_dump_llo_text=true"
+_UNITS_GLOB = "*-final_hlo-static-per-bundle-utilization.txt"
 _CHILD_LINE = "TOKAMAX_GDN_AOT "
 _cycle_dir: str | None = None
+_units_dir: str | None = None
 
 
 def enable_cycle_estimates(dump_dir: str | None = None) -> str | None:
@@ -72,10 +79,12 @@ def enable_cycle_estimates(dump_dir: str | None = None) -> str | None:
   the dump). Take cycles from short lengths (as the `aot` report does) and
   judge VMEM and memory from compiles without it.
   """
-  global _cycle_dir
+  global _cycle_dir, _units_dir
   if _cycle_dir is not None:
     return _cycle_dir
   args = os.environ.get("LIBTPU_INIT_ARGS", "")
+  if _LLO_DIR_FLAG in args and _LLO_TEXT_FLAG in args:
+    _units_dir = args.split(_LLO_DIR_FLAG, 1)[1].split()[0]
   if _DUMP_FLAG in args:
     _cycle_dir = args.split(_DUMP_FLAG, 1)[1].split()[0]
     return _cycle_dir
@@ -124,6 +133,9 @@ class CompileReport:
   kernel_cycles: dict[str, int]
   # Pallas kernels in the optimised program: name -> number of calls.
   pallas_calls: dict[str, int] = dataclasses.field(default_factory=dict)
+  # Pallas kernel -> `bundle_units` of its schedule, with the LLO text dump on
+  # (`compile_in_child(units=True)`).
+  kernel_units: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
   # Temporaries in host memory (what a remat policy offloads).
   host_temp_bytes: int = 0
 
@@ -131,11 +143,47 @@ class CompileReport:
     return dataclasses.asdict(self)
 
 
-def _snapshot(d: str | None) -> dict[str, int]:
+def _snapshot(d: str | None, pattern: str = "*static_llo_profile*") -> dict[str, int]:
   """Dump file -> modification time: a recompile of a kernel rewrites its file."""
   if not d or not os.path.isdir(d):
     return {}
-  return {p: os.stat(p).st_mtime_ns for p in glob.glob(os.path.join(d, "*static_llo_profile*"))}
+  return {p: os.stat(p).st_mtime_ns for p in glob.glob(os.path.join(d, pattern))}
+
+
+def bundle_units(path: str) -> dict[str, float]:
+  """One kernel's VLIW schedule from libtpu's per-bundle utilization file:
+  "bundles" (its static length; a grid loop's body counted once) and, per
+  unit (MXU, XLU, VALU, VPOP, EUP, VLOAD, VSTORE, ...; the file's own names),
+  the share of its slots the schedule fills (ops / (slots per bundle ×
+  bundles)). A kernel whose busiest unit is far below 1 is bound by latency
+  or by the mix of units, not by one of them (README, "Where the cycles
+  go")."""
+  with open(path) as f:
+    text = f.read()
+  head, _, rows = text.partition("== UTILIZATION:")
+  lines = [ln.split() for ln in head.splitlines() if ln.strip() and not ln.startswith("==")]
+  names = [n.rstrip(",") for n in lines[0]]
+  slots = [int(x) for x in lines[1]]
+  sums, bundles = [0] * len(names), 0
+  for ln in rows.splitlines():
+    parts = ln.split()
+    if len(parts) == len(names):
+      bundles += 1
+      sums = [a + int(b) for a, b in zip(sums, parts)]
+  out = {"bundles": float(bundles)}
+  out.update({n: (v / (c * bundles) if bundles and c else 0.0)
+              for n, v, c in zip(names, sums, slots)})
+  return out
+
+
+def _read_units(paths, kernels) -> dict[str, dict[str, float]]:
+  out = {}
+  for p in sorted(paths):
+    m = re.match(r"\d+-(.+?)-\d+-final_hlo", os.path.basename(p))
+    name = kernel_name(m.group(1)) if m else None
+    if name in kernels:
+      out[name] = bundle_units(p)
+  return out
 
 
 def kernel_name(dump_name: str) -> str:
@@ -188,6 +236,7 @@ def compile_for(target: str, fn: Callable[..., Any], *arg_specs,
   mesh = mesh or target_mesh(target)
   args = [a if isinstance(a, jax.ShapeDtypeStruct) else spec(mesh, *a) for a in arg_specs]
   before = _snapshot(_cycle_dir)
+  before_units = _snapshot(_units_dir, _UNITS_GLOB)
   # A function may name arguments to donate (`fn.aot_donate_argnums`): the
   # serving op's pools, updated in place as an engine calls it.
   donate = getattr(fn, "aot_donate_argnums", ())
@@ -202,6 +251,7 @@ def compile_for(target: str, fn: Callable[..., Any], *arg_specs,
     compiled = jax.jit(functools.partial(fn, **static_kwargs),
                        donate_argnums=donate, **layouts).lower(*args).compile()
   mem = compiled.memory_analysis()
+  calls = pallas_calls(compiled.as_text())
   return CompileReport(
       target=target,
       temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0)),
@@ -209,8 +259,11 @@ def compile_for(target: str, fn: Callable[..., Any], *arg_specs,
       output_bytes=int(getattr(mem, "output_size_in_bytes", 0)),
       kernel_cycles=_read_cycles(
           p for p, mtime in _snapshot(_cycle_dir).items() if before.get(p) != mtime),
-      pallas_calls=pallas_calls(compiled.as_text()),
+      pallas_calls=calls,
       host_temp_bytes=int(getattr(mem, "host_temp_size_in_bytes", 0)),
+      kernel_units=_read_units(
+          (p for p, mtime in _snapshot(_units_dir, _UNITS_GLOB).items()
+           if before_units.get(p) != mtime), calls),
   )
 
 
@@ -237,7 +290,7 @@ class ChildResult:
 
 def compile_in_child(target: str, builder: str, kwargs: dict[str, Any] | None = None, *,
                      cycles: bool = True, timeout: float | None = None,
-                     num_devices: int = 1) -> list[ChildResult]:
+                     num_devices: int = 1, units: bool = False) -> list[ChildResult]:
   """Compiles, in a fresh Python process, the cases `builder` returns.
 
   Args:
@@ -250,6 +303,8 @@ def compile_in_child(target: str, builder: str, kwargs: dict[str, Any] | None = 
     cycles: turn the static cycle dump on in the child.
     timeout: seconds before the child is killed (its finished cases are kept).
     num_devices: devices in the builder's mesh.
+    units: with `cycles`, libtpu's LLO text dump on too, for each report's
+      `kernel_units` (slower; gigabytes of files, removed when it is done).
 
   Returns:
     One `ChildResult` per case, in the builder's order. A case that failed to
@@ -266,7 +321,9 @@ def compile_in_child(target: str, builder: str, kwargs: dict[str, Any] | None = 
   dump = tempfile.mkdtemp(prefix="tokamax_gdn_llo_") if cycles else None
   if dump is not None:
     args = " ".join(a for a in env.get("LIBTPU_INIT_ARGS", "").split()
-                    if not a.startswith(_DUMP_FLAG))
+                    if not a.startswith((_DUMP_FLAG, _LLO_DIR_FLAG, _LLO_TEXT_FLAG)))
+    if units:
+      args += f" {_LLO_DIR_FLAG}{os.path.join(dump, 'llo')} {_LLO_TEXT_FLAG}"
     env["LIBTPU_INIT_ARGS"] = f"{args} {_DUMP_FLAG}{dump}".strip()
   try:
     proc = subprocess.run(cmd, input=request, capture_output=True, text=True, env=env,

@@ -185,6 +185,8 @@ class PassReport:
   floor_cycles: float | None = None
   total_over_floor: float | None = None
   note: str = ""
+  # Kernel -> `aot.bundle_units` at the first cycle length (`report(units=True)`).
+  units: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 _CYCLE_BUILDER = "tokamax_gdn.benchmarks.gated_delta_rule_aot:cycle_cases"
@@ -193,7 +195,7 @@ _CYCLE_BUILDER = "tokamax_gdn.benchmarks.gated_delta_rule_aot:cycle_cases"
 def report(target: str, s: workload.LayerShape, *, kda: bool = False,
            cycle_lengths: Sequence[int] = (512,), full_length_memory: bool = True,
            remat_policies: Sequence[str] = (),
-           timeout: float | None = 900) -> list[PassReport]:
+           timeout: float | None = 900, units: bool = False) -> list[PassReport]:
   """Compiles and estimates every pass; see the module docstring.
 
   Each (implementation, pass) is compiled with the cycle dump on in a child
@@ -207,6 +209,8 @@ def report(target: str, s: workload.LayerShape, *, kda: bool = False,
   GDN fwd or fwd+bwd pass whose estimate fails (tpu7x's fwd+bwd: the cycle
   dump's VMEM reservation overflows the chip) gets its kernels' cycles from
   compiles of each kernel alone (`_kernels_alone`; glue not estimated).
+  `units`: each kernel's VLIW slot use at the first cycle length too
+  (`aot.bundle_units`; libtpu's LLO text dump, much slower).
   """
   lengths = sorted({min(t, s.t) for t in cycle_lengths})
   shape = dict(dataclasses.asdict(s), dtype=jnp.dtype(s.dtype).name)
@@ -219,7 +223,7 @@ def report(target: str, s: workload.LayerShape, *, kda: bool = False,
       impl, pass_ = label.split("|")
       return aot.compile_in_child(
           target, _CYCLE_BUILDER, dict(shape=shape, lengths=lengths, kda=impl == KDA,
-                                       passes=[pass_]), timeout=timeout)
+                                       passes=[pass_]), timeout=timeout, units=units)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
       for label, results in zip(labels, pool.map(in_child, labels)):
         estimates[label] = [r for r in results if r.label.startswith(label + "|")]
@@ -236,6 +240,7 @@ def report(target: str, s: workload.LayerShape, *, kda: bool = False,
       r.kernels = {n: round(extrapolate([x.get(n, 0) for x in split], lengths, s.t))
                    for n in names}
       r.total_cycles = sum(r.kernels.values())
+      r.units = est[0].report.kernel_units
       totals = [sum(x.values()) for x in split]
       r.scaling = totals[-1] / totals[0] if len(lengths) > 1 and totals[0] else None
       if not full_length_memory:

@@ -21,7 +21,10 @@ lengths: 18.5 vs 172 MiB of temporaries for the Qwen3-Next fwd+bwd on v6e).
 offloads to host. The roofline floor is max(essential FLOPs / peak FLOP per
 cycle, minimal HBM bytes / bytes per cycle), both peaks measured with the
 same estimator (`tokamax_gdn.config.TpuGeneration`). `--kda` adds tokamax's
-kimi_delta_attention on the same shapes. See
+kimi_delta_attention on the same shapes. `--units` adds each Pallas
+kernel's VLIW slot use at the first cycle length: its static schedule's
+length and the share of each unit's slots (MXU, XLU, VALU, loads, stores,
+...) it fills (`aot.bundle_units`; libtpu's LLO text dump: much slower). See
 `tokamax_gdn.benchmarks.gated_delta_rule_aot`.
 
 With --op causal_conv1d_gated_delta_rule: per workload (its arg specs tagged
@@ -59,6 +62,10 @@ def add_arguments(parser) -> None:
                       help="comma-separated remat policies (recompute, save_gdn, offload_gdn):"
                       " each adds a fwd+bwd pass under jax.checkpoint with that policy")
   parser.add_argument("--json", action="store_true", help="print the report as JSON")
+  parser.add_argument("--units", action="store_true",
+                      help="each kernel's VLIW slot use (share of each unit's slots its"
+                           " schedule fills, at the first cycle length) from libtpu's LLO"
+                           " text dump: much slower, gigabytes of temporary files")
   _add_train_step_arguments(parser)
 
 
@@ -153,7 +160,7 @@ def run(args) -> int:
   for shape in _shapes(args):
     passes = report_lib.report(args.target, shape, kda=args.kda, cycle_lengths=lengths,
                                full_length_memory=not args.scaled_memory,
-                               remat_policies=policies)
+                               remat_policies=policies, units=args.units)
     results.append((shape, passes))
   ok = all(p.compiled == "ok" for _, passes in results for p in passes)
   if args.json:
@@ -184,6 +191,17 @@ def run(args) -> int:
          for p in passes for name, cyc in p.kernels.items()],
         dict(impl="impl", pass_="pass", kernel="kernel", cycles="Mcycles", share="share"))
     print()
+    if args.units and lengths:
+      names = list(dict.fromkeys(n for p in passes for u in p.units.values() for n in u
+                                 if n != "bundles"))
+      common.print_table(
+          [dict(impl=p.impl, pass_=p.pass_, kernel=k, bundles=f"{u['bundles']:.0f}",
+                **{n: f"{100 * u.get(n, 0):.0f}%" for n in names})
+           for p in passes for k, u in p.units.items()],
+          dict(impl="impl", pass_="pass", kernel="kernel", bundles="bundles",
+               **{n: n for n in names}),
+          title=f"VLIW slot use per kernel at T={lengths[0]} (share of each unit's slots)")
+      print()
   return 0 if ok else 1
 
 
