@@ -150,6 +150,12 @@ def _snapshot(d: str | None, pattern: str = "*static_llo_profile*") -> dict[str,
   return {p: os.stat(p).st_mtime_ns for p in glob.glob(os.path.join(d, pattern))}
 
 
+def _written_since(d: str | None, before: dict[str, int],
+                   pattern: str = "*static_llo_profile*") -> list[str]:
+  """Files of `_snapshot(d, pattern)` new or rewritten since `before`."""
+  return [p for p, mtime in _snapshot(d, pattern).items() if before.get(p) != mtime]
+
+
 def bundle_units(path: str) -> dict[str, float]:
   """One kernel's VLIW schedule from libtpu's per-bundle utilization file:
   "bundles" (its static length; a grid loop's body counted once) and, per
@@ -257,13 +263,10 @@ def compile_for(target: str, fn: Callable[..., Any], *arg_specs,
       temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0)),
       argument_bytes=int(getattr(mem, "argument_size_in_bytes", 0)),
       output_bytes=int(getattr(mem, "output_size_in_bytes", 0)),
-      kernel_cycles=_read_cycles(
-          p for p, mtime in _snapshot(_cycle_dir).items() if before.get(p) != mtime),
+      kernel_cycles=_read_cycles(_written_since(_cycle_dir, before)),
       pallas_calls=calls,
       host_temp_bytes=int(getattr(mem, "host_temp_size_in_bytes", 0)),
-      kernel_units=_read_units(
-          (p for p, mtime in _snapshot(_units_dir, _UNITS_GLOB).items()
-           if before_units.get(p) != mtime), calls),
+      kernel_units=_read_units(_written_since(_units_dir, before_units, _UNITS_GLOB), calls),
   )
 
 

@@ -372,8 +372,7 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   a right operand saves nothing beyond the rows it adds ([K_in; Q_in] S and
   [P̃; K_outᵀ] V″ in `_fwd_chunk`: +0.6 k cycles). A merge changes only the
   lower half of each window's rows, so both its products take those C/2 rows
-  alone
-  (Qwen3-Next heads, T=512, gdn_fwd / gdn_fwd_states against full C-row
+  alone (Qwen3-Next heads, T=512, gdn_fwd / gdn_fwd_states against full C-row
   products: v6e 65.8 / 54.9 -> 64.8 / 53.8 k cycles; v5e 122 / 101 -> 103 /
   82.8 k; tpu7x 85.7 / 131 -> 86.0 / 130 k). On v6e the MXU's slot-ops per
   grid step fell 20.9 -> 16.7 k but the estimate's critical path, one MXU's
