@@ -47,12 +47,12 @@ Precision. bfloat16 inputs: one bf16 MXU pass per product (f32
 accumulation), except the inverse (below). float32 inputs: three bf16
 passes (hi·hi + hi·lo + lo·hi of a hi/lo split), ~2⁻¹⁶ relative per
 product; both the same in Pallas interpret mode on CPU, so tests there see
-the TPU's rounding. The inverse: T0 by Neumann products on 8×8 diagonal
-blocks merged blockwise up to C, all in bf16 passes, then Newton steps
-T ← T + T (I − (I + A') T): one step for bf16 inputs, its residual with A'
-in bf16 (errors of a bf16 T0, up to 1e-2 on correlated keys, fall to ~1e-3,
-as close to (I + A')⁻¹ as rounding A' or T to bf16 puts it), two for float32,
-their residuals with A' split hi + lo (~1e-5).
+the TPU's rounding. The inverse: T0 from the 2×2 diagonal blocks merged
+blockwise up to C, all in bf16 passes, two heads per product
+(`invert_unit_lower`); for bf16 inputs that is T (~3e-3 on correlated keys,
+as close to (I + A')⁻¹ as rounding A' or T to bf16 puts it); float32 inputs
+add two Newton steps T ← T + T (I − (I + A') T), their residuals with A'
+split hi + lo (~1e-5).
 
 v5e forms (`_Static.v5e_forms`, on when tracing for v5e). v5e has no bf16
 VPU, and Mosaic moves bf16 values between layouts there through 16-bit
@@ -122,7 +122,6 @@ from tokamax_gdn.ops.gated_delta_rule import segments
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 _NEG_INF = -jnp.inf
-_INVERSE_BASE_BLOCK = 8
 
 
 # ----------------------------------------------------------------------------
@@ -355,107 +354,88 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   """(I + a)⁻¹ for a list of strictly lower-triangular a (C×C f32).
 
   Level-major over the list (each stage for every matrix before the next),
-  so the MXU always has independent work. T0: Neumann sums on 8×8
-  diagonal blocks (by doubling), then exact block merges T ← T − T a_off T
-  for sizes 8 → 16 → … → C (a whole-chunk Neumann series is unstable:
-  powers of a grow like binomials before they cancel; the merges do not),
-  in bf16 passes. Then `newton` steps T ← T + T (I − (I + a) T), each of
-  which squares the error of T, the residual with a split hi + lo, or with a
-  in bf16 when there is one step. `v5e_forms`: see the module docstring.
+  so the MXU always has independent work. Pairs: a_{2i} and a_{2i+1}ᵀ share
+  one C×C tile (one strictly lower, one strictly upper), and so do their
+  inverses (T_{2i} lower, T_{2i+1}ᵀ upper, the unit diagonal shared), so
+  that each product of the merges serves two matrices. T0: I − a on the 2×2
+  diagonal blocks, then exact block merges T ← T − T a_off T for sizes 2 →
+  4 → … → C, in bf16 passes (a whole-chunk Neumann series is unstable:
+  powers of a grow like binomials before they cancel; the merges do not).
+  The lower matrix's off block (the second half's rows and the first half's
+  columns of each 2·size window) and the upper one's (its mirror) are
+  disjoint, and so are the rows of the tile each needs right of a_off (the
+  lower one's T in each window's first half, the upper one's in the second)
+  and left of it (the other way round): a merge level is two C×C products
+  per pair. Then `newton` steps T ← T + T (I − (I + a) T) per matrix (the
+  upper ones as they are, for (I + aᵀ)⁻¹ = Tᵀ), each of which squares the
+  error of T, the residual with a split hi + lo, or with a in bf16 when
+  there is one step; the upper ones are transposed at the end.
+  `v5e_forms`: see the module docstring.
 
-  Cost. A product's MXU slot-ops follow its left operand's rows (libtpu's
-  per-bundle counts, v6e, against a 128×128 right operand: 32 for 128 rows,
-  16 for 64, 8 for 32; 64 for 128 rows against 256×256); in a stream of
-  independent products v6e's estimate takes the larger of the rows and the
-  inner size (16 cycles per 128³ product, 16 at 64 rows, 8 at 64 rows and 64
-  inner, 32 at 256 rows or against 256×256). Stacking products that share
-  a right operand saves nothing beyond the rows it adds ([K_in; Q_in] S and
-  [P̃; K_outᵀ] V″ in `_fwd_chunk`: +0.6 k cycles). A merge changes only the
-  lower half of each window's rows, so both its products take those C/2 rows
-  alone (Qwen3-Next heads, T=512, gdn_fwd / gdn_fwd_states against full C-row
-  products: v6e 65.8 / 54.9 -> 64.8 / 53.8 k cycles; v5e 122 / 101 -> 103 /
-  82.8 k; tpu7x 85.7 / 131 -> 86.0 / 130 k). On v6e the MXU's slot-ops per
-  grid step fell 20.9 -> 16.7 k but the estimate's critical path, one MXU's
-  instruction stream, stayed at 12.5 k cycles per grid step; the inner
-  dimension compacted to C/2 as well (lane rolls and selects) cost 37 k
-  cycles more, and even for free it saved 0.7 k. A Neumann doubling is two
-  C-row products (one of them [q q | q inv], C wide), a Newton step two
-  (v6e: 5.0 k of gdn_fwd's 64.8 k).
+  Accuracy. T0 against the float64 inverse, near-duplicate keys, no decay,
+  β ≈ 1 (the hardest case of the inverse test), C = 64 / 128 / 256:
+  2.5e-3 / 2.9e-3 / 3.7e-3, and 2.5e-3 / 2.8e-3 / 3.6e-3 after one Newton
+  step with a in bf16 (that step's floor): bf16 inputs take no step
+  (`default_newton`). (The Neumann sums on 8×8 blocks this start replaced
+  left 1.8e-2 / 1.7e-2 / 1.8e-2, which that step was for.)
+
+  Cost. In v6e's estimate a product's MXU time follows the rows of its right
+  operand (weights: a 128×128 bf16 one is 8 pushes of 4 cycles on one of the
+  two MXUs, whatever the left operand's rows), and one MXU's pushes are most
+  of `gdn_fwd`'s critical path. The pairs halve the merges' pushes, but with
+  16 heads interleaved a level then has 8 pairs, too few to hide its latency:
+  the unrolled kernels invert every head group's matrices in one list
+  (`_fwd_chunk`). Qwen3-Next heads, T=512, gdn_fwd / gdn_fwd_states: 64.8 /
+  53.8 k cycles (Neumann sums on 8×8 blocks, then merges of the C/2 rows
+  they change, one Newton step) -> 62.8 / 51.1 (pairs, all groups in one
+  list) -> 57.2 / 45.0 k (no Newton step for bf16).
   """
   c = a_list[0].shape[0]
   row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
   col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
   block_of = lambda x, size: lax.shift_right_logical(x, jnp.int32(int(math.log2(size))))
-  base = min(_INVERSE_BASE_BLOCK, c)
-  if not v5e_forms:
-    a_bf = [a.astype(BF16) for a in a_list]
-    zero = jnp.zeros((), BF16)
-  diag = block_of(row, base) == block_of(col, base)
-  if v5e_forms:
-    rounded = [round_bf16(jnp.where(diag, -a, 0.0)) for a in a_list]
-    powers = [p for p, _ in rounded]
-  else:
-    powers = [jnp.where(diag, -a, zero) for a in a_bf]
+  lower, upper = row >= col, row <= col
+  # Pairs: a_{2i} and a_{2i+1}ᵀ in one tile (strictly lower / strictly
+  # upper), their inverses T_{2i} and T_{2i+1}ᵀ in one tile z (unit diagonal
+  # shared); a last unpaired matrix alone.
+  pairs = [(a_list[i], a_list[i + 1].T if i + 1 < len(a_list) else None)
+           for i in range(0, len(a_list), 2)]
+  combs = [a if at is None else a + at for a, at in pairs]
+  base = min(2, c)
   eye = (row == col).astype(F32)
-  if v5e_forms:
-    invs = [eye + wide for _, wide in rounded]
-  else:
-    invs = [eye + p.astype(F32) for p in powers]
-  # invs = I + p + … + p^(m−1) with m = 2, q = p^m: inv ← inv + q inv and
-  # q ← q q double m up to the base size; both take q on the left, so all but
-  # the last doubling are one product q [q | inv] (v6e, Qwen3-Next heads,
-  # T=512: gdn_fwd 77.0 -> 76.6 k cycles against q q and inv q apart).
-  doublings = max(int(math.log2(base)) - 1, 0)
-  qs = [_mm(p, p) for p in powers] if doublings else []           # p², f32
-  for d in range(doublings):
-    if v5e_forms:
-      q_pairs = [round_bf16(q) for q in qs]
-    else:
-      q_pairs = [(q.astype(BF16), None) for q in qs]
-    if d == doublings - 1:
-      invs = [inv + _mm(qb, inv.astype(BF16)) for inv, (qb, _) in zip(invs, q_pairs)]
-      break
-    if v5e_forms:
-      rhs = [jnp.concatenate([qw, inv], 1).astype(BF16) for inv, (_, qw) in zip(invs, q_pairs)]
-    else:
-      rhs = [jnp.concatenate([qb, inv.astype(BF16)], 1) for inv, (qb, _) in zip(invs, q_pairs)]
-    both = [_mm(qb, r) for (qb, _), r in zip(q_pairs, rhs)]      # [q q | q inv]
-    qs = [x[:, :c] for x in both]
-    invs = [inv + x[:, c:] for inv, x in zip(invs, both)]
-  # A merge changes only the rows of each window's second half, C/2 of them:
-  # both products take those rows alone as their left operand (half the
-  # rows through the MXU; see Cost above). Rows are moved in f32,
-  # whose (8, 128) tiles any block of 8 or more rows fills (bf16's are 16).
-  half_row = lax.broadcasted_iota(jnp.int32, (c // 2, c), 0)
-  half_col = lax.broadcasted_iota(jnp.int32, (c // 2, c), 1)
+  same = block_of(row, base) == block_of(col, base)
+  zs = [eye - jnp.where(same, comb, 0.0) for comb in combs]        # 2×2 blocks: I − a
+  # Merges size → 2·size, T ← T − T a_off T, both matrices of a pair in one
+  # product each: the lower one's off block (second half's rows, first half's
+  # columns of each 2·size window) and the upper one's (the mirror) are
+  # disjoint, and so are the rows of z each needs on the right (the lower
+  # one's T in the first halves, the upper one's in the second) and on the
+  # left (the other way round).
   size = base
   while size < c:
-    lows = range(size, c, 2 * size)                  # each window's second half
-    lower = lambda x: jnp.concatenate([x[s:s + size] for s in lows], 0)
-    # The lower rows of window w (rows w·size.. of the compacted C/2) meet
-    # the columns of w's first half.
-    off = block_of(half_col, size) == 2 * block_of(half_row, size)
-    inv_bf = [inv.astype(BF16) for inv in invs]
-    tmp = [_mm(lhs_masked(off, lower(a), v5e_forms).astype(BF16), ib)
-           for a, ib in zip(a_list, inv_bf)]           # a_off T, its lower rows
-    # T (a_off T): T's lower rows against a_off T put back at its rows (the
-    # upper rows, zeros, meet only T's zero entries).
-    zeros = jnp.zeros((size, c), F32)
-    weights = [jnp.concatenate([p for w in range(len(lows))
-                                for p in (zeros, t[w * size:(w + 1) * size])], 0).astype(BF16)
-               for t in tmp]
-    corr = [_mm(lower(inv).astype(BF16), wt) for inv, wt in zip(invs, weights)]
-    invs = [jnp.concatenate([p for w, s in enumerate(lows)
-                             for p in (inv[s - size:s],
-                                       inv[s:s + size] - cr[w * size:(w + 1) * size])], 0)
-            for inv, cr in zip(invs, corr)]
+    rb, cb = block_of(row, size), block_of(col, size)
+    first = (rb & jnp.int32(1)) == 0
+    off = (block_of(row, 2 * size) == block_of(col, 2 * size)) & (rb != cb)
+    second = jnp.logical_not(first)
+    right = (first & lower) | (second & upper)
+    left = (first & upper) | (second & lower)
+    prods = [_mm(lhs_masked(off, comb, v5e_forms).astype(BF16),
+                 jnp.where(right, z, 0.0).astype(BF16)) for comb, z in zip(combs, zs)]
+    zs = [z - _mm(lhs_masked(left, z, v5e_forms).astype(BF16), pr.astype(BF16))
+          for z, pr in zip(zs, prods)]
     size *= 2
-  strict = row > col
+  # (a, T0, strict mask, transposed): an upper one's T0 is T_iᵀ, the inverse
+  # of I + a_iᵀ, refined as it is (the same steps, with a_iᵀ).
+  heads = []
+  for (a, at), z in zip(pairs, zs):
+    heads.append((a, z if at is None else jnp.where(lower, z, 0.0), row > col, False))
+    if at is not None:
+      heads.append((at, jnp.where(upper, z, 0.0), row < col, True))
   ts = [round_bf16(inv) if v5e_forms else (inv.astype(BF16), None)
-        for inv in invs]                                   # (bf16 T, f32 T or None)
+        for _, inv, _, _ in heads]                         # (bf16 T, f32 T or None)
   for _ in range(newton):
     staged = []
-    for t, a in zip(ts, a_list):
+    for t, (a, _, strict, _) in zip(ts, heads):
       if isinstance(t, tuple):
         t_parts, tf = [t[0]], t[0].astype(F32) if t[1] is None else t[1]
       else:
@@ -477,9 +457,9 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
           at = at2[:c] + at2[c:]
         else:
           at = at2[:c] + (at2[c:] + _mm(a_hi, t_parts[1]))
-      staged.append((t_parts, tf, at))
+      staged.append((t_parts, tf, at, strict))
     ts = []
-    for t_parts, tf, at in staged:
+    for t_parts, tf, at, strict in staged:
       # −(I − (I + a) T), nonzero strictly below the diagonal only (there
       # I's entries are 0), and T − T (that): one negation and one
       # subtraction of I fewer than forming I − (I + a) T (the same values).
@@ -488,8 +468,8 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
       for p in t_parts[1:]:
         corr = corr + _mm(p, r)
       ts.append(tf - corr)
-  return [(t[0].astype(F32) if t[1] is None else t[1]) if isinstance(t, tuple) else t
-          for t in ts]
+  return [((t[0].astype(F32) if t[1] is None else t[1]) if isinstance(t, tuple) else t,
+           transposed) for t, (_, _, _, transposed) in zip(ts, heads)]
 
 
 # ----------------------------------------------------------------------------
@@ -547,6 +527,7 @@ class _Static:
   # took its forward to 21.08 of its 21 MiB scoped VMEM at Qwen3-Next heads,
   # T=4096, by 2 the context-parallel forward to 21.16).
   unroll_groups: bool | int = False
+  interpret: bool = False   # traced for Pallas interpret mode (`_transposed`)
   # `gdn_fwd_requests`: q, k, v are lane ranges of one [T, 2 Hk K + Hv V]
   # input and the output is [B, T, Hv V] (heads are lane slices of a block: no
   # relayout); `beta_guard`: k and v read as 0 at tokens whose beta is 0
@@ -793,6 +774,21 @@ def _operand_cat(parts, axis, st: _Static):
   if st.v5e_forms:
     return jnp.concatenate(parts, axis)
   return jnp.concatenate([p.astype(st.mm) for p in parts], axis)
+
+
+def _transposed(x, st: _Static):
+  """xᵀ (C×C f32). In interpret mode as products with the identity, exact
+  (x's three bf16 pieces): XLA:CPU folds a transpose stored as a residual
+  into the backward's transposed-operand product of it, and then cannot run
+  that product in bf16 ("Unsupported element type for DotThunk::Execute:
+  BF16 x BF16 = F32")."""
+  if not st.interpret:
+    return x.T
+  c = x.shape[0]
+  eye = (lax.broadcasted_iota(jnp.int32, (c, c), 0)
+         == lax.broadcasted_iota(jnp.int32, (c, c), 1)).astype(BF16)
+  return functools.reduce(operator.add, [_mm(eye, piece, tb=True)
+                                         for piece in split_bf16(x, 3, st.v5e_forms)])
 
 
 def _residual(x, ref, st: _Static):
@@ -1208,14 +1204,13 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
     c_iota = lax.broadcasted_iota(jnp.int32, (c, c), 0)
     diag = c_iota == lax.broadcasted_iota(jnp.int32, (c, c), 1)
 
-  def group(gi, carry):
+  def prepare(gi):
+    """A head group's state-independent part up to A' (the inverse's input)."""
     heads, kheads = _group_heads(st, gi)
     kj = lambda u: u // st.group
     norm = (lambda x: x) if st.qk_in_place else (lambda x: _normed(x, st)[0])
     q = {ku: norm(qh_scr[j]) for ku, j in kheads.items()} if write_out else None
     k = {ku: _finite(norm(_guard_finite(kh_scr[j], st)), st) for ku, j in kheads.items()}
-    v = {u: _finite(_guard_finite(vh_scr[i], st), st) for u, i in heads.items()}
-    s = {u: s_scr[i] for u, i in heads.items()}
     beta = {u: _row(rows_scr, _BETA, i) for u, i in heads.items()}
     gammas, dins = {}, {}
     for u, i in heads.items():
@@ -1228,14 +1223,22 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
     # Γ ⊙ β_j once for A' and P̃ (v6e, Qwen3-Next heads, T=512: gdn_fwd -0.4 k cycles)
     gbs = {u: gammas[u] * beta[u] for u in heads}
     a_list = [jnp.where(strict, kk(kj(u)) * gbs[u], 0.0) for u in heads]
-    tmats = dict(zip(heads, invert_unit_lower(a_list, newton=st.newton,
-                                              v5e_forms=st.v5e_forms)))   # T' = (I + M D_β)⁻¹
+    return dict(q=q, k=k, dins=dins, qkk=qkk, gbs=gbs, a_list=a_list)
+
+  def finish(gi, pre, t_list):
+    """A head group's outputs and state update, given its T' = (I + M D_β)⁻¹."""
+    heads, kheads = _group_heads(st, gi)
+    kj = lambda u: u // st.group
+    q, k, dins, qkk, gbs = (pre[n] for n in ("q", "k", "dins", "qkk", "gbs"))
+    tmats = dict(zip(heads, t_list))        # (T' or T'ᵀ, transposed)
+    v = {u: _finite(_guard_finite(vh_scr[i], st), st) for u, i in heads.items()}
+    s = {u: s_scr[i] for u, i in heads.items()}
     # V″ = Ũ − W̃ S = T' (V − K_in S): the forward needs no W̃, so two
     # products, not three, and the first does not wait for the inverse. v6e,
     # Qwen3-Next heads, T=512: gdn_fwd 74.8 -> 73.6 k cycles, gdn_fwd_states
     # 66.1 -> 64.8 k (v5e 133.5 / 121.9 -> 130.2 / 117.5 k).
     x_in = {u: v[u] - dot(k[kj(u)] * dins[u], s[u]) for u in heads}   # V − K_in S
-    v_new = {u: dot(tmats[u], x_in[u]) for u in heads}                 # V″
+    v_new = {u: dot(tmats[u][0], x_in[u], ta=tmats[u][1]) for u in heads}   # V″
     if write_out:
       for u, i in heads.items():
         p_tilde = qkk[kj(u)][:c] * gbs[u]
@@ -1254,10 +1257,24 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
       s_scr[i] = lam * s[u] + dot(k_t[kj(u)] * _row(rows_scr, _KOUT, i), v_new[u])
       if emit:
         states_ref[i] = _residual(s[u], states_ref, st)
-        tm_ref[i] = _residual(tmats[u], tm_ref, st)
-    return carry
+        t, transposed = tmats[u]
+        tm_ref[i] = _residual(_transposed(t, st) if transposed else t, tm_ref, st)
 
-  _run_groups(st, group)
+  invert = functools.partial(invert_unit_lower, newton=st.newton, v5e_forms=st.v5e_forms)
+  if st.unroll_groups is True:
+    # Unrolled: every group's inverse level-major in one list (twice the
+    # independent products per level; see `invert_unit_lower`).
+    pres = [prepare(gi) for gi in range(st.hv // st.interleave)]
+    t_all = invert([a for pre in pres for a in pre["a_list"]])
+    for gi, pre in enumerate(pres):
+      finish(gi, pre, t_all[gi * st.interleave:(gi + 1) * st.interleave])
+  else:
+    def group(gi, carry):
+      pre = prepare(gi)
+      finish(gi, pre, invert(pre["a_list"]))
+      return carry
+
+    _run_groups(st, group)
   if write_out:
     # Consecutive items of one block (`requests`: a request's last, the next
     # one's first) share the resident output block: each merges its own rows.
@@ -1581,13 +1598,19 @@ class Prologue:
     return a_log, dt
 
 
+def default_newton(passes: int) -> int:
+  """Newton steps of the inverse (`invert_unit_lower`): none for bf16 inputs
+  (its start is as close as one step with a in bf16 gets), two for float32."""
+  return 0 if passes == 1 else 2
+
+
 def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states=0,
             pro: Prologue = Prologue()):
   b, t, hk, dim_k = q.shape
   hv, dim_v = v.shape[2], v.shape[3]
   passes = 1 if q.dtype == BF16 else 3
   if newton is None:
-    newton = 1 if passes == 1 else 2
+    newton = default_newton(passes)
   return _Static(t_len=t, chunk=chunk, hk=hk, hv=hv, dim_k=dim_k, dim_v=dim_v,
                  scale=float(scale), passes=passes, newton=newton,
                  interleave=normalize_interleave(interleave, hv, hv // hk),
@@ -1690,7 +1713,7 @@ def _call(kernel, st: _Static, prefetch: dict[str, jax.Array] | None, *, grid,
     # Unrolled head groups are a TPU scheduling choice (`_run_groups`); in
     # interpret mode they only make XLA:CPU compile every group's copy (a
     # test with two head groups: 9.0 -> 13.3 s).
-    st = dataclasses.replace(st, unroll_groups=False)
+    st = dataclasses.replace(st, unroll_groups=False, interpret=True)
   prefetch = prefetch or {}
   names = tuple(prefetch) + tuple(o.name for o in (*inputs, *outputs, *scratch))
   body = functools.partial(kernel, names=names, st=st)
@@ -1917,7 +1940,7 @@ def gdn_fwd_requests(qkv: Float[Array, "T D"], log_decay: Float[Array, "T Hv"],
   passes = 1 if qkv.dtype == BF16 else 3
   st = _Static(t_len=t, chunk=chunk, hk=hk, hv=hv, dim_k=dim_k, dim_v=dim_v,
                scale=float(scale), passes=passes,
-               newton=(1 if passes == 1 else 2) if newton is None else newton,
+               newton=default_newton(passes) if newton is None else newton,
                interleave=normalize_interleave(interleave, hv, hv // hk), has_seg=False,
                has_h0=True, packed=True, qk_l2norm=True, beta_guard=True, requests=True,
                gated=not all_run, v5e_forms=_v5e_forms(), unroll_groups=_unroll_groups())
