@@ -369,8 +369,10 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   per pair. Then `newton` steps T ← T + T (I − (I + a) T) per matrix (the
   upper ones as they are, for (I + aᵀ)⁻¹ = Tᵀ), each of which squares the
   error of T, the residual with a split hi + lo, or with a in bf16 when
-  there is one step; the upper ones are transposed at the end.
-  `v5e_forms`: see the module docstring.
+  there is one step. Returns (T, transposed) per matrix: an upper one's is
+  T_iᵀ, for products that take it transposed (`mxu(ta=True)`, the MXU's to
+  do) and stores that transpose it once. `v5e_forms`: see the module
+  docstring.
 
   Accuracy. T0 against the float64 inverse, near-duplicate keys, no decay,
   β ≈ 1 (the hardest case of the inverse test), C = 64 / 128 / 256:
@@ -388,7 +390,9 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   (`_fwd_chunk`). Qwen3-Next heads, T=512, gdn_fwd / gdn_fwd_states: 64.8 /
   53.8 k cycles (Neumann sums on 8×8 blocks, then merges of the C/2 rows
   they change, one Newton step) -> 62.8 / 51.1 (pairs, all groups in one
-  list) -> 57.2 / 45.0 k (no Newton step for bf16).
+  list) -> 57.0 / 47.4 k (no Newton step for bf16); v5e 103 / 82.8 -> 88.7 /
+  71.2 k; tpu7x (its head groups in a loop, pairs per group) 86.0 / 130 ->
+  81.3 / 127 k.
   """
   c = a_list[0].shape[0]
   row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
