@@ -7,6 +7,8 @@ several features. Compiling for real TPU generations is in tests/aot_test.py,
 the kernel stages against the xla stages in pallas_mosaic_tpu_kernel_test.py.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,7 @@ import pytest
 import tokamax_gdn
 from tokamax_gdn import registry
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu
+from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as pk
 from tokamax_gdn.testing import specs
 
 Config = pallas_mosaic_tpu.Config
@@ -127,6 +130,18 @@ def test_prologue_in_kernel(l2, dt_bias, dtype, chip):
     _check_matches_reference(case, dt_bias=dt_bias)
   finally:
     tokamax_gdn.config.set_target_chip(None)
+
+
+def test_unrolled_groups_match_reference(monkeypatch):
+  """On TPU the head groups run unrolled and the forward kernels invert every
+  group's matrices in one list (`_fwd_chunk`); interpret mode runs them in a
+  loop unless told otherwise. Three heads per group, so the inverse's pair
+  (2, 3) spans two groups; bf16, so one of a pair's T is used transposed."""
+  monkeypatch.setattr(pk, "_interpret_static",
+                      lambda st: dataclasses.replace(st, interpret=True))
+  monkeypatch.setattr(pk, "_unroll_groups", lambda backward=False: True)
+  _check_matches_reference(("unrolled", 1, 65, 6, 6, 16, 16, jnp.bfloat16, "zeros", True, True,
+                            True, True, 64, 3))
 
 
 def _check_matches_reference(case, **options):

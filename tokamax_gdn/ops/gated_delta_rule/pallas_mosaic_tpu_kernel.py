@@ -1700,6 +1700,14 @@ def _state_shape(st: _Static, b: int) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct((*lead, st.hv, st.dim_k, st.dim_v), F32)
 
 
+def _interpret_static(st: _Static) -> _Static:
+  """`st` for Pallas interpret mode: unrolled head groups are a TPU
+  scheduling choice (`_run_groups`), which in interpret mode only makes
+  XLA:CPU compile every group's copy (a test with two head groups: 9.0 ->
+  13.3 s); `pallas_mosaic_tpu_test` runs them unrolled once."""
+  return dataclasses.replace(st, unroll_groups=False, interpret=True)
+
+
 def _call(kernel, st: _Static, prefetch: dict[str, jax.Array] | None, *, grid,
           inputs: list[_Operand], outputs: list[_Operand], scratch: list[_Operand],
           vmem_limit_bytes, interpret, name, aliases: dict[str, str] | None = None
@@ -1714,10 +1722,7 @@ def _call(kernel, st: _Static, prefetch: dict[str, jax.Array] | None, *, grid,
   params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                 vmem_limit_bytes=vmem_limit_bytes)
   if interpret:
-    # Unrolled head groups are a TPU scheduling choice (`_run_groups`); in
-    # interpret mode they only make XLA:CPU compile every group's copy (a
-    # test with two head groups: 9.0 -> 13.3 s).
-    st = dataclasses.replace(st, unroll_groups=False, interpret=True)
+    st = _interpret_static(st)
   prefetch = prefetch or {}
   names = tuple(prefetch) + tuple(o.name for o in (*inputs, *outputs, *scratch))
   body = functools.partial(kernel, names=names, st=st)
