@@ -280,39 +280,35 @@ def chunk_gate(g_rows, starts):
                    run_col, causal, strict)
 
 
-def gamma_decay_in(gate_rows, masks, dim_k: int, dim_v: int | None = None,
-                   row_exp: bool = False):
+def gamma_decay_in(gate_rows, masks, dim_k: int, dim_v: int | None = None):
   """Γ (C×C) and decay_in broadcast over the key dim (C×dim_k) of one head;
   with `dim_v`, a third value: decay_in broadcast over the value dim (C×dim_v).
 
   gate_rows: the head's (1, C) rows g_hi, g_lo and, with segments, run;
   g_lo None: G = g_hi alone (uncompensated: G_i − G_j off by up to a few
   float32 ulps of |G|).
-  Columns come from transposing the row broadcast (XLU). `row_exp`:
-  decay_in's exp taken on the (1, C) row and transposed on its own (the
-  same values; one vreg of exp, not C×dim_k, for one more transpose). v6e,
-  Qwen3-Next heads, T=512: gdn_fwd 76.2 -> 75.7 k cycles, but gdn_bwd
-  114.0 -> 120.1 k, so the backward keeps the tile exp.
+  Columns come from transposing the row broadcast (XLU); decay_in is the
+  exp of G's columns, a tile of exp on the EUP. (The exp of the (1, C) row,
+  transposed on its own, took a transpose more per head: v6e, Qwen3-Next
+  heads, T=512, gdn_bwd 114.0 -> 120.1 k cycles; gdn_fwd 76.2 -> 75.7 k
+  then, but with the paired inverse the forward's critical path runs through
+  the XLU, and it is 55.6 -> 56.4 k.)
   """
   g_hi, g_lo, run = gate_rows
   causal, _ = masks
   c = g_hi.shape[-1]
   dim_in = max(dim_k, dim_v or 0)
-  width = c if row_exp else max(c, dim_in)
+  width = max(c, dim_in)
   hc = jnp.broadcast_to(g_hi, (width, c)).T             # (C, width): G_i in row i
   if g_lo is None:
     diff = hc[:, :c] - g_hi
-    log_in = None if row_exp else hc[:, :dim_in]
+    log_in = hc[:, :dim_in]
   else:
     lc = jnp.broadcast_to(g_lo, (width, c)).T
     diff = (hc[:, :c] - g_hi) + (lc[:, :c] - g_lo)
-    log_in = None if row_exp else hc[:, :dim_in] + lc[:, :dim_in]
+    log_in = hc[:, :dim_in] + lc[:, :dim_in]
   gamma = jnp.exp(jnp.where(causal, diff, _NEG_INF))
-  if row_exp:
-    g_row = g_hi if g_lo is None else g_hi + g_lo
-    decay_in = jnp.broadcast_to(jnp.exp(g_row), (dim_in, c)).T
-  else:
-    decay_in = jnp.exp(log_in)
+  decay_in = jnp.exp(log_in)
   if run is not None:
     first = jnp.broadcast_to(run, (dim_in, c)).T == 0.0
     decay_in = jnp.where(first, decay_in, 0.0)
@@ -401,14 +397,19 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   lower, upper = row >= col, row <= col
   # Pairs: a_{2i} and a_{2i+1}ᵀ in one tile (strictly lower / strictly
   # upper), their inverses T_{2i} and T_{2i+1}ᵀ in one tile z (unit diagonal
-  # shared); a last unpaired matrix alone.
-  pairs = [(a_list[i], a_list[i + 1].T if i + 1 < len(a_list) else None)
+  # shared); a last unpaired matrix alone. The tile of the a's is only ever
+  # a bf16 operand: transposed in bf16, half the vregs through the XLU
+  # (v6e, Qwen3-Next heads, T=512: gdn_fwd / gdn_fwd_states 57.0 / 47.4 ->
+  # 56.4 / 46.7 k cycles); not in the v5e forms (16-bit packing).
+  pairs = [(a_list[i], a_list[i + 1] if i + 1 < len(a_list) else None)
            for i in range(0, len(a_list), 2)]
-  combs = [a if at is None else a + at for a, at in pairs]
+  wide = F32 if v5e_forms else BF16
+  combs = [a.astype(wide) if an is None else a.astype(wide) + an.astype(wide).T
+           for a, an in pairs]
   base = min(2, c)
   eye = (row == col).astype(F32)
   same = block_of(row, base) == block_of(col, base)
-  zs = [eye - jnp.where(same, comb, 0.0) for comb in combs]        # 2×2 blocks: I − a
+  zs = [eye - jnp.where(same, comb, 0.0).astype(F32) for comb in combs]   # 2×2 blocks: I − a
   # Merges size → 2·size, T ← T − T a_off T, both matrices of a pair in one
   # product each: the lower one's off block (second half's rows, first half's
   # columns of each 2·size window) and the upper one's (the mirror) are
@@ -431,10 +432,10 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   # (a, T0, strict mask, transposed): an upper one's T0 is T_iᵀ, the inverse
   # of I + a_iᵀ, refined as it is (the same steps, with a_iᵀ).
   heads = []
-  for (a, at), z in zip(pairs, zs):
-    heads.append((a, z if at is None else jnp.where(lower, z, 0.0), row > col, False))
-    if at is not None:
-      heads.append((at, jnp.where(upper, z, 0.0), row < col, True))
+  for (a, an), z in zip(pairs, zs):
+    heads.append((a, z if an is None else jnp.where(lower, z, 0.0), row > col, False))
+    if an is not None:
+      heads.append((an.T if newton else None, jnp.where(upper, z, 0.0), row < col, True))
   ts = [round_bf16(inv) if v5e_forms else (inv.astype(BF16), None)
         for _, inv, _, _ in heads]                         # (bf16 T, f32 T or None)
   for _ in range(newton):
@@ -1219,8 +1220,7 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
     gammas, dins = {}, {}
     for u, i in heads.items():
       gammas[u], dins[u] = gamma_decay_in(
-          (_row(rows_scr, _G_HI, i), _row(rows_scr, _G_LO, i), gate.run), masks, dim_k,
-          row_exp=True)
+          (_row(rows_scr, _G_HI, i), _row(rows_scr, _G_LO, i), gate.run), masks, dim_k)
     qkk = {ku: dot(jnp.concatenate([q[ku], k[ku]], 0) if write_out else k[ku], k[ku], tb=True)
            for ku in kheads}                               # [Q; K] Kᵀ, or K Kᵀ
     kk = lambda ku: qkk[ku][c:] if write_out else qkk[ku]
