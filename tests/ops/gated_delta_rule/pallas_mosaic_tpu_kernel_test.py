@@ -39,12 +39,17 @@ def _starts(c, cuts):
   return s
 
 
-def _pallas_gate(g, starts):
-  """gcum, Γ per head, decay_in, decay_out, decay_chunk from the kernel's stages."""
+def _pallas_gate(g, starts, axis=1):
+  """gcum, Γ per head, decay_in, decay_out, decay_chunk from the kernel's stages
+  (`axis` 0: the gates given as columns, tokens in sublanes, as the forward
+  kernels scan them)."""
   h = g.shape[0]
 
   def stages(g, starts):
-    gate = pk.chunk_gate(g, starts)
+    if axis == 0:
+      gate = pk.chunk_gate(g.T, None if starts is None else starts.T, axis=0)
+    else:
+      gate = pk.chunk_gate(g, starts)
     gammas, dins = [], []
     for i in range(h):
       rows = (gate.g_hi[i:i + 1], gate.g_lo[i:i + 1], gate.run)
@@ -69,11 +74,12 @@ def _float64_gamma(g, starts):
   return np.where(mask, np.exp(np.where(mask, diff, 0.0)), 0.0)
 
 
+@pytest.mark.parametrize("axis", [1, 0], ids=["lanes", "sublanes"])
 @pytest.mark.parametrize("c,cuts", [(64, None), (128, (0, 5, 77))], ids=["c64", "c128_segments"])
-def test_chunk_gate_matches_xla_stage(c, cuts):
+def test_chunk_gate_matches_xla_stage(c, cuts, axis):
   g = _gates(c, 2, c, "zeros")
   starts = None if cuts is None else _starts(c, cuts)
-  gcum, gamma, din, dout, dch = _pallas_gate(g, starts)
+  gcum, gamma, din, dout, dch = _pallas_gate(g, starts, axis)
   ref = xk.chunk_gate(jnp.asarray(g), None if starts is None else jnp.asarray(starts[0] > 0))
   if starts is None:   # with segments, the kernel's gcum restarts at each start
     np.testing.assert_allclose(gcum, sum(ref.gcum), rtol=1e-5, atol=1e-5)   # (hi, lo)
@@ -83,25 +89,30 @@ def test_chunk_gate_matches_xla_stage(c, cuts):
   np.testing.assert_allclose(dch[:, 0], ref.decay_chunk, rtol=1e-5, atol=1e-6)
 
 
-def test_chunk_gate_keeps_tiny_gates_after_the_floor():
+@pytest.mark.parametrize("axis", [1, 0], ids=["lanes", "sublanes"])
+def test_chunk_gate_keeps_tiny_gates_after_the_floor(axis):
   """Γ between the tiny-gate tokens after 64 tokens at the floor: the
   compensated cumsum keeps them to float32 precision (an f32 running sum at
   ~-1900 rounds 1e-5 steps to multiples of 1.2e-4)."""
   c = 128
   g = _gates(1, 2, c, "floor_then_tiny")
-  _, gamma, *_ = _pallas_gate(g, None)
+  _, gamma, *_ = _pallas_gate(g, None, axis)
   want = _float64_gamma(g, None)
   tail = slice(c // 2, c)
   err = np.max(np.abs(np.asarray(gamma)[:, tail, tail] - want[:, tail, tail]))
   assert err < 1e-6, err
 
 
-def test_chunk_cumsum_restarts_at_segment_starts():
+@pytest.mark.parametrize("axis", [1, 0], ids=["lanes", "sublanes"])
+def test_chunk_cumsum_restarts_at_segment_starts(axis):
   c, cuts = 128, (0, 3, 64, 65, 100)
   x = np.random.default_rng(2).standard_normal((8, c)).astype(np.float32)
   starts = _starts(c, cuts)
 
-  got = _call(lambda x, s: sum(pk.chunk_cumsum(x, s)), x, starts)
+  if axis == 0:
+    got = _call(lambda x, s: sum(pk.chunk_cumsum(x.T, s.T, axis=0)).T, x, starts)
+  else:
+    got = _call(lambda x, s: sum(pk.chunk_cumsum(x, s)), x, starts)
   bounds = list(cuts) + [c]
   want = np.zeros((8, c))
   for lo_, hi_ in zip(bounds[:-1], bounds[1:]):

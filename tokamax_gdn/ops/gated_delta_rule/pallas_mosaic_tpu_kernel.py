@@ -214,22 +214,23 @@ def mxu(a, b, *, passes, ta=False, tb=False, v5e_forms=False):
 # ----------------------------------------------------------------------------
 
 
-def chunk_cumsum(x, starts):
-  """Segment-local inclusive prefix sums along lanes, compensated.
+def chunk_cumsum(x, starts, axis: int = 1):
+  """Segment-local inclusive prefix sums along `axis`, compensated.
 
-  x: (H, C) f32; starts: (1, C) f32, 1 where a segment starts, or None.
-  Returns (hi, lo) with hi + lo the sum to ~f32 precision of each term
+  x: (H, C) f32 (axis 1, tokens in lanes) or (C, H) (axis 0, tokens in
+  sublanes); starts: 1 where a segment starts, (1, C) or (C, 1) as x, or
+  None. Returns (hi, lo) with hi + lo the sum to ~f32 precision of each term
   (TwoSum in a Hillis–Steele scan). (The backward's reverse sums are one
   MXU product against the causal mask, `_bwd_kernel`.)
   """
-  c = x.shape[-1]
-  lane = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+  c = x.shape[axis]
+  pos = lax.broadcasted_iota(jnp.int32, x.shape, axis)
   hi, lo = x, jnp.zeros_like(x)
   flag = None if starts is None else jnp.broadcast_to(starts, x.shape)
   shift = 1
   while shift < c:
-    ok = lane >= shift
-    take = lambda y: pltpu.roll(y, shift, 1)
+    ok = pos >= shift
+    take = lambda y: pltpu.roll(y, shift, axis)
     if flag is not None:
       ok = ok & (flag == 0.0)
       other_flag = take(flag)
@@ -237,7 +238,7 @@ def chunk_cumsum(x, starts):
     lo = jnp.where(ok, lo + take(lo) + err, lo)
     hi = jnp.where(ok, new_hi, hi)
     if flag is not None:
-      flag = jnp.where(lane >= shift, jnp.maximum(flag, other_flag), flag)
+      flag = jnp.where(pos >= shift, jnp.maximum(flag, other_flag), flag)
     shift *= 2
   return hi, lo
 
@@ -248,8 +249,6 @@ class ChunkGate:
 
   g_hi: jax.Array          # (H, C) gcum = g_hi + g_lo
   g_lo: jax.Array
-  hi_cols: jax.Array       # (C, H) the same as columns
-  lo_cols: jax.Array
   decay_chunk: jax.Array   # (H, 1)
   decay_out: jax.Array     # (H, C)
   run: jax.Array | None    # (1, C) in-chunk segment index (None: no segments)
@@ -258,11 +257,22 @@ class ChunkGate:
   strict: jax.Array        # (C, C) j < i, same segment
 
 
-def chunk_gate(g_rows, starts):
-  """Gates of one chunk: g_rows (H, C) f32 log-decays, starts (1, C) or None."""
-  c = g_rows.shape[-1]
-  run = None if starts is None else chunk_cumsum(starts, None)[0]
-  g_hi, g_lo = chunk_cumsum(g_rows, starts)
+def chunk_gate(g, starts, axis: int = 1):
+  """Gates of one chunk: g (H, C) f32 log-decays and starts (1, C) or None,
+  or with `axis` 0 g (C, H) and starts (C, 1) (tokens in sublanes).
+
+  With axis 0 the cumsum runs down the sublanes and hi and lo are then
+  transposed to rows: a scan along lanes has a lane rotation (XLU) at every
+  level, which in the forward kernels is on the critical path (v6e,
+  Qwen3-Next heads, T=512: gdn_fwd / gdn_fwd_states 55.6 / 45.7 -> 53.5 /
+  44.1 k cycles; gdn_bwd 82.3 -> 82.8 k, so it keeps the lanes)."""
+  c = g.shape[axis]
+  if axis == 0:
+    run = None if starts is None else chunk_cumsum(starts, None, axis=0)[0].T
+    g_hi, g_lo = (x.T for x in chunk_cumsum(g, starts, axis=0))
+  else:
+    run = None if starts is None else chunk_cumsum(starts, None)[0]
+    g_hi, g_lo = chunk_cumsum(g, starts)
   last_hi, last_lo = g_hi[:, c - 1:c], g_lo[:, c - 1:c]
   decay_chunk = jnp.exp(last_hi + last_lo)
   decay_out = jnp.exp((last_hi - g_hi) + (last_lo - g_lo))
@@ -276,8 +286,7 @@ def chunk_gate(g_rows, starts):
     run_col = run.T
     same = jnp.broadcast_to(run_col, (c, c)) == run
     causal, strict = causal & same, strict & same
-  return ChunkGate(g_hi, g_lo, g_hi.T, g_lo.T, decay_chunk, decay_out, run,
-                   run_col, causal, strict)
+  return ChunkGate(g_hi, g_lo, decay_chunk, decay_out, run, run_col, causal, strict)
 
 
 def gamma_decay_in(gate_rows, masks, dim_k: int, dim_v: int | None = None):
@@ -1042,21 +1051,25 @@ _N_ROWS = 6
 
 
 def _step_prologue(g_ref, b_ref, st_ref, rows_scr, st: _Static, c_idx, rows=None,
-                   params=None):
+                   params=None, scan_axis: int = 0):
   """Gates of the chunk for every head, into `rows_scr`; returns (gate, masks).
 
   masks: (causal, strict) C×C, with segments restricted to one segment.
-  `rows`: see `_row_mask`; `params`: see `_log_decay`.
+  `rows`: see `_row_mask`; `params`: see `_log_decay`; `scan_axis`: see
+  `chunk_gate`.
   """
-  g_rows = _row_mask(_tail_mask(_log_decay(g_ref, params, st), st, c_idx), rows).T
+  g_cols = _row_mask(_tail_mask(_log_decay(g_ref, params, st), st, c_idx), rows)
   b_rows = _beta_block(b_ref, st)
   if st.guard:      # a non-finite beta as 0 (its tokens' results come poisoned)
     b_rows = jnp.where(jnp.isfinite(b_rows), b_rows, 0.0)
   b_rows = _row_mask(_tail_mask(b_rows, st, c_idx), rows).T
   starts = None
   if st.has_seg:
-    starts = _tail_mask(st_ref[...].astype(F32).T, st, c_idx).T   # (1, C)
-  gate = chunk_gate(g_rows, starts)
+    starts = _tail_mask(st_ref[...].astype(F32).T, st, c_idx)     # (C, 1)
+  if scan_axis == 0:
+    gate = chunk_gate(g_cols, starts, axis=0)
+  else:
+    gate = chunk_gate(g_cols.T, None if starts is None else starts.T)
   rows_scr[_G_HI] = gate.g_hi
   rows_scr[_G_LO] = gate.g_lo
   rows_scr[_BETA] = b_rows
@@ -1262,7 +1275,12 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
       if emit:
         states_ref[i] = _residual(s[u], states_ref, st)
         t, transposed = tmats[u]
-        tm_ref[i] = _residual(_transposed(t, st) if transposed else t, tm_ref, st)
+        if transposed and not st.v5e_forms and not st.interpret:
+          # Transposed as stored (bf16 for bf16 inputs: half the vregs
+          # through the XLU).
+          tm_ref[i] = t.astype(tm_ref.dtype).T
+        else:
+          tm_ref[i] = _residual(_transposed(t, st) if transposed else t, tm_ref, st)
 
   invert = functools.partial(invert_unit_lower, newton=st.newton, v5e_forms=st.v5e_forms)
   if st.unroll_groups is True:
@@ -1312,7 +1330,7 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
       ds_scr[...] = dht_ref[...].astype(F32)
 
   gate, masks = _step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx,
-                               params=_gate_params(r))
+                               params=_gate_params(r), scan_axis=1)
   causal, strict = masks
   for ref, scr in ((q_ref, qh_scr), (k_ref, kh_scr), (v_ref, vh_scr), (do_ref, doh_scr)):
     _load_heads(ref, scr, st, c_idx)
