@@ -275,3 +275,20 @@ def test_requests_keep_other_tokens_out():
   np.testing.assert_array_equal(np.asarray(out)[live], np.asarray(ref)[live])
   np.testing.assert_array_equal(new_pool, ref_pool)
   assert np.all(np.isfinite(np.asarray(out)[live]))
+
+
+@pytest.mark.parametrize("v5e_forms", [False, True], ids=["", "v5e_forms"])
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_lane_rowsums_put_each_sum_in_its_lane(pieces, v5e_forms):
+  """Row sums of two tiles in lanes 3 and 40 of one (C, 128) tile (the
+  backward's d_gcum columns), zeros elsewhere: to bf16 rounding of the terms
+  with one piece, to ~2⁻¹⁶ with two."""
+  r = np.random.default_rng(5)
+  x, y = (r.standard_normal((64, 128)).astype(np.float32) for _ in range(2))
+
+  got = _call(lambda x, y: pk.lane_rowsums(x, 3, pieces, v5e_forms)
+              + pk.lane_rowsums(y, 40, pieces, v5e_forms), x, y)
+  want = np.zeros((64, 128))
+  want[:, 3], want[:, 40] = x.astype(np.float64).sum(1), y.astype(np.float64).sum(1)
+  tol = 2e-2 if pieces == 1 else 1e-4
+  np.testing.assert_allclose(got, want, rtol=0, atol=tol * np.abs(x).sum(1).max() / 10)

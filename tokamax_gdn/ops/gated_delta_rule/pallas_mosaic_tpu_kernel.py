@@ -1090,7 +1090,7 @@ def _group_heads(st: _Static, gi):
           {ku: gi * kpg + ku for ku in range(kpg)})
 
 
-def _run_groups(st: _Static, group):
+def _run_groups(st: _Static, group, init=0):
   """`group(gi, carry)` for every head group, unrolled under
   `st.unroll_groups`: then one basic block, so
   the scheduler overlaps one group's transposes and broadcasts (XLU) with
@@ -1098,8 +1098,23 @@ def _run_groups(st: _Static, group):
   Qwen3-Next heads, T=512 (kernel_cases' configs): gdn_fwd 82.8 -> 76.2 k
   cycles, gdn_fwd_states 74.7 -> 66.8 k, gdn_bwd 119.9 -> 118.7 k; v5e
   144.6 / 128.6 / 175.7 -> 133.5 / 122.0 / 165.0 k. tpu7x's backward
-  unrolled by 2 (C=64, interleave 4): 246.5 -> 215.0 k."""
-  lax.fori_loop(0, st.hv // st.interleave, group, 0, unroll=st.unroll_groups)
+  unrolled by 2 (C=64, interleave 4): 246.5 -> 215.0 k. Returns the carry
+  (`init` to start)."""
+  return lax.fori_loop(0, st.hv // st.interleave, group, init, unroll=st.unroll_groups)
+
+
+def lane_rowsums(x, lane, pieces=1, v5e_forms=False):
+  """Row sums of x (C×n f32) in lane `lane` of a (C, 128) tile, zeros
+  elsewhere: x (its `pieces` bf16 pieces) against a one-hot column on the
+  MXU. Heads' sums add up in one tile, one lane each, and one transpose
+  makes them rows (`_bwd_kernel`). The row form, ones against x transposed
+  (`rowsum_row`), pushes x as transposed weights, ~7 cycles per pushed vreg
+  against 3–4 (v6e; 5.3 k of gdn_bwd's 82.3 k cycles at Qwen3-Next heads,
+  T=512, for one piece per head)."""
+  n = x.shape[1]
+  one_hot = (lax.broadcasted_iota(jnp.int32, (n, 128), 1) == lane).astype(BF16)
+  return functools.reduce(operator.add, [_mm(piece, one_hot)
+                                         for piece in split_bf16(x, pieces, v5e_forms)])
 
 
 def _fwd_kernel(*refs, names: tuple[str, ...], st: _Static, write_out: bool, emit: bool):
@@ -1437,15 +1452,15 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
           # (~2⁻¹⁶ of e) is left in every token's dg, large next to a strongly
           # decaying head's tiny true dg.
           rowsum_row(f, pieces=3, weights=beta[u], v5e_forms=st.v5e_forms)
-          # decay_in's part: no cancellation to keep, so one bf16 piece for
-          # bf16 inputs (v6e, Qwen3-Next heads, T=512: gdn_bwd 98.5 -> 97.3 k
-          # cycles; rel-RMS of a_log's / dt_bias's gradient in the bf16 case
-          # of pallas_mosaic_tpu_test 6.6e-3 / 6.9e-3 -> 7.3e-3 / 7.6e-3, of
-          # 2e-2), two for float32.
-          + rowsum_row(dk_in * k[ku] + dqw[u][:c] * q[ku], pieces=1 if st.passes == 1 else 2,
-                       v5e_forms=st.v5e_forms)
           - beta[u] * f_col - d_dout
           + jnp.where(lane == c - 1, jnp.sum(d_dout) + d_lam, 0.0))
+      # decay_in's part, into lane i of the carried columns (`lane_rowsums`):
+      # no cancellation to keep, so one bf16 piece for bf16 inputs (v6e,
+      # Qwen3-Next heads, T=512: gdn_bwd 98.5 -> 97.3 k cycles; rel-RMS of
+      # a_log's / dt_bias's gradient in the bf16 case of pallas_mosaic_tpu_test
+      # 6.6e-3 / 6.9e-3 -> 7.3e-3 / 7.6e-3, of 2e-2), two for float32.
+      carry = carry + lane_rowsums(dk_in * k[ku] + dqw[u][:c] * q[ku], i,
+                                   pieces=1 if st.passes == 1 else 2, v5e_forms=st.v5e_forms)
     for ku in kheads:
       both = dot(dqk_sum[ku], k[ku])                                   # [−d_QK K; d_KK K]
       back = dot(dqk_sum[ku], jnp.concatenate([-q[ku], k[ku]], 0), ta=True)
@@ -1461,7 +1476,8 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
       dk_scr[j] = _normed_vjp((k[ku], _normed(kh_scr[j], st)[1]), dk_acc[ku])
     return carry
 
-  _run_groups(st, group)
+  in_cols = _run_groups(st, group, jnp.zeros((c, 128), F32))
+  d_gcum = dgr_scr[...] + in_cols.T[:st.hv]
   # d_gcum's reverse cumsum in the segment, d_g_j = Σ_{i ≥ j, same segment}
   # d_gcum_i, as d_gcum @ causal on the MXU (three bf16 pieces: exact products,
   # float32 sums): v6e, Qwen3-Next heads, T=512, 3.9 k cycles of gdn_bwd as a
@@ -1469,7 +1485,7 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
   # (A product per piece: Hv rows need not be a multiple of bf16's 16.)
   mask = lhs_masked(causal, jnp.ones((c, c), F32), st.v5e_forms).astype(BF16)
   d_g = functools.reduce(operator.add, [
-      _mm(piece, mask) for piece in split_bf16(dgr_scr[...], 3, st.v5e_forms)])
+      _mm(piece, mask) for piece in split_bf16(d_gcum, 3, st.v5e_forms)])
   if st.guard:      # NaN into every gradient of the poisoned tokens
     _guard_bwd_tiles(r, st)
     poison = _nan_where(r.guard_rows[0])
