@@ -41,15 +41,12 @@ def _starts(c, cuts):
 
 def _pallas_gate(g, starts, axis=1):
   """gcum, Γ per head, decay_in, decay_out, decay_chunk from the kernel's stages
-  (`axis` 0: the gates given as columns, tokens in sublanes, as the forward
-  kernels scan them)."""
+  (g (H, C) and starts (1, C) given to the kernel as columns, tokens in
+  sublanes, as its blocks arrive; `axis`: the cumsum's, see `chunk_gate`)."""
   h = g.shape[0]
 
   def stages(g, starts):
-    if axis == 0:
-      gate = pk.chunk_gate(g.T, None if starts is None else starts.T, axis=0)
-    else:
-      gate = pk.chunk_gate(g, starts)
+    gate = pk.chunk_gate(g.T, None if starts is None else starts.T, axis)
     gammas, dins = [], []
     for i in range(h):
       rows = (gate.g_hi[i:i + 1], gate.g_lo[i:i + 1], gate.run)

@@ -257,22 +257,23 @@ class ChunkGate:
   strict: jax.Array        # (C, C) j < i, same segment
 
 
-def chunk_gate(g, starts, axis: int = 1):
-  """Gates of one chunk: g (H, C) f32 log-decays and starts (1, C) or None,
-  or with `axis` 0 g (C, H) and starts (C, 1) (tokens in sublanes).
+def chunk_gate(g_cols, starts, scan_axis: int = 0):
+  """Gates of one chunk from its (C, H) f32 log-decays as the block arrives
+  (tokens in sublanes) and starts (C, 1) or None; rows (H, C) out.
 
-  With axis 0 the cumsum runs down the sublanes and hi and lo are then
-  transposed to rows: a scan along lanes has a lane rotation (XLU) at every
-  level, which in the forward kernels is on the critical path (v6e,
-  Qwen3-Next heads, T=512: gdn_fwd / gdn_fwd_states 55.6 / 45.7 -> 53.5 /
-  44.1 k cycles; gdn_bwd 82.3 -> 82.8 k, so it keeps the lanes)."""
-  c = g.shape[axis]
-  if axis == 0:
+  `scan_axis` 0: the cumsum runs down the sublanes, then hi and lo are
+  transposed to rows. 1: the block is transposed first and the cumsum runs
+  along the lanes, whose Hillis–Steele levels each rotate the lanes (XLU);
+  in the forward kernels that is on the critical path (v6e, Qwen3-Next heads,
+  T=512: gdn_fwd / gdn_fwd_states 55.6 / 45.7 -> 53.5 / 44.1 k cycles down
+  the sublanes), the backward is faster along the lanes (82.8 -> 82.3 k)."""
+  c = g_cols.shape[0]
+  if scan_axis == 0:
     run = None if starts is None else chunk_cumsum(starts, None, axis=0)[0].T
-    g_hi, g_lo = (x.T for x in chunk_cumsum(g, starts, axis=0))
+    g_hi, g_lo = (x.T for x in chunk_cumsum(g_cols, starts, axis=0))
   else:
-    run = None if starts is None else chunk_cumsum(starts, None)[0]
-    g_hi, g_lo = chunk_cumsum(g, starts)
+    run = None if starts is None else chunk_cumsum(starts.T, None)[0]
+    g_hi, g_lo = chunk_cumsum(g_cols.T, None if starts is None else starts.T)
   last_hi, last_lo = g_hi[:, c - 1:c], g_lo[:, c - 1:c]
   decay_chunk = jnp.exp(last_hi + last_lo)
   decay_out = jnp.exp((last_hi - g_hi) + (last_lo - g_lo))
@@ -811,6 +812,18 @@ def _residual(x, ref, st: _Static):
   return (x + 0.0 if st.v5e_forms else x).astype(ref.dtype)
 
 
+def _stored_tmat(t, transposed: bool, ref, st: _Static):
+  """T' for its residual output `ref`, from `invert_unit_lower`'s (t,
+  transposed) pair: t, or tᵀ where t is T'ᵀ. On TPU (but v5e forms) the
+  transpose is taken after the cast, in the stored dtype (bf16 for bf16
+  inputs: half the vregs through the XLU)."""
+  if not transposed:
+    return _residual(t, ref, st)
+  if st.v5e_forms or st.interpret:
+    return _residual(_transposed(t, st), ref, st)
+  return t.astype(ref.dtype).T
+
+
 # ----------------------------------------------------------------------------
 # The NaN guard in the kernels (`_Static.guard`): `isolation.SegmentGuard`'s
 # flags as rows (heads in sublanes, tokens in lanes), per chunk.
@@ -1066,10 +1079,7 @@ def _step_prologue(g_ref, b_ref, st_ref, rows_scr, st: _Static, c_idx, rows=None
   starts = None
   if st.has_seg:
     starts = _tail_mask(st_ref[...].astype(F32).T, st, c_idx)     # (C, 1)
-  if scan_axis == 0:
-    gate = chunk_gate(g_cols, starts, axis=0)
-  else:
-    gate = chunk_gate(g_cols.T, None if starts is None else starts.T)
+  gate = chunk_gate(g_cols, starts, scan_axis)
   rows_scr[_G_HI] = gate.g_hi
   rows_scr[_G_LO] = gate.g_lo
   rows_scr[_BETA] = b_rows
@@ -1289,13 +1299,7 @@ def _fwd_chunk(r: _Refs, st: _Static, write_out: bool, emit: bool, rows):
       s_scr[i] = lam * s[u] + dot(k_t[kj(u)] * _row(rows_scr, _KOUT, i), v_new[u])
       if emit:
         states_ref[i] = _residual(s[u], states_ref, st)
-        t, transposed = tmats[u]
-        if transposed and not st.v5e_forms and not st.interpret:
-          # Transposed as stored (bf16 for bf16 inputs: half the vregs
-          # through the XLU).
-          tm_ref[i] = t.astype(tm_ref.dtype).T
-        else:
-          tm_ref[i] = _residual(_transposed(t, st) if transposed else t, tm_ref, st)
+        tm_ref[i] = _stored_tmat(*tmats[u], tm_ref, st)
 
   invert = functools.partial(invert_unit_lower, newton=st.newton, v5e_forms=st.v5e_forms)
   if st.unroll_groups is True:
