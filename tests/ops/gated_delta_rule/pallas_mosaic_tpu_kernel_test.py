@@ -289,3 +289,39 @@ def test_lane_rowsums_put_each_sum_in_its_lane(pieces, v5e_forms):
   want[:, 3], want[:, 40] = x.astype(np.float64).sum(1), y.astype(np.float64).sum(1)
   tol = 2e-2 if pieces == 1 else 1e-4
   np.testing.assert_allclose(got, want, rtol=0, atol=tol * np.abs(x).sum(1).max() / 10)
+
+
+@pytest.mark.parametrize("v5e_forms", [False, True], ids=["", "v5e_forms"])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_rounded_bf16_pieces_sum_to_the_rounded_value(n, v5e_forms):
+  """`rounded_bf16`: n bf16 pieces summing exactly to the f32 value returned,
+  which is x to bf16 (n = 1), ~2⁻¹⁶ (n = 2) or exactly (n = 3)."""
+  r = np.random.default_rng(6)
+  x = (r.standard_normal((64, 128)) * np.exp2(r.integers(-20, 20, (64, 128)))).astype(np.float32)
+  pieces, value = _call(lambda x: pk.rounded_bf16(x, n, v5e_forms), x)
+  assert len(pieces) == n and all(p.dtype == jnp.bfloat16 for p in pieces)
+  np.testing.assert_array_equal(sum(p.astype(np.float64) for p in pieces), value)
+  np.testing.assert_allclose(value, x, rtol={1: 2 ** -8, 2: 2 ** -16, 3: 0}[n], atol=0)
+  # Split again, the value gives pieces with the same exact sum.
+  again = _call(lambda v: pk.split_bf16(v, n, v5e_forms), value)
+  np.testing.assert_array_equal(sum(p.astype(np.float64) for p in again), value)
+
+
+@pytest.mark.parametrize("v5e_forms", [False, True], ids=["", "v5e_forms"])
+def test_lane_rowsums_weighted_sums_exact_products(v5e_forms):
+  """`weighted`: the row sums of y ⊙ w (y and w exact in bf16) added in the
+  lane, each product exact and summed in float32 (the backward's f ⊙ β, whose
+  row sums must cancel against the column sums of the same terms)."""
+  r = np.random.default_rng(7)
+  x = r.standard_normal((128, 128)).astype(np.float32)
+  y = np.asarray(jnp.asarray(r.standard_normal((128, 128)) * 1e3, jnp.bfloat16))
+  w = np.asarray(jnp.asarray(r.random((1, 128)), jnp.bfloat16)).astype(np.float32)
+  w_cols = np.zeros((128, 128), np.float32)
+  w_cols[:, 9], w_cols[:, 10] = w[0], 7.0     # only lane 9's column is read
+
+  got = _call(lambda x, y, w_cols: pk.lane_rowsums(x, 9, 2, v5e_forms, weighted=(y, w_cols)),
+              x, y, w_cols)
+  terms = y.astype(np.float64) * w.astype(np.float64)
+  want = np.zeros((128, 128))
+  want[:, 9] = x.astype(np.float64).sum(1) + terms.sum(1)
+  np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(terms).sum(1).max())

@@ -163,6 +163,19 @@ def _split(x, n, v5e_forms=False):
   return pieces + [(rest.astype(BF16), rest)]
 
 
+def rounded_bf16(x, n, v5e_forms=False):
+  """x (f32) rounded to n bf16 pieces: (the pieces, their sum in f32, exact).
+
+  Products of the pieces on the MXU are exact; `split_bf16` of the sum gives
+  pieces with the same exact sum."""
+  pieces = _split(x, n, v5e_forms)
+  rest = pieces[-1][1]
+  last = round_bf16(rest) if v5e_forms else (rest.astype(BF16), rest.astype(BF16).astype(F32))
+  pieces = pieces[:-1] + [last]
+  return ([piece for piece, _ in pieces],
+          functools.reduce(operator.add, [wide for _, wide in pieces]))   # largest first
+
+
 def split_bf16(x, n, v5e_forms=False):
   """x (f32) as n bf16 pieces whose sum is x (exactly for n = 3)."""
   return [piece for piece, _ in _split(x, n, v5e_forms)]
@@ -1113,18 +1126,27 @@ def _run_groups(st: _Static, group, init=0):
   return lax.fori_loop(0, st.hv // st.interleave, group, init, unroll=st.unroll_groups)
 
 
-def lane_rowsums(x, lane, pieces=1, v5e_forms=False):
+def lane_rowsums(x, lane, pieces=1, v5e_forms=False, *, weighted=None):
   """Row sums of x (C×n f32) in lane `lane` of a (C, 128) tile, zeros
   elsewhere: x (its `pieces` bf16 pieces) against a one-hot column on the
   MXU. Heads' sums add up in one tile, one lane each, and one transpose
   makes them rows (`_bwd_kernel`). The row form, ones against x transposed
   (`rowsum_row`), pushes x as transposed weights, ~7 cycles per pushed vreg
   against 3–4 (v6e; 5.3 k of gdn_bwd's 82.3 k cycles at Qwen3-Next heads,
-  T=512, for one piece per head)."""
+  T=512, for one piece per head).
+
+  `weighted` (y, w_cols): adds the row sums of y ⊙ w, w a (1, m) row scaling
+  y's (C×m, bf16) columns, given as `w_cols` (m, 128) f32 whose lane `lane`
+  holds w as a column, exact in bf16: each product y_ij w_j is exact.
+  """
   n = x.shape[1]
   one_hot = (lax.broadcasted_iota(jnp.int32, (n, 128), 1) == lane).astype(BF16)
-  return functools.reduce(operator.add, [_mm(piece, one_hot)
-                                         for piece in split_bf16(x, pieces, v5e_forms)])
+  sums = [_mm(piece, one_hot) for piece in split_bf16(x, pieces, v5e_forms)]
+  if weighted is not None:
+    y, w_cols = weighted
+    w_lane = lax.broadcasted_iota(jnp.int32, w_cols.shape, 1) == lane
+    sums.append(_mm(y, lhs_masked(w_lane, w_cols, v5e_forms).astype(BF16)))
+  return functools.reduce(operator.add, sums)
 
 
 def _fwd_kernel(*refs, names: tuple[str, ...], st: _Static, write_out: bool, emit: bool):
@@ -1356,6 +1378,15 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
   if st.guard:
     _guard_bwd_rows(r, st, gate, causal, leave)
   lane = lax.broadcasted_iota(jnp.int32, (1, c), 1)
+  # bf16 inputs: the row sums of f ⊙ β (d_gcum's, below) as columns, with β
+  # rounded to bf16, laid out as columns once: β's rows against the one-hot
+  # (Hv, 128), transposed on the MXU (lane i: head i's β column, exact).
+  f_cols = st.passes == 1
+  if f_cols:
+    b_rows = rounded_bf16(rows_scr[_BETA], 1, st.v5e_forms)[0][0]
+    b_cols = _mm(b_rows, (lax.broadcasted_iota(jnp.int32, (st.hv, 128), 0)
+                          == lax.broadcasted_iota(jnp.int32, (st.hv, 128), 1)).astype(BF16),
+                 ta=True)
 
   def group(gi, carry):
     heads, kheads = _group_heads(st, gi)
@@ -1429,6 +1460,7 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
     # before the products with Q and K and the transpose: one per key head.
     dq_acc, dk_acc, dqk_sum, dkb_sum = {}, {}, {}, {}
     acc = lambda sums, ku, x: x if ku not in sums else sums[ku] + x
+    f_pieces = 1 if f_cols else 2     # f's bf16 pieces (below)
     for u, i in heads.items():
       ku = kj(u)
       d_p, d_kb = dpk[u][:c], dpk[u][c:]
@@ -1439,7 +1471,10 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
       dkb_sum[ku] = acc(dkb_sum, ku, d_kb * kout[u])
       # dΓ ⊙ Γ = f ⊙ β_j with f = dA' ⊙ M + dP̃ ⊙ P̃ = Γ ⊙ (dP̃ ⊙ QKᵀ + dA' ⊙ KKᵀ);
       # dβ_j gets colsum(f).
-      f = gammas[u] * (d_p * qkk[ku][:c] - n_da[u] * qkk[ku][c:])
+      # f is rounded to the bf16 pieces its row sums take on the MXU, and
+      # its column sums are taken of that (see d_gcum's row below).
+      f_bf16, f = rounded_bf16(gammas[u] * (d_p * qkk[ku][:c] - n_da[u] * qkk[ku][c:]),
+                               f_pieces, st.v5e_forms)
       f_col = jnp.sum(f, axis=0, keepdims=True)
       dk_in = d_xin[u][:, :dim_k] * dins[u]
       dq_acc[ku] = acc(dq_acc, ku, dqw[u][:c])
@@ -1452,11 +1487,23 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
       dbr_scr[pl.ds(i, 1), :] = f_col + d_kout * decay_out
       dgr_scr[pl.ds(i, 1), :] = (
           # rowsum(e) − colsum(e) cancels in every suffix sum of d_gcum (all of
-          # e's pairs inside it): exact row sums, else the hi + lo truncation
-          # (~2⁻¹⁶ of e) is left in every token's dg, large next to a strongly
-          # decaying head's tiny true dg.
-          rowsum_row(f, pieces=3, weights=beta[u], v5e_forms=st.v5e_forms)
-          - beta[u] * f_col - d_dout
+          # e's pairs inside it): the row sums must be exact sums of the
+          # terms the column sums add, else a truncation (~2⁻¹⁶ of e for hi +
+          # lo) is left in every token's dg, large next to a strongly
+          # decaying head's tiny true dg. So f is rounded to its pieces
+          # first: each product with β's pieces is exact, and the rounding
+          # (2⁻⁹ of f for bf16 inputs, 2⁻¹⁶ for float32) moves both sums
+          # alike. bf16 inputs: one piece, and β rounded to bf16 on both
+          # sides, the row sums as columns in the carried tile (below);
+          # float32: two pieces against β's three, as a row. v6e,
+          # Qwen3-Next heads, T=512: gdn_bwd 80.0 k cycles with f's three
+          # pieces as a row, 78.2 k with one, 77.3 k as columns (77.5 k
+          # stacked with decay_in's part in one product, 77.6 k selecting β's
+          # column in bf16, 79.1 k rounding f ⊙ β as one tile instead).
+          (-rounded_bf16(beta[u], 1, st.v5e_forms)[1] * f_col if f_cols else
+           rowsum_row(f, pieces=f_pieces, weights=beta[u], v5e_forms=st.v5e_forms)
+           - beta[u] * f_col)
+          - d_dout
           + jnp.where(lane == c - 1, jnp.sum(d_dout) + d_lam, 0.0))
       # decay_in's part, into lane i of the carried columns (`lane_rowsums`):
       # no cancellation to keep, so one bf16 piece for bf16 inputs (v6e,
@@ -1464,7 +1511,8 @@ def _bwd_kernel(*refs, names: tuple[str, ...], st: _Static):
       # a_log's / dt_bias's gradient in the bf16 case of pallas_mosaic_tpu_test
       # 6.6e-3 / 6.9e-3 -> 7.3e-3 / 7.6e-3, of 2e-2), two for float32.
       carry = carry + lane_rowsums(dk_in * k[ku] + dqw[u][:c] * q[ku], i,
-                                   pieces=1 if st.passes == 1 else 2, v5e_forms=st.v5e_forms)
+                                   pieces=1 if st.passes == 1 else 2, v5e_forms=st.v5e_forms,
+                                   weighted=(f_bf16[0], b_cols) if f_cols else None)
     for ku in kheads:
       both = dot(dqk_sum[ku], k[ku])                                   # [−d_QK K; d_KK K]
       back = dot(dqk_sum[ku], jnp.concatenate([-q[ku], k[ku]], 0), ta=True)
