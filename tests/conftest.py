@@ -65,9 +65,12 @@ def target_chip(request):
 
 
 # Tests known to run for minutes (TPU compiles, multi-device subprocess
-# groups, training runs) go first: with `pytest -n 2` xdist hands tests out
-# in collection order, so a long test collected last would run alone at the
-# end while the other worker idles (longest-first keeps both busy).
+# groups, training runs) go first: a long test collected last would run
+# alone at the end while the other worker idles. The README's command runs
+# `pytest -n 2 --dist worksteal`: each worker starts on its half of the
+# collection and a worker that runs out takes half of the other's remaining
+# tests, so the end is short tests on both (under the default "load" mode a
+# worker's queued tests stay with it).
 _LONG_FILES = ("tests/context_parallel_test.py", "tests/sharding_test.py",
                "tests/models/sharding_test.py", "tests/training/", "tests/cli/")
 
