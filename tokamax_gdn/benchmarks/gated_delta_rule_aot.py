@@ -367,13 +367,13 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
                            workload.split_heads(v, s.v))
 
   def fwd(q, k, v, g, beta, a_log, dt_bias):
-    out, final, _ = kernel.gdn_fwd(*heads(q, k, v), g, beta, scale=scale,
-                                   pro=pro(a_log, dt_bias), guard=True, **kwargs(fwd_cfg))
-    return workload.merge_heads(out), final
+    out, _, _ = kernel.gdn_fwd(*heads(q, k, v), g, beta, scale=scale, final_state=False,
+                               pro=pro(a_log, dt_bias), guard=True, **kwargs(fwd_cfg))
+    return workload.merge_heads(out)
 
   def states_pass(q, k, v, g, beta, a_log, dt_bias):
     return kernel.gdn_fwd(*heads(q, k, v), g, beta, scale=scale,
-                          write_out=False, emit_residuals=True, guard=True,
+                          write_out=False, emit_residuals=True, final_state=False, guard=True,
                           pro=pro(a_log, dt_bias), **kwargs(states_cfg))[2]
 
   def bwd(q, k, v, g, beta, a_log, dt_bias, d_out, states, tmats, flags):

@@ -8,8 +8,10 @@ the kernel stages against the xla stages in pallas_mosaic_tpu_kernel_test.py.
 """
 
 import dataclasses
+import functools
 
 import jax
+from jax._src import core as jax_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -185,6 +187,59 @@ def test_saved_residuals_give_the_reference_gradients():
   (_, _, grads), (_, _, rgrads), _ = _run(op, args, kwargs, True)
   for a, e in zip(jax.tree.leaves(grads), jax.tree.leaves(rgrads)):
     assert specs.rel_rms(a, e) < specs.tolerance(jnp.float32, grad=True)
+
+
+def _kernel_outputs(jaxpr) -> dict[str, list[tuple[tuple[int, ...], str]]]:
+  """{pallas_call name: its outputs' (shape, dtype)} in `jaxpr`, nested ones too."""
+  found = {}
+
+  def walk(j):
+    for eqn in j.eqns:
+      if eqn.primitive.name == "pallas_call":
+        found[str(eqn.params["name"])] = [(v.aval.shape, str(v.aval.dtype)) for v in eqn.outvars]
+      for sub in jax_core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jaxpr.jaxpr)
+  return found
+
+
+@pytest.mark.parametrize("with_states", [False, True], ids=["none_asked", "both_asked"])
+def test_final_state_and_its_initial_gradient_only_when_asked(with_states):
+  """output_final_state=False: the forward kernel has no final-state output
+  (nor does the backward's states pass); no initial_state: the backward
+  kernel has no d_initial output (a state-sized output block that the last
+  chunk writes back is an HBM write nothing hides). Asked for, they are
+  there. Either way the outputs and gradients match the reference."""
+  args, kwargs = _inputs(5, b=1, t=40, hk=1, hv=2, dk=16, dv=16, dtype=jnp.float32,
+                         gate_mode="plain", raw_gate=True, init=with_states, segments=False)
+  kw_diff = {n: kwargs.pop(n) for n in ("initial_state", "a_log", "dt_bias") if n in kwargs}
+  op = pallas_mosaic_tpu.PallasMosaicTpuGatedDeltaRule(config=Config(chunk_size=64, interleave=2))
+  cot = jnp.asarray(np.random.default_rng(6).standard_normal(args[2].shape), jnp.float32)
+
+  def loss(impl, args, kw):
+    out, final = tokamax_gdn.gated_delta_rule(
+        *args, use_qk_l2norm=True, output_final_state=with_states, implementation=impl, **kw)
+    assert (final is not None) == with_states
+    extra = jnp.sum(jnp.square(final)) if with_states else 0.0
+    return jnp.sum(out.astype(jnp.float32) * cot) + extra, out
+
+  grad_fn = jax.value_and_grad(functools.partial(loss, op), argnums=(0, 1), has_aux=True)
+  with tokamax_gdn.config.interpret_mode():
+    kernels = _kernel_outputs(jax.make_jaxpr(grad_fn)(args, kw_diff))
+    (_, out), grads = jax.jit(grad_fn)(args, kw_diff)
+  state = ((1, 2, 16, 16), "float32")
+  assert set(kernels) == {"gdn_fwd", "gdn_fwd_states", "gdn_bwd"}, kernels
+  assert (state in kernels["gdn_fwd"]) == with_states, kernels["gdn_fwd"]
+  assert state not in kernels["gdn_fwd_states"], kernels["gdn_fwd_states"]
+  assert (state in kernels["gdn_bwd"]) == with_states, kernels["gdn_bwd"]
+  (_, rout), rgrads = jax.value_and_grad(functools.partial(loss, "reference"), argnums=(0, 1),
+                                         has_aux=True)(args, kw_diff)
+  tol = specs.tolerance(jnp.float32, grad=False)
+  assert specs.rel_rms(out, rout) < tol, specs.rel_rms(out, rout)
+  gtol = specs.tolerance(jnp.float32, grad=True)
+  for a, e in zip(jax.tree.leaves(grads), jax.tree.leaves(rgrads)):
+    assert jnp.all(jnp.isfinite(a)) and specs.rel_rms(a, e) < gtol, specs.rel_rms(a, e)
 
 
 def test_registered_and_falls_through_off_tpu():

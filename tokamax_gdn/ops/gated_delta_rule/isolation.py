@@ -172,7 +172,9 @@ class SegmentGuard:
     return jnp.where(self._output_flags(), jnp.float32(jnp.nan), jnp.float32(0))
 
   def poison_final_state(self, final_state):
-    """NaN in the final states the bad inputs reach."""
+    """NaN in the final states the bad inputs reach (None: none)."""
+    if final_state is None:
+      return None
     if final_state.ndim == 4:        # the state after the last token
       poisoned = self.running(self.bad)[:, -1]
     else:

@@ -322,6 +322,7 @@ class PallasMosaicTpuGatedDeltaRule(_KernelConfigs, base.GatedDeltaRule[Config, 
   guards_in_core: ClassVar[bool] = True
   whole_guard_in_core: ClassVar[bool] = True
   prologue_in_core: ClassVar[bool] = True
+  final_state_optional: ClassVar[bool] = True
 
   def __post_init__(self):
     if self.vjp is None:
@@ -329,8 +330,9 @@ class PallasMosaicTpuGatedDeltaRule(_KernelConfigs, base.GatedDeltaRule[Config, 
 
   def _core_fwd(self, q, k, v, g, beta, *, scale, initial_state,
                 segment_ids, config: Config, poison=None, guard=False, use_qk_l2norm=False,
-                a_log=None, dt_bias=None, beta_sigmoid=False):
-    """The forward kernel on the raw q, k and gate (`prologue_in_core`)."""
+                a_log=None, dt_bias=None, beta_sigmoid=False, final_state=True):
+    """The forward kernel on the raw q, k and gate (`prologue_in_core`);
+    without `final_state` the final state is None, not computed."""
     interpret = _check_supported(q, v)
 
     def body(q, k, v, g, beta, initial_state, segment_ids, poison, a_log, dt_bias):
@@ -338,19 +340,21 @@ class PallasMosaicTpuGatedDeltaRule(_KernelConfigs, base.GatedDeltaRule[Config, 
                             log_decay_floor=self.log_decay_floor, beta_sigmoid=beta_sigmoid)
       out, final, res = kernel.gdn_fwd(
           q, k, v, g, beta, scale=scale, initial_state=initial_state,
-          segment_ids=segment_ids, emit_residuals=config.save_states, poison=poison,
-          guard=guard, pro=pro, **_kernel_args(config, q, v, interpret))
+          segment_ids=segment_ids, emit_residuals=config.save_states, final_state=final_state,
+          poison=poison, guard=guard, pro=pro, **_kernel_args(config, q, v, interpret))
       return (out, final) + (tuple(res) if res is not None else ())
 
-    out_labels = [_LABELS["d_out"], _state_label(initial_state)]
+    # (`_per_shard` drops None results: no label for an absent final state.)
+    out_labels = [_LABELS["d_out"]] + ([_state_label(initial_state)] if final_state else [])
     if config.save_states:
       out_labels += [_LABELS["states"], _LABELS["tmats"]] + ([_LABELS["guard_flags"]] if guard else [])
     res = _per_shard(body, out_labels, q.shape[2], v.shape[2], dict(
         q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
         segment_ids=segment_ids, poison=poison, a_log=a_log, dt_bias=dt_bias))
-    out, final = res[:2]
+    out, final = (res[0], res[1]) if final_state else (res[0], None)
+    saved = res[2 if final_state else 1:]
     if config.save_states:
-      return out, final, base.Residuals(*res[2:])
+      return out, final, base.Residuals(*saved)
     return out, final, base.Residuals()
 
 
@@ -399,8 +403,8 @@ class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Co
       if states is None:   # pass 1: the forward kernel without outputs
         _, _, saved = kernel.gdn_fwd(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
-            segment_ids=segment_ids, write_out=False, emit_residuals=True, sanitize=sanitize,
-            guard=guard, pro=pro,
+            segment_ids=segment_ids, write_out=False, emit_residuals=True, final_state=False,
+            sanitize=sanitize, guard=guard, pro=pro,
             **_kernel_args(_states_config(config, _shapes_of(q, v)), q, v, interpret))
       else:
         saved = (states, tmats) + ((guard_flags,) if guard else ())
@@ -410,13 +414,17 @@ class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Co
           sanitize=sanitize, guard=guard, pro=pro, **_kernel_args(config, q, v, interpret))
 
     out_labels = [_LABELS[n] for n in ("q", "k", "v", "g", "beta")]
-    out_labels.append(_state_label(initial_state))
+    if initial_state is not None:   # (else no d_initial: `_per_shard` drops the None)
+      out_labels.append(_state_label(initial_state))
     if a_log is not None:   # each row's parts of a_log's and dt_bias's gradients
       out_labels += ["b one hv", "b one hv"]
-    return _per_shard(body, out_labels, q.shape[2], v.shape[2], dict(
+    grads = _per_shard(body, out_labels, q.shape[2], v.shape[2], dict(
         q=q, k=k, v=v, g=g, beta=beta, d_out=d_out,
         d_final=d_final, states=states, tmats=tmats, guard_flags=flags, initial_state=initial_state,
         segment_ids=segment_ids, a_log=a_log, dt_bias=dt_bias))
+    if initial_state is None:
+      grads = (*grads[:5], None, *grads[5:])
+    return grads
 
 
 IMPLEMENTATION = PallasMosaicTpuGatedDeltaRule()

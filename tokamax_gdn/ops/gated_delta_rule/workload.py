@@ -80,15 +80,25 @@ def abstract_inputs(s: LayerShape, sharding=None) -> tuple[jax.ShapeDtypeStruct,
 
 
 def step_loss(out: jax.Array) -> jax.Array:
-  """The loss a training step is measured with: sum(out²) in float32.
+  """The loss a training step is measured with: `jnp.square(out).sum()`, in
+  out's dtype.
 
   It must use the outputs' values, as a model's loss does: under a plain
   sum(out) the cotangent is constant, the outputs are dead in the grad
   program and XLA removes the forward kernel (the Pallas "step" then ran only
   the backward's states pass and backward kernel: 204 k instead of 279 k
   estimated cycles at the Qwen3-Next shape, T=512, v6e).
+
+  The loss is the harness's, not the layer's (a model's next layer takes the
+  output): its square, sum and cotangent are glue in the step's count. In
+  out's dtype, not widened to float32 first: under a `jax.checkpoint` policy
+  that saves the output, JAX puts a `reduce_precision` on it (a saved
+  residual the forward also reads), which XLA:TPU copies out as an op of its
+  own when the sum widens, and fuses into the sum when it does not (v6e,
+  Qwen3-Next heads, T=512, save_gdn: glue 7.07 k cycles for sum(out²) in
+  float32 or with a float32 accumulator, 6.56 k in bf16).
   """
-  return jnp.sum(jnp.square(out.astype(jnp.float32)))
+  return jnp.square(out).sum()
 
 
 def layer_fns(s: LayerShape, implementation, remat_policy: str | None = None):
