@@ -23,6 +23,7 @@ import pytest
 from tokamax._src.ops.causal_conv1d_gated_delta_rule import gdn_attention_test as tokamax_tests
 from tokamax._src.ops.causal_conv1d_gated_delta_rule import reference as tokamax_reference
 
+from tokamax_gdn import config
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import api
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs
 from tokamax_gdn.testing.specs import rel_rms, tolerance
@@ -111,11 +112,13 @@ class ServingTestBase:
 
   def call(self, args, kwargs, impl=None):
     """The op (`impl`, default IMPL) under jit (index arrays traced: one
-    compile per shape)."""
+    compile per shape and target TPU generation: the Pallas kernels take
+    other forms per generation, and jit's cache does not see
+    `config.set_target_chip`)."""
     impl = impl or self.IMPL
     static = {k: v for k, v in kwargs.items() if k in STATIC}
     arrays = {k: v for k, v in kwargs.items() if k not in STATIC}
-    key = (impl, tuple(sorted(static.items())))
+    key = (impl, config.target_generation().name, tuple(sorted(static.items())))
     if key not in _JITTED:
       _JITTED[key] = jax.jit(lambda a, kw: api.causal_conv1d_gated_delta_rule(
           *a, **kw, **static, implementation=impl))
@@ -249,7 +252,8 @@ class ServingTestBase:
                              **TINY, **F32)
     other = arg_specs.layout(lengths=[31], max_reqs=6, **TINY, **F32)
     self.call(*make(first))
-    fn = _JITTED[(self.IMPL, tuple(sorted((n, first[n]) for n in STATIC if n in first)))]
+    fn = _JITTED[(self.IMPL, config.target_generation().name,
+                  tuple(sorted((n, first[n]) for n in STATIC if n in first)))]
     compiled = fn._cache_size()  # pylint: disable=protected-access
     self.call(*make(other))
     assert fn._cache_size() == compiled  # pylint: disable=protected-access
