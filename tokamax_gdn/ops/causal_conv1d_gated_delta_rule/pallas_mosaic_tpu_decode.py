@@ -128,6 +128,12 @@ class DecodeStatic:
   # The pools and `out_mid` stay in HBM (a long call: see the serving op's
   # `_HBM_TOKEN_BYTES`; else XLA may copy them into VMEM).
   in_hbm: bool = False
+  # Pallas interpret mode (set by `decode`): the loops over a tile's requests
+  # run as fori_loops, one traced copy of their bodies. Unrolled (as the TPU
+  # kernel is, for its scheduler), interpret mode discharges and XLA:CPU
+  # compiles every request's copy: the serving tests' kernel compiles took
+  # most of their time.
+  interpret: bool = False
 
   @property
   def dim(self) -> int:
@@ -148,6 +154,32 @@ START, LENGTH, HAS_INIT, READ_SLOT, WRITE_SLOT, CHECKPOINTS = range(6)
 _META = 6
 
 
+def _each(st: DecodeStatic, lo: int, hi: int, body):
+  """body(j) for j in range(lo, hi): unrolled, j a Python int (the TPU
+  kernel), or in interpret mode (`st.interpret`) a fori_loop, j traced."""
+  if st.interpret and hi - lo > 1:
+    def step(j, carry):
+      body(j)
+      return carry
+
+    lax.fori_loop(lo, hi, step, 0)
+  else:
+    for j in range(lo, hi):
+      body(j)
+
+
+def _at(j, n: int = 1):
+  """Index of rows j..j+n of a ref: a static slice, or pl.ds for a traced j."""
+  return slice(j, j + n) if isinstance(j, int) else pl.ds(j, n)
+
+
+def _take(x, j, axis: int = 0):
+  """Row (axis 0) or column (axis 1) j of a value, kept as a size-1 axis."""
+  if isinstance(j, int):
+    return x[j:j + 1] if axis == 0 else x[:, j:j + 1]
+  return lax.dynamic_slice_in_dim(x, j, 1, axis)
+
+
 def _step_metadata(st: DecodeStatic, base, idx, meta_scr):
   """Fills meta_scr[:, j] for requests base + j of this grid step from the
   index arrays in SMEM (`idx`: qsl, state_indices, distribution, seq_lens
@@ -163,7 +195,8 @@ def _step_metadata(st: DecodeStatic, base, idx, meta_scr):
   num_valid = jnp.clip(dist[2], 0, r_max)
   num_decode = jnp.clip(dist[0], 0, num_valid)
   exact = r_max % st.tile == 0
-  for j in range(st.tile):
+
+  def request(j):
     r = base + j
     rc = r if exact else jnp.minimum(r, r_max - 1)
     start = qsl[rc]
@@ -182,6 +215,8 @@ def _step_metadata(st: DecodeStatic, base, idx, meta_scr):
     meta_scr[WRITE_SLOT, j] = slots[rc]
     meta_scr[CHECKPOINTS, j] = jnp.where(decode, jnp.minimum(length, st.window),
                                          valid.astype(jnp.int32))
+
+  _each(st, 0, st.tile, request)
 
 
 def _split(x):
@@ -268,7 +303,7 @@ def _heads(st: DecodeStatic, p: _Prepared, row: int, bcast_scr, s_read, s_write)
   `bcast_scr` (2, K, V) f32 is this token's own: the tokens of a group of
   requests run interleaved, so they must not share it."""
   dk, dv, kd = st.d_k, st.d_v, st.n_kq * st.d_k
-  one = lambda x: x[row:row + 1]
+  one = lambda x: _take(x, row)
   beta, decay = one(p.beta), one(p.decay)
   outs = []
   for i in range(st.n_kq):
@@ -279,8 +314,8 @@ def _heads(st: DecodeStatic, p: _Prepared, row: int, bcast_scr, s_read, s_write)
     # head into VMEM, then every head of the GVA group loads them. q's only
     # for float32 states (bf16 ones take q S on the MXU).
     if any(x is not None and x.dtype != BF16 for x in states):
-      bcast_scr[0] = jnp.broadcast_to(p.q_cols[i][:, row:row + 1], (dk, dv))
-    bcast_scr[1] = jnp.broadcast_to(p.k_cols[i][:, row:row + 1], (dk, dv))
+      bcast_scr[0] = jnp.broadcast_to(_take(p.q_cols[i], row, 1), (dk, dv))
+    bcast_scr[1] = jnp.broadcast_to(_take(p.k_cols[i], row, 1), (dk, dv))
     if s_read is not None and st.v5e_forms:
       # Stacked in f32 and cast once, padded with -0.0 (`gdn_kernel.lhs_masked`).
       wides = [w for x in (q, k) for _, w in gdn_kernel._split(x, 2, True)]  # pylint: disable=protected-access
@@ -292,7 +327,8 @@ def _heads(st: DecodeStatic, p: _Prepared, row: int, bcast_scr, s_read, s_write)
     for h, s in zip(heads, states):
       e = decay[:, h:h + 1]
       k_col = bcast_scr[1]
-      v = p.act[row:row + 1, 2 * kd + h * dv:2 * kd + (h + 1) * dv]
+      v_cols = slice(2 * kd + h * dv, 2 * kd + (h + 1) * dv)
+      v = p.act[row:row + 1, v_cols] if isinstance(row, int) else _take(p.act, row)[:, v_cols]
       if s is None:
         # S = 0: qS = kS = 0 and S' = k v_new^T, no product and no decay of
         # S (e * 0 keeps a NaN or inf decay in, as e * S would).
@@ -482,11 +518,13 @@ def _kernel(*refs, st: DecodeStatic):
 
     lax.fori_loop(n_w, jnp.maximum(meta(LENGTH, j), n_w), body, 0)
 
-  for j in range(st.tile):
+  def start_reads(j):
     @when(loads(j))
     def _():
       read_conv(j).start()
       read_rec(j).start()
+
+  _each(st, 0, st.tile, start_reads)
 
   first_step = pl.program_id(0) == 0
   o_rows = blk_bufs[-1] if resident else o_ref     # the tile's rows
@@ -531,6 +569,10 @@ def _kernel(*refs, st: DecodeStatic):
       init = init_of(j)
       conv = conv_ibuf[j].astype(F32)
       wins.append(conv if init is True else jnp.where(init, conv, 0.0))
+    wins_all = jnp.stack(wins) if st.interpret else None
+
+    def win_of(j):
+      return wins[j] if isinstance(j, int) else wins_all[j]
     if st.direct and not st.all_run:
       # The block's rows are tokens base..; a request whose token is
       # elsewhere gets its rows by block DMAs.
@@ -538,13 +580,15 @@ def _kernel(*refs, st: DecodeStatic):
       x_scr[...] = x_ref[...].astype(F32)
       b_scr[...] = b_ref[...].astype(F32)
       a_scr[...] = a_ref[...].astype(F32)
-      for j in range(st.tile):
+      def fetch_elsewhere(j):
         @pl.when(elsewhere(j))
         def _():
           x, b, a, _ = fetch_row(meta(START, j))
-          x_scr[j:j + 1, :] = x
-          b_scr[j:j + 1, :] = b
-          a_scr[j:j + 1, :] = a
+          x_scr[_at(j), :] = x
+          b_scr[_at(j), :] = b
+          a_scr[_at(j), :] = a
+
+      _each(st, 0, st.tile, fetch_elsewhere)
       x, b_rows, a_rows = x_scr[...], b_scr[...], a_scr[...]
     else:
       x, b_rows, a_rows = (x_ref[...].astype(F32), b_ref[...].astype(F32),
@@ -561,8 +605,8 @@ def _kernel(*refs, st: DecodeStatic):
           def _():
             read_rec(j).wait()
           zero_unread(j)
-      for j in group:
-        window = jnp.concatenate([wins[j][1:], x[j:j + 1]], axis=0)
+      def step(j):
+        window = jnp.concatenate([win_of(j)[1:], _take(x, j)], axis=0)
         conv_obuf[j, 0] = window.astype(conv_obuf.dtype)
 
         def s_write(h, s, j=j):
@@ -571,7 +615,9 @@ def _kernel(*refs, st: DecodeStatic):
         out = _heads(st, prep, j, bcast_scr.at[j], None if fresh else first_read(j), s_write)
         if not st.all_run:
           out = jnp.where(runs(j), out, 0.0)
-        o_rows[j:j + 1, :] = out.astype(o_rows.dtype)
+        o_rows[_at(j), :] = out.astype(o_rows.dtype)
+
+      _each(st, group.start, group.stop, step)
 
     for g0 in range(0, st.tile, _GROUP):
       group = range(g0, min(g0 + _GROUP, st.tile))
@@ -581,16 +627,16 @@ def _kernel(*refs, st: DecodeStatic):
         any_read = functools.reduce(jnp.logical_or, [loads(j) for j in group])
         pl.when(any_read)(lambda group=group: group_steps(group, fresh=False))
         pl.when(jnp.logical_not(any_read))(lambda group=group: group_steps(group, fresh=True))
-      for j in group:
+      def finish(j):
         if st.mid_tokens and not st.all_run:
           # A short prefill (more than one token): token 0 again, token by
           # token from here, keeping the state in float32 between tokens.
           @pl.when(jnp.logical_and(runs(j), meta(LENGTH, j) > 1))
           def _():
             zero_unread(j)      # (a fresh group's steps left it unread)
-            win_scr[...] = wins[j]
-            o_rows[j:j + 1, :] = _token(
-                st, x[j:j + 1], b_rows[j:j + 1], a_rows[j:j + 1],
+            win_scr[...] = win_of(j)
+            o_rows[_at(j), :] = _token(
+                st, _take(x, j), _take(b_rows, j), _take(a_rows, j),
                 prm, win_scr, act_scr.at[0:1], bcast_scr.at[j],
                 first_read(j), scr_write).astype(o_rows.dtype)
 
@@ -607,13 +653,15 @@ def _kernel(*refs, st: DecodeStatic):
           def _():
             pos = meta(START, j)
             _, _, _, r = fetch_row(pos)
-            put_row(pos, r, o_rows[j:j + 1, :].astype(F32))
-            o_rows[j:j + 1, :] = jnp.zeros((1, o_rows.shape[1]), o_rows.dtype)
+            put_row(pos, r, o_rows[_at(j), :].astype(F32))
+            o_rows[_at(j), :] = jnp.zeros((1, o_rows.shape[1]), o_rows.dtype)
 
         @when(runs(j))
         def _():
           for cp in writes(j, 0):
             cp.start()
+
+      _each(st, group.start, group.stop, finish)
 
     if resident:
       # Rows base.. of the output: request j's row where it runs and its token
@@ -631,7 +679,7 @@ def _kernel(*refs, st: DecodeStatic):
           mine = jnp.where(home > 0, mine, o_ref[rows, :].astype(F32))
         o_ref[rows, :] = mine.astype(o_ref.dtype)
 
-  for j in range(st.tile if n_w > 1 else 0):
+  def request_tokens(j):
     @when(runs(j))
     def _():
       length = length_of(j)
@@ -662,11 +710,11 @@ def _kernel(*refs, st: DecodeStatic):
         @when(True if st.all_run else t < length)
         def _():
           row = j * n_w + t
-          out = _token(st, x_ref[row:row + 1, :].astype(F32),
-                       b_ref[row:row + 1, :].astype(F32), a_ref[row:row + 1, :].astype(F32),
+          out = _token(st, x_ref[_at(row), :].astype(F32),
+                       b_ref[_at(row), :].astype(F32), a_ref[_at(row), :].astype(F32),
                        prm, win_scr, act_scr, bcast_scr.at[0],
                        first_read(j) if t == 0 else later_read, scr_write)
-          o_ref[row:row + 1, :] = out.astype(o_ref.dtype)
+          o_ref[_at(row), :] = out.astype(o_ref.dtype)
           store(t)
 
       if st.mid_tokens and not st.all_run:
@@ -678,17 +726,22 @@ def _kernel(*refs, st: DecodeStatic):
           for cp in writes(j, c):
             cp.start()
 
+  if n_w > 1:
+    _each(st, 0, st.tile, request_tokens)
+
   if st.direct and not resident:
     @when(first_step)
     def _():
       for cp in fills:
         cp.wait()
-  for j in range(st.tile):
+  def wait_writes(j):
     for c in range(n_w):
       @when(writes_ckpt(j, c))
       def _():
         for cp in writes(j, c):
           cp.wait()
+
+  _each(st, 0, st.tile, wait_writes)
 
 
 def padded_requests(st: DecodeStatic) -> int:
@@ -791,7 +844,7 @@ def decode(index, xs, bs, as_, taps, bias, a_log, dt_bias, conv_pool, rec_pool, 
                 pltpu.VMEM((tile, hv), F32),
                 pltpu.VMEM((tile if resident else _fill_rows(t_pad), hv * st.d_v), out_dtype)]
   res = pl.pallas_call(
-      functools.partial(_kernel, st=st),
+      functools.partial(_kernel, st=dataclasses.replace(st, interpret=True) if interpret else st),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=n_idx, grid=(r_pad // tile,), in_specs=in_specs,
           out_specs=out_specs, scratch_shapes=scratch),
