@@ -67,6 +67,19 @@ def fwd_bwd(f, diff, cts):
   return out, vjp(cts)[0]
 
 
+_UNSHARDED = {}
+
+
+def _unsharded(key, f, *args):
+  """`jax.jit(f)(*args)`, the unsharded run a check compares with, once per
+  `key` (the problem and the implementation run): checks that shard the
+  same problem another way (jit / shard_map, other axes) compare with the
+  same results, not a compile and run of their own."""
+  if key not in _UNSHARDED:
+    _UNSHARDED[key] = jax.jit(f)(*args)
+  return _UNSHARDED[key]
+
+
 def _compare(got, want, what, tol=TOL):
   errs = {}
   for path, w in jax.tree_util.tree_leaves_with_path(want):
@@ -120,8 +133,9 @@ def _gdn_sharded(mesh, data, model, impl, mode):
 
 def _gdn_run(mesh, data, model, b, hk, hv, impl="xla", mode="jit", t=40):
   d, cts = _gdn_problem(b, hk, hv, t=t)
-  want = jax.jit(functools.partial(fwd_bwd, _gdn_call("reference" if impl != "xla"
-                                                       else "xla")))(d, cts)
+  ref = "reference" if impl != "xla" else "xla"
+  want = _unsharded(("gdn", b, hk, hv, t, ref), functools.partial(fwd_bwd, _gdn_call(ref)),
+                    d, cts)
   f, specs = _gdn_sharded(mesh, data, model, impl, mode)
   ds = _put(d, mesh, specs)
   cts_s = (jax.device_put(cts[0], NamedSharding(mesh, P(data, None, model))),
@@ -204,8 +218,9 @@ def _conv_run(mesh, data, model, b, mode, impl="xla"):
                          output_final_state=True, implementation=impl)
 
   f = functools.partial(call, impl=impl)
-  want = jax.jit(functools.partial(
-      fwd_bwd, functools.partial(call, impl="xla" if impl == "xla" else "reference")))(d, cts)
+  ref = "xla" if impl == "xla" else "reference"
+  want = _unsharded(("conv", b, ref), functools.partial(
+      fwd_bwd, functools.partial(call, impl=ref)), d, cts)
   g = f
   if mode == "shard_map":
     g = jax.shard_map(f, mesh=mesh, in_specs=(specs,),
@@ -262,7 +277,7 @@ def gmm_xla_rows_and_columns_jit():
   """Tokens (rows) over `data`, expert output columns over `model`, by jit."""
   mesh = _mesh((2, 4), ("data", "model"))
   d, gs, ct = _gmm_problem()
-  want = jax.jit(functools.partial(fwd_bwd, _gmm_f(gs)))(d, (ct,))
+  want = _unsharded(("gmm",), functools.partial(fwd_bwd, _gmm_f(gs)), d, (ct,))
   specs = dict(lhs=P("data", None), rhs=P(None, None, "model"))
   ct_s = jax.device_put(ct, NamedSharding(mesh, P("data", "model")))
   got = jax.jit(functools.partial(fwd_bwd, _gmm_f(gs)))(_put(d, mesh, specs), (ct_s,))
@@ -274,7 +289,7 @@ def gmm_xla_columns_shard_map():
   """Expert weights split over N (tensor parallel): per-device gmm, no collective."""
   mesh = _mesh((8,), ("model",))
   d, gs, ct = _gmm_problem()
-  want = jax.jit(functools.partial(fwd_bwd, _gmm_f(gs)))(d, (ct,))
+  want = _unsharded(("gmm",), functools.partial(fwd_bwd, _gmm_f(gs)), d, (ct,))
   specs = dict(lhs=P(), rhs=P(None, None, "model"))
   f = jax.shard_map(lambda d: (gmm(d["lhs"], d["rhs"], gs, implementation="xla"),),
                     mesh=mesh, in_specs=(specs,), out_specs=(P(None, "model"),),
@@ -292,7 +307,7 @@ def gmm_xla_rows_shard_map():
   mesh = _mesh((8,), ("data",))
   d, gs, ct = _gmm_problem()
   m = d["lhs"].shape[0]
-  want = jax.jit(functools.partial(fwd_bwd, _gmm_f(gs)))(d, (ct,))
+  want = _unsharded(("gmm",), functools.partial(fwd_bwd, _gmm_f(gs)), d, (ct,))
 
   def local(d, gs):
     rows = m // 8
