@@ -97,9 +97,18 @@ def put(tree, mesh, specs):
   return jax.tree.map(place, specs, tree, is_leaf=lambda s: isinstance(s, P))
 
 
-def _run_cp(f_plain, f_cp, d, seg, cts, mesh, specs, seg_spec, out_specs):
-  """(reference unsharded, impl under shard_map) forward+backward, compared."""
-  want = jax.jit(functools.partial(sc.fwd_bwd, lambda d: f_plain(d, seg)))(d, cts)
+_REFERENCE = {}
+
+
+def _run_cp(f_plain, f_cp, d, seg, cts, mesh, specs, seg_spec, out_specs, key=None):
+  """(reference unsharded, impl under shard_map) forward+backward, compared.
+  `key`: the problem's, for checks that share it (the reference runs once for
+  them)."""
+  want = _REFERENCE.get(key) if key is not None else None
+  if want is None:
+    want = jax.jit(functools.partial(sc.fwd_bwd, lambda d: f_plain(d, seg)))(d, cts)
+    if key is not None:
+      _REFERENCE[key] = want
   sm = jax.shard_map(f_cp, mesh=mesh, in_specs=(specs, seg_spec), out_specs=out_specs,
                      check_vma=False)
   ds, seg_s, cts_s = put((d, seg, cts), mesh, (specs, seg_spec, out_specs))
@@ -180,7 +189,7 @@ def gdn_segment_states_cp(impl, mesh_shape, names, *, n_states=3, hk=2, hv=4):
   with _interpret(impl):
     return _run_cp(functools.partial(gdn_call, impl="reference"),
                    functools.partial(gdn_call, impl=impl, axis="cp"), d, seg, cts, mesh,
-                   specs, row, (row, P()))
+                   specs, row, (row, P()), key=("gdn_segment_states", n_states, hk, hv))
 
 
 # The composition is shared by every implementation (the reference's CP run is
@@ -302,7 +311,8 @@ def conv_cp(impl, mesh_shape, names, *, b=2, width=4, segments=True, init=True):
   with _interpret(impl):
     return _run_cp(functools.partial(call, impl="reference"),
                    functools.partial(call, impl=impl, axis="cp"), d, seg, cts, mesh, specs,
-                   P(data, "cp"), (row, P(data, None, model)))
+                   P(data, "cp"), (row, P(data, None, model)),
+                   key=("conv", b, width, segments, init))
 
 
 add("conv_xla_cp8", functools.partial(conv_cp, "xla", (8,), ("cp",)))
