@@ -103,6 +103,18 @@ def canonical_out_dtype(lhs, rhs, preferred_element_type) -> jnp.dtype:
     return compute_dtype(lhs.dtype, rhs.dtype)
 
 
+def ragged_precision(dtype) -> jax.lax.Precision:
+  """The `precision` for `ragged_dot_general` on operands of `dtype`.
+
+  HIGHEST only where it means something (f32 operands: no bf16 passes); on
+  bf16 operands the products are exact at DEFAULT already, and TPU's ragged-dot
+  Mosaic emitter rejects bf16 operands under HIGHEST ("Bad lhs type").
+  """
+  if jnp.dtype(dtype) == jnp.float32:
+    return jax.lax.Precision.HIGHEST
+  return jax.lax.Precision.DEFAULT
+
+
 def compute_dtype(lhs_dtype, rhs_dtype) -> jnp.dtype:
   """The dtype both operands are converted to before the matmul (f32 accumulation).
 

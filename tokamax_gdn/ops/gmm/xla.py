@@ -25,7 +25,7 @@ class XlaGmm(base.Gmm[Any, Any]):
     out = jax.lax.ragged_dot_general(
         lhs.astype(ct), rhs.astype(ct), group_sizes,
         ragged_dot_dimension_numbers=dims,
-        precision=jax.lax.Precision.HIGHEST,
+        precision=base.ragged_precision(ct),
         preferred_element_type=jnp.float32,
     )
     return out.astype(out_dtype)

@@ -25,7 +25,7 @@ class XlaTgmm(base.Tgmm[Any, Any]):
     out = jax.lax.ragged_dot_general(
         lhs.astype(ct), rhs.astype(ct), group_sizes,
         ragged_dot_dimension_numbers=base.DIMS,
-        precision=jax.lax.Precision.HIGHEST,
+        precision=gmm_base.ragged_precision(ct),
         preferred_element_type=jnp.float32,
     )
     return out.astype(out_dtype)
