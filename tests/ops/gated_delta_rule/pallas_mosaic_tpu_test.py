@@ -287,3 +287,16 @@ def test_tpu7x_forward_interleave_follows_the_length(t, interleave):
   finally:
     tokamax_gdn.config.set_target_chip(None)
   assert (heur.chunk_size, heur.interleave) == (128, interleave)
+
+
+def test_config_past_vmem_is_refused_before_compiling(target_chip):
+  """A config whose VMEM estimate is past what the kernels may use on the
+  target raises a ValueError naming the op, the kernel, the shapes and the
+  figures at trace time (Mosaic's CompileTimeScopedVmemOom names none)."""
+  args, kwargs = _inputs(3, b=1, t=64, hk=4, hv=32, dk=128, dv=128, dtype=jnp.float32,
+                         gate_mode="plain", raw_gate=False, init=False, segments=False)
+  op = pallas_mosaic_tpu.PallasMosaicTpuGatedDeltaRule(config=Config(chunk_size=256, interleave=32))
+  with tokamax_gdn.config.interpret_mode():
+    with pytest.raises(ValueError, match=r"gated_delta_rule pallas_mosaic_tpu: the fwd kernel"
+                                         r".* MiB of VMEM.*" + target_chip):
+      jax.eval_shape(functools.partial(tokamax_gdn.gated_delta_rule, implementation=op), *args)

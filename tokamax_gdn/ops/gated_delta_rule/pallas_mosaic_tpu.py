@@ -267,9 +267,32 @@ def _check_supported(q: jax.Array, v: jax.Array) -> bool:
   return interpret
 
 
-def _kernel_args(config: Config, q: jax.Array, v: jax.Array, interpret: bool) -> dict:
+def check_vmem(op_name: str, need: int, cap: int, what: str, *, slack: bool = True) -> None:
+  """Raises before anything is compiled where a kernel's VMEM estimate is past
+  the cap: Mosaic's own failure comes only at compile time, as a
+  `CompileTimeScopedVmemOom` that names neither the op nor the config. The
+  estimates round up (they are fitted above Mosaic's reports), so only a need
+  past the cap by more than an eighth is refused: the heuristics' last resort
+  (one GVA group at C = 64) may sit just above the cap and compiles. Without
+  `slack` the cap itself is the limit (a kernel whose limit is its estimate).
+  """
+  if need > cap + (cap // 8 if slack else 0):
+    gen = gdn_config.target_generation()
+    raise ValueError(
+        f"{op_name} pallas_mosaic_tpu: {what} needs about {need / _MIB:.1f} MiB of VMEM,"
+        f" over the {cap / _MIB:.1f} MiB its kernels may use on {gen.name}; pick a smaller"
+        " config (or config=None for the heuristics) or another implementation.")
+
+
+def _kernel_args(config: Config, q: jax.Array, v: jax.Array, interpret: bool,
+                 kind: str) -> dict:
   """Kernel keywords at these (per-device) shapes; every kernel gets the
-  `vmem_cap` limit."""
+  `vmem_cap` limit, and a config past it (an explicit one: the heuristics
+  never pick one) raises here, naming the shapes."""
+  sh = _shapes_of(q, v)
+  check_vmem("gated_delta_rule", _estimate(config, sh, kind),
+             vmem_cap(gdn_config.target_generation()),
+             f"the {kind} kernel at {config} for q {q.shape}, v {v.shape} {q.dtype}")
   return dict(chunk=config.chunk_size,
               interleave=_run_interleave(config.interleave, _shapes_of(q, v)),
               interpret=interpret,
@@ -341,7 +364,7 @@ class PallasMosaicTpuGatedDeltaRule(_KernelConfigs, base.GatedDeltaRule[Config, 
       out, final, res = kernel.gdn_fwd(
           q, k, v, g, beta, scale=scale, initial_state=initial_state,
           segment_ids=segment_ids, emit_residuals=config.save_states, final_state=final_state,
-          poison=poison, guard=guard, pro=pro, **_kernel_args(config, q, v, interpret))
+          poison=poison, guard=guard, pro=pro, **_kernel_args(config, q, v, interpret, "fwd"))
       return (out, final) + (tuple(res) if res is not None else ())
 
     # (`_per_shard` drops None results: no label for an absent final state.)
@@ -405,13 +428,13 @@ class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Co
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
             segment_ids=segment_ids, write_out=False, emit_residuals=True, final_state=False,
             sanitize=sanitize, guard=guard, pro=pro,
-            **_kernel_args(_states_config(config, _shapes_of(q, v)), q, v, interpret))
+            **_kernel_args(_states_config(config, _shapes_of(q, v)), q, v, interpret, "states"))
       else:
         saved = (states, tmats) + ((guard_flags,) if guard else ())
       return kernel.gdn_bwd(
           q, k, v, g, beta, d_out, d_final, scale=scale,
           initial_state=initial_state, segment_ids=segment_ids, residuals=saved,
-          sanitize=sanitize, guard=guard, pro=pro, **_kernel_args(config, q, v, interpret))
+          sanitize=sanitize, guard=guard, pro=pro, **_kernel_args(config, q, v, interpret, "bwd"))
 
     out_labels = [_LABELS[n] for n in ("q", "k", "v", "g", "beta")]
     if initial_state is not None:   # (else no d_initial: `_per_shard` drops the None)
