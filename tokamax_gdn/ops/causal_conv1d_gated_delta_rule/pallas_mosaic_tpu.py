@@ -130,25 +130,16 @@ class Config:
 
 
 def _heuristics(ba: op.BoundArguments) -> Config:
-  """Decode tiles of up to 64 requests, the most VMEM allows (v6e: 64 for
-  one-token decodes, 16 on tpu7x), C = 128, and the chunked path from C
-  tokens on.
+  """Decode tiles of 8 requests, C = 128, and the
+  chunked path from C tokens on.
 
-  Larger tiles leave less of each grid step's first state reads and last
-  write-backs exposed: v6e estimate of the decode kernel at tokamax's TP8
-  specs, tiles 16 / 32 / 64: tp8_decode_64 27.3 / 25.4 / 24.4 k cycles,
-  tp8_decode_cached_64_ctx8192 29.7 / 27.4 / 25.7 k, tp8_decode_512 211.2 /
-  - / 186.2 k.
+  On the v5e chip a tile of 8 was faster than one of 32 at every TP8 decode
+  spec and compiled in a quarter of the time (the kernel unrolls a tile's
+  requests); `tokamax-gdn bench` on a TPU re-measures it, and autotuning
+  explores 16 to 64 (libtpu's v6e estimate favoured the larger tiles).
   """
-  args = ba.arguments
-  window = args["num_spec_tokens"] + 1
-  tile = 64
-  # A long call leaves the decode kernel XLA's default scoped VMEM (XLA
-  # fills the rest with the call's arrays).
-  cap = _LONG_CALL_DECODE_VMEM if _in_hbm(args["qkv"]) else _vmem_cap()
-  while tile > 8 and _decode_vmem(args, tile, window) > cap:
-    tile //= 2
-  return Config(decode_tile=tile, chunk_size=128, min_chunked_tokens=128)
+  del ba
+  return Config(decode_tile=8, chunk_size=128, min_chunked_tokens=128)
 
 
 def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
@@ -174,8 +165,8 @@ _RESIDENT_OUT_BYTES = 1 << 20
 
 def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool, *, num_requests: int,
                    num_tokens: int, act_itemsize: int, num_slots: int = 1, min_chunked: int = 0,
-                   has_bias: bool = True, has_reads: bool = False, has_offsets: bool = False,
-                   in_hbm: bool = False) -> decode_kernel.DecodeStatic:
+                   has_bias: bool = True, has_reads: bool = False, has_offsets: bool = False
+                   ) -> decode_kernel.DecodeStatic:
   direct = mid and window == 1
   blk = decode_kernel.BLOCK_ROWS
   tile = min(tile, round_up(num_requests, 8))
@@ -193,7 +184,7 @@ def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool, *, num_re
                                     all_run=_all_run is not None,
                                     all_init=_all_run is not False,
                                     v5e_forms=gdn_kernel._v5e_forms(),  # pylint: disable=protected-access
-                                    in_hbm=in_hbm)
+                                    )
 
 
 def _decode_vmem(args, tile: int, window: int) -> int:
@@ -227,7 +218,13 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, 
                       num_slots=rec_pool.shape[0], min_chunked=min_chunked,
                       has_bias=conv_bias is not None,
                       has_reads=reqs.index.read_state_indices is not None,
-                      has_offsets=reqs.index.read_offsets is not None, in_hbm=_in_hbm(qkv))
+                      has_offsets=reqs.index.read_offsets is not None)
+  need = decode_kernel.vmem_bytes(st, jnp.dtype(rec_pool.dtype).itemsize,
+                                  jnp.dtype(qkv.dtype).itemsize)
+  gdn_pallas.check_vmem(
+      "causal_conv1d_gated_delta_rule", need, _vmem_cap(),
+      f"a decode tile of {st.tile} requests (window {window}, {dims.n_v} value heads,"
+      f" {rec_pool.dtype} pool {rec_pool.shape})", slack=False)
   r_pad = decode_kernel.padded_requests(st)
   # [dim, 1, W] -> [W, dim]: XLA's TPU layout of the weight is already W-major
   # (a bitcast, no copy).
@@ -246,8 +243,7 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, 
   out_rows, out_mid, conv_pool, rec_pool = decode_kernel.decode(
       index, *rows, taps, bias, a_log[None], dt_bias[None], conv_pool, rec_pool,
       *((qkv, b, a) if mid else ()), st=st, interpret=interpret,
-      vmem_limit_bytes=min(_vmem_cap(), decode_kernel.vmem_bytes(
-          st, jnp.dtype(rec_pool.dtype).itemsize, jnp.dtype(qkv.dtype).itemsize)))
+      vmem_limit_bytes=min(_vmem_cap(), need * 5 // 4))
   if st.resident_rows:
     out = out_rows if out_rows.shape[0] == t_len else out_rows[:t_len]
     return out, conv_pool, rec_pool
@@ -276,30 +272,15 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, 
   return out, conv_pool, rec_pool
 
 
-# Calls whose qkv exceeds this many bytes (a long prefill; tokamax's
-# tp8_mixed_64_t8192: 24 MiB) keep their big arrays in HBM: the conv's x and
-# y (`causal_conv1d`'s `Config.in_hbm`, at 512-token tiles),
-# `gdn_fwd_requests`' qkv and output (`in_hbm`), the decode kernel's pools
-# and `out_mid` (`DecodeStatic.in_hbm`); and the decode kernel's VMEM stays
-# within XLA's default scoped VMEM (`_LONG_CALL_DECODE_VMEM`: decode tiles
-# of 32 at the TP8 shapes). Otherwise XLA places those arrays in VMEM as far
-# as it goes, and with the cycle dump on (libtpu reserves VMEM of its own
-# for it) the compile ran out of VMEM (v6e: the 8129-token prefill part
-# alone 128.09 of 127.94 MiB, tp8_mixed_64_t8192 147.11); and libtpu's
-# static estimator takes time and host memory that grow faster than T on
-# kernels whose operands sit in VMEM (v6e, one prefill of 2048 / 4096 / 8129
-# tokens, compile with the dump: 25 s, 1.6 GB / 90 s, 4.1 GB / 400 s,
-# 14 GB; tp8_mixed_64_t8192 ran out of the machine's 23 GB). With them in
-# HBM the v6e report of tp8_mixed_64_t8192, its prefill part and three
-# small specs took 99 s: 681.3 k cycles, vs 618.6 k + 20.5 k for its
-# prefill and decode parts (1.07x). Smaller calls keep XLA's placement,
-# cheaper on the estimate there (v6e, the conv's x and y in HBM at every
-# size: tp8_decode_512 146.0 -> 158.6 k cycles, tp8_mixed_3x512 74.0 ->
-# 83.5 k, tp8_prefill_4096 294.3 -> 297.5 k).
+# Calls whose qkv exceeds this many bytes (a long prefill, such as tokamax's
+# tp8_mixed_64_t8192) keep the chunked path's big arrays in HBM: the conv's x
+# and y (`causal_conv1d`'s `Config.in_hbm`, at 512-token tiles) and
+# `gdn_fwd_requests`' qkv and output. Otherwise XLA places them in VMEM as
+# far as it goes and a long call's compile runs out of it; smaller calls keep
+# XLA's placement, which was cheaper there. (The decode kernel's pools are in
+# HBM at every size, see `pallas_mosaic_tpu_decode.decode`.)
 _HBM_TOKEN_BYTES = 16 * _MIB
 _HBM_CONV_BLOCK_T = 512
-# XLA's default scoped VMEM (its HLO's scoped_memory_configs on v6e).
-_LONG_CALL_DECODE_VMEM = 32 * _MIB
 
 
 def _in_hbm(qkv: jax.Array) -> bool:

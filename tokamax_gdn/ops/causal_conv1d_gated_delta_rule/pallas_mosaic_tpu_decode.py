@@ -125,9 +125,6 @@ class DecodeStatic:
   # take the forms libtpu's cycle estimator accepts there (see
   # `gated_delta_rule.pallas_mosaic_tpu_kernel`, "v5e forms").
   v5e_forms: bool = False
-  # The pools and `out_mid` stay in HBM (a long call: see the serving op's
-  # `_HBM_TOKEN_BYTES`; else XLA may copy them into VMEM).
-  in_hbm: bool = False
   # Pallas interpret mode (set by `decode`): the loops over a tile's requests
   # run as fori_loops, one traced copy of their bodies. Unrolled (as the TPU
   # kernel is, for its scheduler), interpret mode discharges and XLA:CPU
@@ -798,9 +795,11 @@ def decode(index, xs, bs, as_, taps, bias, a_log, dt_bias, conv_pool, rec_pool, 
     in_specs += [anyspace] * 3
     args += [xs, bs, as_] if st.direct else [pad(x) for x in (qkv, b, a)]
   in_specs += [anyspace, anyspace]
-  if st.in_hbm:
-    conv_pool, rec_pool = (pltpu.with_memory_space_constraint(x, pltpu.HBM)
-                           for x in (conv_pool, rec_pool))
+  # The pools stay in HBM, pinned: XLA otherwise moves small ones into VMEM
+  # beside the kernel's own buffers (on v5e a 65-slot TP8 pool ran the
+  # compile out of scoped VMEM), and only the DMAs touch them anyway.
+  conv_pool, rec_pool = (pltpu.with_memory_space_constraint(x, pltpu.HBM)
+                         for x in (conv_pool, rec_pool))
   args += [conv_pool, rec_pool]
   out_dtype = xs.dtype
   resident = st.resident_rows > 0
@@ -814,8 +813,7 @@ def decode(index, xs, bs, as_, taps, bias, a_log, dt_bias, conv_pool, rec_pool, 
     out_shape = [jax.ShapeDtypeStruct((r_pad * n_w, hv * st.d_v), out_dtype)]
   if st.mid_tokens and not resident:
     out_specs.append(anyspace)
-    out_shape.append((pltpu.HBM if st.in_hbm else jax.ShapeDtypeStruct)(
-        (t_pad, hv * st.d_v), out_dtype))
+    out_shape.append(pltpu.HBM((t_pad, hv * st.d_v), out_dtype))
   out_specs += [anyspace, anyspace]
   out_shape += [jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
                 jax.ShapeDtypeStruct(rec_pool.shape, rec_pool.dtype)]
