@@ -1,11 +1,29 @@
 """Test configuration: CPU only, no network lookups from libtpu, and libtpu
 loadable by several processes at once (pytest-xdist workers each compile for
-TPU targets ahead of time)."""
+TPU targets ahead of time).
+
+`pytest -m tpu` (the on-chip tier, tests/tpu/) is the exception: it runs on
+the TPU the process finds, with XLA's full optimisation pipeline.
+"""
 
 import gc
 import os
+import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+def _tpu_tier(argv) -> bool:
+  """Whether the command selects the `tpu` marker (`-m tpu`, `-m "tpu and ..."`)."""
+  for i, arg in enumerate(argv):
+    expr = argv[i + 1] if arg == "-m" and i + 1 < len(argv) else (
+        arg[2:] if arg.startswith("-m") and len(arg) > 2 else None)
+    if expr is not None and "tpu" in expr.replace("not tpu", ""):
+      return True
+  return False
+
+
+TPU_TIER = _tpu_tier(sys.argv)
+if not TPU_TIER:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
@@ -19,7 +37,8 @@ from tokamax_gdn import config  # pylint: disable=g-import-not-at-top,wrong-impo
 # 240 CPU-s) and every numerical comparison still holds. Compiles for TPU
 # targets (tests marked `aot`: memory and cycle estimates are what they
 # check) keep the full pipeline.
-jax.config.update("jax_disable_most_optimizations", True)
+if not TPU_TIER:
+  jax.config.update("jax_disable_most_optimizations", True)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -44,7 +63,7 @@ def _release_executables():
 
 @pytest.fixture(autouse=True)
 def _full_optimizations_for_tpu_compiles(request):
-  if request.node.get_closest_marker("aot") is None:
+  if TPU_TIER or request.node.get_closest_marker("aot") is None:
     yield
     return
   jax.config.update("jax_disable_most_optimizations", False)
@@ -82,4 +101,11 @@ def _runs_long(item) -> bool:
 
 
 def pytest_collection_modifyitems(items):
+  """Long tests first; tests marked `tpu` skip, with the reason, without a TPU chip."""
   items.sort(key=lambda item: not _runs_long(item))   # stable: order kept within each group
+  if any(item.get_closest_marker("tpu") for item in items):
+    if jax.devices()[0].platform != "tpu":
+      skip = pytest.mark.skip(reason="needs a TPU chip: run `pytest -m tpu` on a TPU VM")
+      for item in items:
+        if item.get_closest_marker("tpu"):
+          item.add_marker(skip)

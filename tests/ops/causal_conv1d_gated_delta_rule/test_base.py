@@ -94,6 +94,27 @@ def assert_close(actual, expected, dtype, what):
   assert err <= tol, f"{what}: rel-RMS {err:.3g} > {tol:.3g}"
 
 
+def tokamax_oracle(lay):
+  """tokamax's oracle for a layout: (fn(args, kwargs), whether it may be
+  jitted). Its local reference for plain batches; for verify windows its test
+  module's token-by-token `gdn_attention_spec_ref`, eager (it loops in
+  Python over concrete indices)."""
+  if not lay.get("num_spec_tokens"):
+    def plain(args, kwargs):
+      kwargs = {k: v for k, v in kwargs.items() if k != "num_spec_tokens"}
+      return tokamax_reference.run_jax_gdn_attention_local_ref(*args, **kwargs)
+    return plain, True
+
+  def windows(args, kwargs):
+    names = arg_specs.POSITIONAL
+    full = dict(zip(names, args)) | kwargs
+    return tokamax_tests.gdn_attention_spec_ref(
+        **{n: full[n] for n in names[:11]}, read_offsets=full["read_offsets"],
+        num_spec_seqs=int(lay["distribution"][0]), seq_lens=full["seq_lens"],
+        **{n: full[n] for n in STATIC if n != "num_spec_tokens"})
+  return windows, False
+
+
 def _bits(x):
   x = np.asarray(x)
   return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
@@ -147,26 +168,13 @@ class ServingTestBase:
 
   @pytest.mark.parametrize("case_id,lay", CASES, ids=[c[0] for c in CASES])
   def test_against_tokamax_reference(self, case_id, lay):
-    def tokamax_fn(args, kwargs):
-      kwargs = {k: v for k, v in kwargs.items() if k != "num_spec_tokens"}
-      return tokamax_reference.run_jax_gdn_attention_local_ref(*args, **kwargs)
-
-    self._check_against_ours_and_tokamax(case_id, arg_specs.layout(**lay), tokamax_fn)
+    lay = arg_specs.layout(**lay)
+    self._check_against_ours_and_tokamax(case_id, lay, *tokamax_oracle(lay))
 
   @pytest.mark.parametrize("case_id,lay", SPEC_CASES, ids=[c[0] for c in SPEC_CASES])
   def test_spec_windows_against_tokamax(self, case_id, lay):
     lay = arg_specs.layout(**lay)
-
-    def tokamax_fn(args, kwargs):
-      names = arg_specs.POSITIONAL
-      full = dict(zip(names, args)) | kwargs
-      return tokamax_tests.gdn_attention_spec_ref(
-          **{n: full[n] for n in names[:11]}, read_offsets=full["read_offsets"],
-          num_spec_seqs=int(lay["distribution"][0]), seq_lens=full["seq_lens"],
-          **{n: full[n] for n in STATIC if n != "num_spec_tokens"})
-
-    # Eager: tokamax's spec oracle loops in Python over concrete indices.
-    self._check_against_ours_and_tokamax(case_id, lay, tokamax_fn, tokamax_jit=False)
+    self._check_against_ours_and_tokamax(case_id, lay, *tokamax_oracle(lay))
 
   def test_window_checkpoints_are_single_token_decodes(self):
     """Checkpoint j of a 3-token window = the state after j + 1 one-token

@@ -1,0 +1,211 @@
+"""The on-chip tier: every registered implementation against `reference` on a
+real TPU, compiled for the chip (no interpret mode).
+
+Run on a TPU VM, in one process (the chip takes one holder):
+
+    python -m pytest -m tpu -p no:xdist tests/tpu
+
+Without a TPU every test here skips (tests/conftest.py). What it covers:
+- the conformance specs of every op (`tests/conformance_test.py`'s check);
+- the Qwen3-Next / Qwen3.5 layer calls of `gated_delta_rule` (Hk 16, Hv 32,
+  K = V = 128, bf16, gate and beta logits inside) and `causal_conv1d` (8192
+  channels, width 4) at T = 4096 and 32768, forward and every gradient, the
+  reference chained over token blocks (its token scan's autodiff would keep
+  every state);
+- every named serving workload in the serving op's `arg_specs.py` (tokamax's
+  TP8 / DP / qwen3_5_35b / verify-window specs) against tokamax's oracle and
+  ours, unused pool slots bit-identical, plus the serving op's property
+  tests (NaN isolation, continuation, windows) on the chip;
+- gmm / tgmm at MoE shapes with empty groups, forward and gradients;
+- a config forced past the chip's VMEM: a clear error before any compile,
+  and the next call in the process works.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax_gdn as tg
+from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs as serving_specs
+from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu as gdn_pallas
+from tokamax_gdn.ops.gmm import arg_specs as gmm_specs
+from tokamax_gdn.testing import specs as specs_lib
+from tests import conformance_test
+from tests.ops.causal_conv1d_gated_delta_rule import test_base as serving_base
+
+pytestmark = pytest.mark.tpu
+
+FAST = ("pallas_mosaic_tpu", "xla")
+
+
+# --- Conformance specs ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", conformance_test.AGAINST_REFERENCE, ids=conformance_test._id)  # pylint: disable=protected-access
+def test_conformance_spec(case):
+  conformance_test.test_forward_and_vjp_match_reference(case)
+
+
+# --- Layer shapes ---------------------------------------------------------------------------
+
+_HK, _HV, _D = 16, 32, 128       # Qwen3-Next / Qwen3.5 GDN heads
+_REF_BLOCK = 512                 # tokens per checkpointed reference block
+
+
+def _assert_close(actual, expected, dtype, grad, what):
+  err = specs_lib.rel_rms(actual, expected)
+  tol = specs_lib.tolerance(dtype, grad=grad)
+  assert np.isfinite(np.asarray(actual, np.float32)).all(), f"{what}: non-finite values"
+  assert err <= tol, f"{what}: rel-RMS {err:.3g} > {tol:.3g}"
+
+
+def _gdn_inputs(t: int):
+  ks = jax.random.split(jax.random.key(t), 9)
+  bf = jnp.bfloat16
+  q = jax.random.normal(ks[0], (1, t, _HK, _D), bf)
+  k = jax.random.normal(ks[1], (1, t, _HK, _D), bf)
+  v = jax.random.normal(ks[2], (1, t, _HV, _D), bf)
+  gate = jax.random.normal(ks[3], (1, t, _HV), bf)          # raw gate: a_log, dt_bias inside
+  beta = jax.random.normal(ks[4], (1, t, _HV), bf)          # logits: sigmoid inside
+  a_log = jnp.log(jax.random.uniform(ks[5], (_HV,), jnp.float32, 1.0, 16.0))
+  dt_bias = jax.random.normal(ks[6], (_HV,), jnp.float32) * 0.5
+  ct = jax.random.normal(ks[7], (1, t, _HV, _D), jnp.float32)
+  return (q, k, v, gate, beta, a_log, dt_bias), ct
+
+
+def _gdn_layer(impl, q, k, v, gate, beta, a_log, dt_bias, initial_state=None):
+  return tg.gated_delta_rule(q, k, v, gate, beta, use_qk_l2norm=True, use_beta_sigmoid=True,
+                             a_log=a_log, dt_bias=dt_bias, initial_state=initial_state,
+                             output_final_state=initial_state is not None,
+                             implementation=impl)
+
+
+def _chained_reference(q, k, v, gate, beta, a_log, dt_bias):
+  """`reference` over blocks of _REF_BLOCK tokens, the state carried between
+  them, each block rematerialised in the backward: the same function, with
+  memory for one block's token states instead of T's."""
+  t = q.shape[1]
+  n = t // _REF_BLOCK
+  blocks = lambda x: jnp.moveaxis(x.reshape(x.shape[0], n, _REF_BLOCK, *x.shape[2:]), 1, 0)
+
+  @jax.checkpoint
+  def block(state, xs):
+    out, state = _gdn_layer("reference", *xs, a_log, dt_bias, initial_state=state)
+    return state, out
+
+  state = jnp.zeros((q.shape[0], _HV, _D, _D), jnp.float32)
+  _, outs = jax.lax.scan(block, state, tuple(blocks(x) for x in (q, k, v, gate, beta)))
+  return jnp.moveaxis(outs, 0, 1).reshape(q.shape[0], t, _HV, _D)
+
+
+def _loss_and_grads(fn, args, ct):
+  def loss(*a):
+    out = fn(*a)
+    return jnp.sum(out.astype(jnp.float32) * ct), out
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))),
+                                               has_aux=True))(*args)
+  return out, grads
+
+
+_REF_CACHE = {}
+
+
+def _gdn_reference(t):
+  if t not in _REF_CACHE:
+    args, ct = _gdn_inputs(t)
+    _REF_CACHE.clear()
+    _REF_CACHE[t] = _loss_and_grads(_chained_reference, args, ct)
+  return _REF_CACHE[t]
+
+
+@pytest.mark.parametrize("t", [4096, 32768])
+@pytest.mark.parametrize("impl", FAST)
+def test_gdn_layer_forward_and_gradients(impl, t):
+  args, ct = _gdn_inputs(t)
+  out, grads = _loss_and_grads(lambda *a: _gdn_layer(impl, *a)[0], args, ct)
+  ref_out, ref_grads = _gdn_reference(t)
+  _assert_close(out, ref_out, jnp.bfloat16, False, f"{impl} T={t} out")
+  for name, g, r in zip(("q", "k", "v", "gate", "beta", "a_log", "dt_bias"), grads, ref_grads):
+    _assert_close(g, r, jnp.bfloat16, True, f"{impl} T={t} d{name}")
+
+
+@pytest.mark.parametrize("t", [4096, 32768])
+@pytest.mark.parametrize("impl", FAST)
+def test_conv_layer_forward_and_gradients(impl, t):
+  dim = 2 * _HK * _D + _HV * _D
+  ks = jax.random.split(jax.random.key(t + 1), 4)
+  x = jax.random.normal(ks[0], (1, t, dim), jnp.bfloat16)
+  w = (jax.random.normal(ks[1], (dim, 4), jnp.float32) * 0.5).astype(jnp.bfloat16)
+  bias = (jax.random.normal(ks[2], (dim,), jnp.float32) * 0.1).astype(jnp.bfloat16)
+  ct = jax.random.normal(ks[3], (1, t, dim), jnp.float32)
+  run = lambda name: _loss_and_grads(
+      lambda *a: tg.causal_conv1d(*a, activation="silu", implementation=name)[0], (x, w, bias), ct)
+  (out, grads), (ref_out, ref_grads) = run(impl), run("reference")
+  _assert_close(out, ref_out, jnp.bfloat16, False, f"{impl} T={t} out")
+  for name, g, r in zip(("x", "weight", "bias"), grads, ref_grads):
+    _assert_close(g, r, jnp.bfloat16, True, f"{impl} T={t} d{name}")
+
+
+# --- Serving --------------------------------------------------------------------------------
+
+_NAMED = [s.name for s in serving_specs.ARG_SPECS if "tokamax" in s.tags]
+
+
+class _ServingOnChip(serving_base.ServingTestBase):
+  """The serving op's shared tests (tests/ops/causal_conv1d_gated_delta_rule/
+  test_base.py) on the chip, plus every named workload."""
+
+  @pytest.mark.parametrize("name", _NAMED)
+  def test_named_workload(self, name):
+    lay = serving_specs.layout_of(name)
+    self._check_against_ours_and_tokamax(name, lay, *serving_base.tokamax_oracle(lay))
+
+
+class TestServingPallasOnChip(_ServingOnChip):
+  IMPL = "pallas_mosaic_tpu"
+
+
+class TestServingXlaOnChip(_ServingOnChip):
+  IMPL = "xla"
+
+
+# --- Grouped matmuls ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m,k,n", [(8192, 2048, 512), (8192, 512, 2048)])
+@pytest.mark.parametrize("impl", FAST)
+def test_gmm_tgmm_moe_shapes(impl, m, k, n):
+  g = 64
+  ks = jax.random.split(jax.random.key(m + k), 4)
+  sizes = gmm_specs.random_group_sizes(ks[0], g=g, total=m, empty=(2, 40))
+  lhs = jax.random.normal(ks[1], (m, k), jnp.bfloat16)
+  rhs = (jax.random.normal(ks[2], (g, k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+  ct = jax.random.normal(ks[3], (m, n), jnp.float32)
+  run = lambda name: _loss_and_grads(
+      lambda a, b: tg.gmm(a, b, sizes, implementation=name), (lhs, rhs), ct)
+  (out, grads), (ref_out, ref_grads) = run(impl), run("reference")
+  _assert_close(out, ref_out, jnp.bfloat16, False, f"gmm {impl} out")
+  for name, gr, r in zip(("lhs", "rhs"), grads, ref_grads):
+    _assert_close(gr, r, jnp.bfloat16, True, f"gmm {impl} d{name}")
+  # The empty groups' weight gradients are exactly zero.
+  np.testing.assert_array_equal(np.asarray(grads[1][2], np.float32), 0.0)
+  y = jax.random.normal(ks[3], (m, n), jnp.bfloat16)
+  tg_out = jax.jit(functools.partial(tg.tgmm, implementation=impl))(lhs, y, sizes)
+  tg_ref = jax.jit(functools.partial(tg.tgmm, implementation="reference"))(lhs, y, sizes)
+  _assert_close(tg_out, tg_ref, jnp.bfloat16, False, f"tgmm {impl}")
+
+
+# --- VMEM overflow --------------------------------------------------------------------------
+
+def test_config_past_vmem_raises_then_next_call_works():
+  args, _ = _gdn_inputs(1024)
+  args = [x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in args]
+  q, k, v, gate, beta, a_log, dt_bias = args
+  big = tg.registry.get("gated_delta_rule", "pallas_mosaic_tpu").replace(
+      config=gdn_pallas.Config(chunk_size=256, interleave=32))
+  with pytest.raises(ValueError, match="MiB of VMEM"):
+    _gdn_layer(big, q, k, v, gate, beta, a_log, dt_bias)
+  out, _ = jax.jit(lambda *a: _gdn_layer("pallas_mosaic_tpu", *a))(*args)
+  ref, _ = jax.jit(lambda *a: _gdn_layer("xla", *a))(*args)
+  _assert_close(out, ref, jnp.float32, False, "after the refused config")
