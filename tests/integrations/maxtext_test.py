@@ -215,3 +215,11 @@ def test_gradients_under_a_maxtext_policy_match():
   want = jax.jit(jax.grad(loss(ref), argnums=range(6)))(q, k, v, g, beta, s0)
   for a, e in zip(got, want):
     assert rel_rms(a, e) <= 2e-3
+
+
+def test_context_parallel_matches_maxtext(tmp_path_factory):
+  """`cp_axis` (a name, and MaxText's tuple of two live axes) inside
+  `jax.shard_map` over 4 host devices, in a subprocess (maxtext_cp_checks.py)."""
+  from tests.multidevice import runner  # pylint: disable=g-import-not-at-top
+  script = runner.HERE.parent / "integrations" / "maxtext_cp_checks.py"
+  runner.check_group("maxtext_cp", tmp_path_factory, script, host_devices=4, timeout=600)
