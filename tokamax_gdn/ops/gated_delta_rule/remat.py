@@ -40,6 +40,13 @@ GDN_OUT = "gdn_out"
 CONV_OUT = "gdn_conv_out"
 NAMES = (GDN_STATES, GDN_TMAT, GDN_OUT, CONV_OUT)
 
+# What `call` names by default: residual role -> checkpoint name. Roles:
+# "out", "states", "tmats" (the residuals above) and the op's inputs "query",
+# "key", "value", "g", "beta" (saved by the backward as they are; unnamed by
+# default). `call(..., names=...)` takes another mapping (e.g. MaxText's
+# names, `tokamax_gdn.integrations.maxtext`); a role it leaves out is unnamed.
+DEFAULT_NAMES = {"out": GDN_OUT, "states": GDN_STATES, "tmats": GDN_TMAT}
+
 RematPolicy = Literal["recompute", "save_gdn", "offload_gdn"]
 RECOMPUTE, SAVE, OFFLOAD = "recompute", "save_gdn", "offload_gdn"
 POLICIES = (RECOMPUTE, SAVE, OFFLOAD)
@@ -72,20 +79,21 @@ def _emitting(op, ba):
   return op.replace(config=config)
 
 
-def _named(residuals):
-  fields = dict(states=GDN_STATES, tmats=GDN_TMAT, guard=GDN_STATES)
+def _named(residuals, names):
+  fields = dict(states=names.get("states"), tmats=names.get("tmats"),
+                guard=names.get("states"))
   return dataclasses.replace(residuals, **{
       f: checkpoint_name(getattr(residuals, f), name) for f, name in fields.items()
-      if getattr(residuals, f) is not None})
+      if name is not None and getattr(residuals, f) is not None})
 
 
 def call(op, query, key, value, g, beta, *, initial_state=None, a_log=None, dt_bias=None,
-         segment_ids=None, **static):
+         segment_ids=None, names=None, **static):
   """`op(query, ..., **static)` -> (out, final_state), with named residuals.
 
   `op` is a gated-delta-rule Op with an analytical VJP (`op.vjp`); `static`
   holds its non-array keywords (scale, output_final_state, use_qk_l2norm,
-  use_beta_sigmoid).
+  use_beta_sigmoid). `names`: role -> checkpoint name (default `DEFAULT_NAMES`).
   Raises NotImplementedError for an op without one (callers fall through).
   """
   if op.vjp is None:
@@ -102,14 +110,20 @@ def call(op, query, key, value, g, beta, *, initial_state=None, a_log=None, dt_b
   def named(*xs):
     return op(*xs[:5], **keywords(xs))
 
+  names = DEFAULT_NAMES if names is None else names
+  inputs = ("query", "key", "value", "g", "beta")
+
   def named_fwd(*xs):
+    xs = tuple(checkpoint_name(x, names[r]) if r in names else x
+               for r, x in zip(inputs, xs[:5])) + xs[5:]
     (out, final), residuals = emitting(*xs[:5], **keywords(xs), return_residuals=True)
     # Named (so saved) as [B, T, Hv V], the Pallas kernels' own output (the
     # layer reads it so too): saved as [B, T, Hv, V], tiled over (Hv, V) on
     # TPU, XLA copied the kernel's output into it and the output's cotangent
     # back (v6e, Qwen3-Next heads, T=512, save_gdn: 3.1 k cycles of glue).
-    out = checkpoint_name(out.reshape(*out.shape[:2], -1), GDN_OUT).reshape(out.shape)
-    residuals = None if residuals is None else _named(residuals)
+    if "out" in names:
+      out = checkpoint_name(out.reshape(*out.shape[:2], -1), names["out"]).reshape(out.shape)
+    residuals = None if residuals is None else _named(residuals, names)
     return (out, final), (xs, out, final, residuals)
 
   def named_bwd(saved, cts):
