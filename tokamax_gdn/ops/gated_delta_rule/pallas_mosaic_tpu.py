@@ -56,10 +56,10 @@ from tokamax._src.ops import op
 from tokamax_gdn import config as gdn_config
 from tokamax_gdn.ops import config_hooks
 from tokamax_gdn.ops import partitioning
+from tokamax_gdn.ops import segments
 from tokamax_gdn.ops.tiling import round_up
 from tokamax_gdn.ops.gated_delta_rule import base
 from tokamax_gdn.ops.gated_delta_rule import prologue
-from tokamax_gdn.ops.gated_delta_rule import segments
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as kernel
 
 _MIB = 1 << 20

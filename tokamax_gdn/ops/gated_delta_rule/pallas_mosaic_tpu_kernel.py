@@ -117,8 +117,8 @@ from jaxtyping import Array, Float, Int  # pylint: disable=g-multiple-import,g-i
 
 from tokamax_gdn import config as gdn_config
 from tokamax_gdn.ops import numerics
+from tokamax_gdn.ops import segments
 from tokamax_gdn.ops.gated_delta_rule import prologue
-from tokamax_gdn.ops.gated_delta_rule import segments
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 _NEG_INF = -jnp.inf
