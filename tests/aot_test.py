@@ -28,7 +28,7 @@ from tokamax_gdn import cli
 from tokamax_gdn import config
 from tokamax_gdn import registry
 from tokamax_gdn.benchmarks import gated_delta_rule_aot as report_lib
-from tokamax_gdn.ops.gated_delta_rule import workload
+from tokamax_gdn.benchmarks import workload
 
 IMPL = "pallas_mosaic_tpu"
 QWEN = [workload.layer_shape(s.abstract()[0])

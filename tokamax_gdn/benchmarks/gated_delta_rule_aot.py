@@ -1,6 +1,6 @@
 """Static TPU report of the Pallas gated delta rule, compiled on CPU (`tokamax-gdn aot`).
 
-For one layer call (`ops.gated_delta_rule.workload`) and one TPU generation,
+For one layer call (`benchmarks.workload`) and one TPU generation,
 per pass (forward; forward+backward, the gradient of `workload.step_loss`,
 sum(out²), which keeps the forward kernel in the program as a training step does):
 - memory: temp / argument / output bytes;
@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tokamax_gdn import aot
 from tokamax_gdn import registry
-from tokamax_gdn.ops.gated_delta_rule import workload
+from tokamax_gdn.benchmarks import workload
 
 GDN = "gdn pallas_mosaic_tpu"
 KDA = "tokamax kda mosaic_tpu"

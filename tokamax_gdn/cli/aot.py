@@ -106,7 +106,7 @@ def _run_train_step(args) -> int:
 
 
 def _shapes(args) -> list:
-  from tokamax_gdn.ops.gated_delta_rule import workload  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.benchmarks import workload  # pylint: disable=g-import-not-at-top
   if args.model or any(getattr(args, n) is not None for n in ("hk", "hv", "k", "v")):
     return [common.gdn_shape(args)]
   specs = common.select_specs("gated_delta_rule", args.specs, "aot")
