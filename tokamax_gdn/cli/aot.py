@@ -25,13 +25,13 @@ kimi_delta_attention on the same shapes. `--units` adds each Pallas
 kernel's VLIW slot use at the first cycle length: its static schedule's
 length and the share of each unit's slots (MXU, XLU, VALU, loads, stores,
 ...) it fills (`aot.bundle_units`; libtpu's LLO text dump: much slower). See
-`tokamax_gdn.benchmarks.gated_delta_rule_aot`.
+`tokamax_gdn.aot.gated_delta_rule`.
 
 With --op causal_conv1d_gated_delta_rule: per workload (its arg specs tagged
 'aot', tokamax's Qwen3.5-397B TP8 set), the static cycles of one call of
 --implementation (default: pallas_mosaic_tpu if registered, else xla), the HBM
 floor (bytes of pool states read and written + tokens in and out, at the
-estimator's HBM rate) and their ratio (`tokamax_gdn.benchmarks.serving_aot`).
+estimator's HBM rate) and their ratio (`tokamax_gdn.aot.serving`).
 """
 
 import dataclasses
@@ -81,10 +81,10 @@ def _add_train_step_arguments(parser) -> None:
 
 
 def _run_train_step(args) -> int:
-  """Compiles and prints the report (`training.aot`); ValueError for bad arguments."""
+  """Compiles and prints the report (`aot.training`); ValueError for bad arguments."""
   # pylint: disable=g-import-not-at-top
   from tokamax_gdn.models.config import ModelConfig
-  from tokamax_gdn.training import aot as train_aot
+  from tokamax_gdn.aot import training as train_aot
   # pylint: enable=g-import-not-at-top
   if not getattr(args, "model", None):
     raise ValueError("--train-step needs --model (a preset with a model: section, e.g."
@@ -119,7 +119,7 @@ def _m(x):
 
 def _serving(args) -> int:
   from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
-  from tokamax_gdn.benchmarks import serving_aot  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.aot import serving as serving_aot  # pylint: disable=g-import-not-at-top
   impls = registry.implementations(SERVING)
   impl = args.implementation or ("pallas_mosaic_tpu" if "pallas_mosaic_tpu" in impls else "xla")
   registry.get(SERVING, impl)          # a clear error for an unknown name
@@ -150,7 +150,7 @@ def run(args) -> int:
     return _serving(args)
   if args.train_step:
     return _run_train_step(args)
-  from tokamax_gdn.benchmarks import gated_delta_rule_aot as report_lib  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.aot import gated_delta_rule as report_lib  # pylint: disable=g-import-not-at-top
   lengths = [int(t) for t in args.cycle_lengths.split(",") if int(t) > 0]
   from tokamax_gdn.ops.gated_delta_rule import remat  # pylint: disable=g-import-not-at-top
   policies = [p for p in args.remat_policies.split(",") if p]

@@ -189,7 +189,7 @@ class PassReport:
   units: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
-_CYCLE_BUILDER = "tokamax_gdn.benchmarks.gated_delta_rule_aot:cycle_cases"
+_CYCLE_BUILDER = "tokamax_gdn.aot.gated_delta_rule:cycle_cases"
 
 
 def report(target: str, s: workload.LayerShape, *, kda: bool = False,
@@ -312,7 +312,7 @@ def _kernels_alone(r: PassReport, target: str, shape: dict[str, Any], lengths: S
 
 
 # ------------------------------------------------------------ kernels alone
-_KERNELS_BUILDER = "tokamax_gdn.benchmarks.gated_delta_rule_aot:kernel_cases"
+_KERNELS_BUILDER = "tokamax_gdn.aot.gated_delta_rule:kernel_cases"
 
 
 def kernel_cases(mesh: Mesh, shape: dict[str, Any],
