@@ -27,8 +27,8 @@ from tokamax_gdn import aot
 from tokamax_gdn import cli
 from tokamax_gdn import config
 from tokamax_gdn import registry
-from tokamax_gdn.benchmarks import gated_delta_rule_aot as report_lib
-from tokamax_gdn.ops.gated_delta_rule import workload
+from tokamax_gdn.aot import gated_delta_rule as report_lib
+from tokamax_gdn.benchmarks import workload
 
 IMPL = "pallas_mosaic_tpu"
 QWEN = [workload.layer_shape(s.abstract()[0])
@@ -136,7 +136,7 @@ def test_cycles_extrapolated_from_two_short_lengths_match_a_direct_compile():
   2048, at Qwen3-Next heads) makes the extrapolated reports wrong.
   """
   shape = dict(b=1, t=0, hk=2, hv=4, k=128, v=128, dtype="bfloat16")
-  results = aot.compile_in_child("v6e", "tokamax_gdn.benchmarks.gated_delta_rule_aot:cycle_cases",
+  results = aot.compile_in_child("v6e", "tokamax_gdn.aot.gated_delta_rule:cycle_cases",
                                  dict(shape=shape, lengths=[512, 1024, 2048], passes=["fwd"]))
   reports = [r.report for r in results]
   assert all(reports), results
@@ -300,7 +300,7 @@ def test_each_kernel_has_a_v5e_cycle_estimate(tmp_path, monkeypatch):
   monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
   monkeypatch.setenv("TMPDIR", str(tmp_path))     # the child's too
   shape = dict(b=1, t=256, hk=1, hv=2, k=128, v=128, dtype="bfloat16")
-  results = aot.compile_in_child("v5e", "tokamax_gdn.benchmarks.gated_delta_rule_aot:kernel_cases",
+  results = aot.compile_in_child("v5e", "tokamax_gdn.aot.gated_delta_rule:kernel_cases",
                                  dict(shape=shape), timeout=600)
   assert not list(tmp_path.iterdir())
   assert [r.label.split()[0] for r in results] == list(KERNELS)

@@ -28,8 +28,8 @@ from tokamax_gdn import cli
 from tokamax_gdn import layers
 from tokamax_gdn import registry
 from tokamax_gdn.benchmarks import autotune as tune
+from tokamax_gdn.benchmarks import workload
 from tokamax_gdn.cli import common
-from tokamax_gdn.ops.gated_delta_rule import workload
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = workload.LayerShape(b=1, t=32, hk=1, hv=2, k=16, v=16, dtype=jnp.float32)
@@ -256,7 +256,7 @@ _CHECK_INSTALLED = textwrap.dedent("""
     import tokamax_gdn
     from tokamax_gdn import autotuning
     from tokamax_gdn.benchmarks import autotune as tune
-    from tokamax_gdn.ops.gated_delta_rule import workload
+    from tokamax_gdn.benchmarks import workload
     pkg = pathlib.Path(tokamax_gdn.__file__).resolve().parent
     shapes = workload.LayerShape(b=1, t=8192, hk=2, hv=4, k=128, v=128, dtype=jnp.bfloat16)
     rows = []

@@ -1,4 +1,5 @@
-"""The package's import graph: no cycles, and `autotuning/` only points down.
+"""The package's import graph: no cycles; `autotuning/` and the modules shared by
+the ops (directly under `ops/`) only point down.
 
 Read from the source with `ast` (nothing imported, so it runs in milliseconds).
 Every import counts, also the ones inside functions: a cycle through a lazy
@@ -73,7 +74,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_is_read():
   graph = _graph()
-  assert "tokamax_gdn.ops.gated_delta_rule.segments" in graph[
+  assert "tokamax_gdn.ops.segments" in graph[
       "tokamax_gdn.ops.gated_delta_rule.reference"]
 
 
@@ -97,3 +98,18 @@ def test_autotuning_imports_no_op_or_registry(module):
             if m.startswith(f"{PACKAGE}.ops") or m == f"{PACKAGE}.registry"}
   assert not upward, upward
   assert f"{PACKAGE}.ops." not in path.read_text(), "imports an op module by name"
+
+
+def _is_op_folder(module: str) -> bool:
+  """An op's own module (`tokamax_gdn.ops.<op>.<name>`), not a shared one."""
+  parts = module.split(".")
+  return len(parts) > 3 and parts[:2] == [PACKAGE, "ops"]
+
+
+@pytest.mark.parametrize("module", sorted(
+    m for m, path in _modules().items()
+    if m.startswith(f"{PACKAGE}.ops.") and m.count(".") == 2 and path.name != "__init__.py"))
+def test_shared_op_modules_import_no_op(module):
+  """Modules shared by the ops (directly under `ops/`) sit below every op."""
+  upward = {m for m in _graph()[module] if _is_op_folder(m)}
+  assert not upward, upward

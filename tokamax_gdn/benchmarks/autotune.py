@@ -5,7 +5,7 @@ the GDN workload, which `tokamax_gdn.autotuning` (the cache every op imports)
 must not.
 
 `bound_args(op, impl, shape)` finds the tunable Ops (those with a Config) that
-the layer's call (`ops.gated_delta_rule.workload`) makes: the forward Op called
+the layer's call (`benchmarks.workload`) makes: the forward Op called
 alone, the forward inside `jax.grad` (its cache key differs by
 `return_residuals`) and the VJP Op. `tune(items)` benchmarks every autotuning
 config of each, one config at a time, into a `tokamax.AutotuningResult`
@@ -27,7 +27,7 @@ from tokamax._src.ops import op as op_lib
 
 from tokamax_gdn import progress as progress_lib
 from tokamax_gdn import registry
-from tokamax_gdn.ops.gated_delta_rule import workload
+from tokamax_gdn.benchmarks import workload
 
 TUNABLE_OPS = ("gated_delta_rule",)
 

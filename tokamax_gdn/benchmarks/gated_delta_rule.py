@@ -26,7 +26,7 @@ import numpy as np
 
 import tokamax_gdn
 from tokamax_gdn import registry
-from tokamax_gdn.ops.gated_delta_rule import workload
+from tokamax_gdn.benchmarks import workload
 
 OP = "gated_delta_rule"
 AUTODIFF = "xla_autodiff"

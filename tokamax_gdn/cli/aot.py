@@ -25,16 +25,19 @@ kimi_delta_attention on the same shapes. `--units` adds each Pallas
 kernel's VLIW slot use at the first cycle length: its static schedule's
 length and the share of each unit's slots (MXU, XLU, VALU, loads, stores,
 ...) it fills (`aot.bundle_units`; libtpu's LLO text dump: much slower). See
-`tokamax_gdn.benchmarks.gated_delta_rule_aot`.
+`tokamax_gdn.aot.gated_delta_rule`.
 
 With --op causal_conv1d_gated_delta_rule: per workload (its arg specs tagged
 'aot', tokamax's Qwen3.5-397B TP8 set), the static cycles of one call of
 --implementation (default: pallas_mosaic_tpu if registered, else xla), the HBM
 floor (bytes of pool states read and written + tokens in and out, at the
-estimator's HBM rate) and their ratio (`tokamax_gdn.benchmarks.serving_aot`).
+estimator's HBM rate) and their ratio (`tokamax_gdn.aot.serving`).
 """
 
 import dataclasses
+import re
+import shlex
+import sys
 
 from tokamax_gdn.cli import common
 
@@ -62,6 +65,10 @@ def add_arguments(parser) -> None:
                       help="comma-separated remat policies (recompute, save_gdn, offload_gdn):"
                       " each adds a fwd+bwd pass under jax.checkpoint with that policy")
   parser.add_argument("--json", action="store_true", help="print the report as JSON")
+  parser.add_argument("--record", nargs="?", const="docs/performance.md", default=None,
+                      metavar="PATH", help="also write the tables as libtpu static estimates"
+                      " into their sections of the performance record (default PATH:"
+                      " docs/performance.md; `benchmarks.record`)")
   parser.add_argument("--units", action="store_true",
                       help="each kernel's VLIW slot use (share of each unit's slots its"
                            " schedule fills, at the first cycle length) from libtpu's LLO"
@@ -81,10 +88,10 @@ def _add_train_step_arguments(parser) -> None:
 
 
 def _run_train_step(args) -> int:
-  """Compiles and prints the report (`training.aot`); ValueError for bad arguments."""
+  """Compiles and prints the report (`aot.training`); ValueError for bad arguments."""
   # pylint: disable=g-import-not-at-top
   from tokamax_gdn.models.config import ModelConfig
-  from tokamax_gdn.training import aot as train_aot
+  from tokamax_gdn.aot import training as train_aot
   # pylint: enable=g-import-not-at-top
   if not getattr(args, "model", None):
     raise ValueError("--train-step needs --model (a preset with a model: section, e.g."
@@ -106,7 +113,7 @@ def _run_train_step(args) -> int:
 
 
 def _shapes(args) -> list:
-  from tokamax_gdn.ops.gated_delta_rule import workload  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.benchmarks import workload  # pylint: disable=g-import-not-at-top
   if args.model or any(getattr(args, n) is not None for n in ("hk", "hv", "k", "v")):
     return [common.gdn_shape(args)]
   specs = common.select_specs("gated_delta_rule", args.specs, "aot")
@@ -119,7 +126,7 @@ def _m(x):
 
 def _serving(args) -> int:
   from tokamax_gdn import registry  # pylint: disable=g-import-not-at-top
-  from tokamax_gdn.benchmarks import serving_aot  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.aot import serving as serving_aot  # pylint: disable=g-import-not-at-top
   impls = registry.implementations(SERVING)
   impl = args.implementation or ("pallas_mosaic_tpu" if "pallas_mosaic_tpu" in impls else "xla")
   registry.get(SERVING, impl)          # a clear error for an unknown name
@@ -129,7 +136,7 @@ def _serving(args) -> int:
     common.print_json([serving_aot.as_dict(r) for r in rows])
     return 0 if all(r.compiled == "ok" for r in rows) else 1
   steps = lambda d: " ".join(f"{k}={v}" for k, v in d.items()) or None
-  common.print_table(
+  table = (
       [dict(spec=r.spec, impl=r.implementation, compiled=r.compiled[:60],
             total=r.total_cycles and f"{r.total_cycles / 1e3:,.1f}",
             hbm=f"{r.hbm_bytes / 2**20:.1f}",
@@ -138,7 +145,9 @@ def _serving(args) -> int:
             loops=steps(r.loop_steps)) for r in rows],
       dict(spec="workload", impl="impl", compiled="compiled", total="total kcyc",
            hbm="HBM MiB", floor="HBM floor kcyc", ratio="total/floor", loops="loop steps"),
-      title=f"{SERVING} on {args.target}: static cycles per call vs the HBM floor")
+      f"{SERVING} on {args.target}: static cycles per call vs the HBM floor")
+  common.print_table(*table[:2], title=table[2])
+  _record(args, f"serving-{impl}-{args.target}", *table)
   if impl == "xla":
     print("xla: the static estimate counts each loop body once; 'loop steps' is how often"
           " each loop runs on the workload, so its total is a lower bound.")
@@ -150,7 +159,7 @@ def run(args) -> int:
     return _serving(args)
   if args.train_step:
     return _run_train_step(args)
-  from tokamax_gdn.benchmarks import gated_delta_rule_aot as report_lib  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.aot import gated_delta_rule as report_lib  # pylint: disable=g-import-not-at-top
   lengths = [int(t) for t in args.cycle_lengths.split(",") if int(t) > 0]
   from tokamax_gdn.ops.gated_delta_rule import remat  # pylint: disable=g-import-not-at-top
   policies = [p for p in args.remat_policies.split(",") if p]
@@ -170,7 +179,7 @@ def run(args) -> int:
     return 0 if ok else 1
   for shape, passes in results:
     tokens = shape.b * shape.t
-    common.print_table(
+    table = (
         [dict(impl=p.impl, pass_=p.pass_, compiled=p.compiled, memory=p.memory_from,
               temp=_mib(p.temp_bytes), host=_mib(p.host_temp_bytes),
               arg=_mib(p.argument_bytes), out=_mib(p.output_bytes), total=_m(p.total_cycles),
@@ -183,7 +192,9 @@ def run(args) -> int:
              arg="arg MiB",
              out="out MiB", total="total Mcyc", per_token="cyc/token", mxu="MXU floor Mcyc",
              hbm="HBM floor Mcyc", ratio="total/floor", scaling="T2/T1", note="note"),
-        title=f"{shape} on {args.target}: cycles scaled from T={lengths}")
+        f"{shape} on {args.target}: cycles scaled from T={lengths}")
+    common.print_table(*table[:2], title=table[2])
+    _record(args, re.sub(r"[^\w.=-]+", "_", f"gdn-{args.target}-{shape}").strip("_"), *table)
     print()
     common.print_table(
         [dict(impl=p.impl, pass_=p.pass_, kernel=name, cycles=_m(cyc),
@@ -203,6 +214,17 @@ def run(args) -> int:
           title=f"VLIW slot use per kernel at T={lengths[0]} (share of each unit's slots)")
       print()
   return 0 if ok else 1
+
+
+def _record(args, name: str, rows, columns, title: str) -> None:
+  """With --record: the table into its section of the performance record."""
+  if not args.record:
+    return
+  from tokamax_gdn.benchmarks import record  # pylint: disable=g-import-not-at-top
+  record.write_section(args.record, name, f"{title} (libtpu static estimates)",
+                       "tokamax-gdn " + shlex.join(sys.argv[1:]), rows, columns,
+                       device=f"{args.target}, compiled on CPU through libtpu (static estimate)")
+  print(f"recorded in {args.record} ({name})")
 
 
 def _mib(x):

@@ -48,7 +48,7 @@ def add_gdn_shape_args(parser: argparse.ArgumentParser, *, model_default: str | 
 def gdn_shape(args: argparse.Namespace):
   """The `LayerShape` the options of `add_gdn_shape_args` describe."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from tokamax_gdn.ops.gated_delta_rule import workload  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.benchmarks import workload  # pylint: disable=g-import-not-at-top
   dims = {}
   if args.model:
     cfg = load_model(args.model)

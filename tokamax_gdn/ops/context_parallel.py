@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tokamax_gdn.ops.gated_delta_rule import segments
+from tokamax_gdn.ops import segments
 
 
 def axis_position(axis_name: str) -> tuple[jax.Array, int]:

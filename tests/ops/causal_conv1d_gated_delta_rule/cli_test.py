@@ -8,7 +8,7 @@ import pytest
 
 from tokamax_gdn import cli
 from tokamax_gdn import config
-from tokamax_gdn.benchmarks import serving_aot
+from tokamax_gdn.aot import serving as serving_aot
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs
 
 OP = "causal_conv1d_gated_delta_rule"

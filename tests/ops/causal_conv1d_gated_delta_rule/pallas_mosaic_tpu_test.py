@@ -219,7 +219,7 @@ def test_cached_decode_compiles_and_is_estimable_on_v5e():
   ("Unsupported DMA direction: 10 on VL/VLP", an estimator limit that XLA's
   own gather / scatter fusions hit too)."""
   (res,) = aot.compile_in_child(
-      "v5e", "tokamax_gdn.benchmarks.serving_aot:cases",
+      "v5e", "tokamax_gdn.aot.serving:cases",
       dict(spec_name="tp8_decode_cached_64_ctx8192", implementation=IMPL), timeout=600)
   assert res.report is not None, res.error
   cycles = {aot.kernel_name(k): v for k, v in res.report.kernel_cycles.items()}

@@ -18,8 +18,8 @@ import pytest
 import tokamax_gdn
 from tokamax_gdn import aot
 from tokamax_gdn import config
+from tokamax_gdn.benchmarks import workload
 from tokamax_gdn.ops.gated_delta_rule import remat
-from tokamax_gdn.ops.gated_delta_rule import workload
 from tokamax_gdn.testing import specs
 
 

@@ -194,5 +194,5 @@ def test_pallas_per_segment_states_with_saved_residuals_at_c64():
     _, residuals = jax.eval_shape(lambda d: op(
         *[d.pop(n) for n in h.POSITIONAL], **d, segment_ids=segment_ids,
         output_final_state=True, use_qk_l2norm=True, return_residuals=True), d)
-  from tokamax_gdn.ops.gated_delta_rule import segments  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.ops import segments  # pylint: disable=g-import-not-at-top
   assert residuals.states.shape[1] == segments.aligned_length(sum(lengths[0]), 2, 64) // 64

@@ -33,7 +33,7 @@ from tokamax._src.ops import op
 from tokamax_gdn.autotuning import ShippedAutotuningCacheMixin
 from tokamax_gdn.ops import checks
 from tokamax_gdn.ops import autodiff
-from tokamax_gdn.ops.gated_delta_rule import segments
+from tokamax_gdn.ops import segments
 
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
 Output: TypeAlias = tuple[jax.Array, jax.Array | None]

@@ -60,8 +60,9 @@ from tokamax_gdn.ops.causal_conv1d import pallas_mosaic_tpu as conv_pallas
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import base
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu_decode as decode_kernel
 from tokamax_gdn.ops.gated_delta_rule import prologue as gdn_prologue
-from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu as gdn_pallas
-from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as gdn_kernel
+from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_common as gdn_common
+from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_requests as gdn_requests
+from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_vmem as gdn_vmem
 from tokamax_gdn.ops.tiling import round_up
 
 _F32 = jnp.float32
@@ -156,7 +157,7 @@ def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
 
 
 def _vmem_cap() -> int:
-  return gdn_pallas.vmem_cap(gdn_config.target_generation())
+  return gdn_vmem.vmem_cap(gdn_config.target_generation())
 
 
 # Direct mode keeps the whole output in VMEM up to this size (one buffer).
@@ -183,8 +184,7 @@ def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool, *, num_re
                                     has_reads=has_reads, has_offsets=has_offsets,
                                     all_run=_all_run is not None,
                                     all_init=_all_run is not False,
-                                    v5e_forms=gdn_kernel._v5e_forms(),  # pylint: disable=protected-access
-                                    )
+                                    v5e_forms=gdn_common.v5e_forms())
 
 
 def _decode_vmem(args, tile: int, window: int) -> int:
@@ -221,7 +221,7 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, 
                       has_offsets=reqs.index.read_offsets is not None)
   need = decode_kernel.vmem_bytes(st, jnp.dtype(rec_pool.dtype).itemsize,
                                   jnp.dtype(qkv.dtype).itemsize)
-  gdn_pallas.check_vmem(
+  gdn_vmem.check_vmem(
       "causal_conv1d_gated_delta_rule", need, _vmem_cap(),
       f"a decode tile of {st.tile} requests (window {window}, {dims.n_v} value heads,"
       f" {rec_pool.dtype} pool {rec_pool.shape})", slack=False)
@@ -370,20 +370,20 @@ def _chunked_path(qkv, b, a, out, conv_pool, rec_pool, conv_weight, conv_bias, a
   beta, g = base.gates(b, a, a_log, dt_bias)
   g = jnp.maximum(g, gdn_prologue.CHUNKED_LOG_DECAY_FLOOR)
   hv = dims.n_v
-  interleave = gdn_kernel.normalize_interleave(16, hv, hv // dims.n_kq)
+  interleave = gdn_common.normalize_interleave(16, hv, hv // dims.n_kq)
   # The GDN op's own VMEM model for this kernel, with a quarter to spare: a
   # limit no larger than needed leaves room for XLA's own VMEM (with the
   # cycle dump on, the full cap overflows at T = 4096).
-  need = gdn_pallas.vmem_estimate(chunk=cfg.chunk_size, hv=hv, hk=dims.n_kq, dim_k=dims.d_k,
-                                  dim_v=dims.d_v, itemsize=jnp.dtype(qkv.dtype).itemsize,
-                                  interleave=interleave, kernel="fwd")
+  need = gdn_vmem.vmem_estimate(chunk=cfg.chunk_size, hv=hv, hk=dims.n_kq, dim_k=dims.d_k,
+                                dim_v=dims.d_v, itemsize=jnp.dtype(qkv.dtype).itemsize,
+                                interleave=interleave, kernel="fwd")
   # Each request's blocks, from its read slot (straight from the pool), its
   # rows only (other tokens pass its state through, NaN or not); blocks that
   # hold no chunked request are skipped and move nothing.
   slot = jnp.where(used, reqs.write_slot[req], conv_pool.shape[0])
-  out, rec_pool = gdn_kernel.gdn_fwd_requests(
+  out, rec_pool = gdn_requests.gdn_fwd_requests(
       act, g, beta, rec_pool,
-      gdn_kernel.PackedRequests(start=start, length=length, init=init, read=read, write=slot),
+      gdn_requests.PackedRequests(start=start, length=length, init=init, read=read, write=slot),
       out, hk=dims.n_kq, hv=hv, dim_k=dims.d_k, dim_v=dims.d_v, scale=dims.scale,
       chunk=cfg.chunk_size, interleave=interleave, all_run=bool(_chunk_cost),
       static_blocks=_chunk_cost is not None, in_hbm=_in_hbm(qkv), interpret=interpret,

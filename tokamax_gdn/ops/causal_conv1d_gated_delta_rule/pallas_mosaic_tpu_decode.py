@@ -73,7 +73,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
-from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as gdn_kernel
+from tokamax_gdn.ops import numerics
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 _L2_EPS = 1e-6
@@ -314,8 +314,8 @@ def _heads(st: DecodeStatic, p: _Prepared, row: int, bcast_scr, s_read, s_write)
       bcast_scr[0] = jnp.broadcast_to(_take(p.q_cols[i], row, 1), (dk, dv))
     bcast_scr[1] = jnp.broadcast_to(_take(p.k_cols[i], row, 1), (dk, dv))
     if s_read is not None and st.v5e_forms:
-      # Stacked in f32 and cast once, padded with -0.0 (`gdn_kernel.lhs_masked`).
-      wides = [w for x in (q, k) for _, w in gdn_kernel._split(x, 2, True)]  # pylint: disable=protected-access
+      # Stacked in f32 and cast once, padded with -0.0 (`numerics.lhs_masked`).
+      wides = [w for x in (q, k) for _, w in numerics.split(x, 2, True)]
       lhs = _rows(wides, dk, -0.0).astype(BF16)
     elif s_read is not None:
       q_hi, q_lo = _split(q)
@@ -340,7 +340,7 @@ def _heads(st: DecodeStatic, p: _Prepared, row: int, bcast_scr, s_read, s_write)
         # the value that is widened.
         if st.v5e_forms:
           s = s.astype(F32)
-          r = _dot(lhs, gdn_kernel.round_bf16(s)[0])
+          r = _dot(lhs, numerics.round_bf16(s)[0])
         else:
           r = _dot(lhs, s)
           s = s.astype(F32)

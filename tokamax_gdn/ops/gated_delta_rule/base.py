@@ -51,9 +51,9 @@ from tokamax._src.ops import op
 from tokamax_gdn.autotuning import ShippedAutotuningCacheMixin
 from tokamax_gdn.ops import autodiff
 from tokamax_gdn.ops import checks
+from tokamax_gdn.ops import segments
 from tokamax_gdn.ops.gated_delta_rule import isolation
 from tokamax_gdn.ops.gated_delta_rule import prologue
-from tokamax_gdn.ops.gated_delta_rule import segments
 
 AbstractArray = jax.ShapeDtypeStruct | jax.core.ShapedArray
 Output: TypeAlias = tuple[jax.Array, jax.Array | None]

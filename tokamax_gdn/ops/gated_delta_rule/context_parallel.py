@@ -68,7 +68,7 @@ import jax.numpy as jnp
 from tokamax_gdn import registry
 from tokamax_gdn.ops import checks
 from tokamax_gdn.ops import context_parallel as cp
-from tokamax_gdn.ops.gated_delta_rule import segments
+from tokamax_gdn.ops import segments
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

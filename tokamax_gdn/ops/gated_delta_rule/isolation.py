@@ -16,8 +16,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from tokamax_gdn.ops import segments
 from tokamax_gdn.ops.gated_delta_rule import prologue
-from tokamax_gdn.ops.gated_delta_rule import segments
 
 
 def _nonfinite_tokens(x: jax.Array, per_token_axes: int) -> jax.Array:

@@ -1,7 +1,7 @@
 """Pallas Mosaic TPU gated delta rule: Op wrapper (config, heuristics, VMEM, VJP).
 
-The kernels live in `pallas_mosaic_tpu_kernel.py` (their TPU-specific design
-at the top of that module; the math in `math.md`).
+The kernels live in `pallas_mosaic_tpu_*.py`, one module per concept (their TPU-specific design
+in `pallas_mosaic_tpu.md`; the math in `math.md`).
 
 The shared prologue (q/k L2-norm, gate activation -exp(a_log)·softplus(g+dt_bias),
 the -30 floor) runs inside the kernels (`prologue_in_core`, `kernel.Prologue`):
@@ -14,7 +14,7 @@ guard's.) The in-chunk gate cumsum, decay masks, segment resets, the partial
 last chunk and d log-decay per token are inside the kernels too.
 
 The NaN guard (`isolation.SegmentGuard`) runs in the kernels
-(`whole_guard_in_core`, `kernel._guard_*`): they read the raw inputs, states
+(`whole_guard_in_core`, `pallas_mosaic_tpu_guard.py`): they read the raw inputs, states
 and cotangents, take each token's bad flags from the head tiles they load (row
 sums of x·0 on the MXU), carry the running flag along the sequential chunk
 axis (reset at segment starts), zero the non-finite values in VMEM (the
@@ -56,13 +56,14 @@ from tokamax._src.ops import op
 from tokamax_gdn import config as gdn_config
 from tokamax_gdn.ops import config_hooks
 from tokamax_gdn.ops import partitioning
-from tokamax_gdn.ops.tiling import round_up
+from tokamax_gdn.ops import segments
 from tokamax_gdn.ops.gated_delta_rule import base
 from tokamax_gdn.ops.gated_delta_rule import prologue
-from tokamax_gdn.ops.gated_delta_rule import segments
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as kernel
+from tokamax_gdn.ops.gated_delta_rule.pallas_mosaic_tpu_vmem import check_vmem  # pylint: disable=g-importing-member
+from tokamax_gdn.ops.gated_delta_rule.pallas_mosaic_tpu_vmem import vmem_cap  # pylint: disable=g-importing-member
+from tokamax_gdn.ops.gated_delta_rule.pallas_mosaic_tpu_vmem import vmem_estimate  # pylint: disable=g-importing-member
 
-_MIB = 1 << 20
 
 
 @pydantic.dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,87 +101,6 @@ def _shapes(ba: op.BoundArguments) -> _Shapes:
   return _shapes_of(ba.arguments["query"], ba.arguments["value"])
 
 
-# What the backward's scoped VMEM grows by past T = _LONG_BWD_FROM (see
-# `vmem_estimate`): the growth measured up to T = 131072 (README.md, "VMEM
-# model"), with a quarter MiB to spare.
-_LONG_BWD_FROM, _LONG_BWD_HEADROOM = 4096, 5 * _MIB // 4
-# The forward's growth past the same length: 8 heads interleaved, tpu7x,
-# Qwen3-Next heads, 16.68 -- 17.0 MiB at T=4096, 18.68 -- 19.0 MiB at
-# T=32768 with an initial state.
-_LONG_FWD_HEADROOM = 2 * _MIB
-
-
-def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, itemsize: int,
-                  interleave: int, kernel: Literal["fwd", "states", "bwd"],
-                  save_states: bool = False, length: int = 0) -> int:
-  """Scoped VMEM one grid step of `kernel` needs ("fwd": outputs, and with
-  `save_states` the residual blocks too; "states": the VJP's first pass;
-  "bwd").
-
-  The kernel's f32 scratch (the state or dS, the head-major copies of the
-  blocks, the gate rows), exactly; plus what Mosaic allocates itself: a part
-  proportional to one chunk of q, k, v in f32 (1× in the forward, 2× in the
-  states pass, 2.25× in the backward), the C×C / C×D f32 tiles live per
-  interleaved head (7 in the forward, 6 in the states pass, 12 in the
-  backward: 10 before the prologue ran
-  in the kernels; it took the backward at C=64, 8 heads, T=4096 from 20.72 to
-  21.04 MiB, over tpu7x's 21 MiB, and the estimate from 0.35 MiB under the
-  measurement to 0.65 over), and about one more copy of
-  the token blocks (input dtype; half of them in the forward kernels), which
-  Mosaic keeps at long sequences and the estimate adds at every length. Past
-  T = 4096 (`length`, 0 if unknown) the backward's scoped allocation grows
-  by up to another MiB, so the backward estimate then adds
-  `_LONG_BWD_HEADROOM`, and the forward's by up to 2 MiB
-  (`_LONG_FWD_HEADROOM`): so tpu7x's forward interleaves 16 heads up to
-  T = 4096 (24 % fewer cycles than 8 at Qwen3-Next heads, T=512) and 8
-  past it, where 16 no longer fits. v5e/v6e need more for the backward, which their
-  larger `vmem_cap` leaves room for.
-
-  The coefficients are fitted to the compiler's own scoped allocation, which
-  Mosaic reports when a kernel is compiled (`tokamax_gdn.aot`, as
-  `tokamax-gdn aot` does) with a `vmem_limit_bytes` too small for it; the
-  measured points and this estimate beside them are in README.md, "VMEM
-  model".
-  """
-  dim_k, dim_v = round_up(dim_k, 128), round_up(dim_v, 128)
-  state = hv * dim_k * dim_v * 4
-  rows = 8 * hv * round_up(chunk, 128) * 4
-  key, value = chunk * hk * dim_k * 4, chunk * hv * dim_v * 4
-  tile = max(chunk, 128) * max(chunk, dim_k, dim_v) * 4   # C=64 tiles: as if 128 rows
-  residuals = hv * (dim_k * dim_v + chunk * chunk) * itemsize
-  if kernel == "bwd":
-    scratch = state + 4 * key + 3 * value + rows
-    blocks = (4 * key + 3 * value) * itemsize // 4 + residuals
-    long = _LONG_BWD_HEADROOM if length > _LONG_BWD_FROM else 0
-    return scratch + 9 * (2 * key + value) // 4 + blocks + interleave * 12 * tile + long
-  values = 2 if kernel == "fwd" else 1
-  scratch = state + 2 * key + values * value + rows
-  blocks = (2 * key + values * value) * itemsize // 4
-  if kernel == "states":
-    blocks += residuals
-    return scratch + 2 * (2 * key + value) + blocks // 2 + interleave * 6 * tile
-  # The forward, refitted since its blocks are [B, T, H D] (no relayout in
-  # the kernel): one copy of the q, k, v chunk in f32 where Mosaic had two,
-  # 7 tiles per head where it had 6 (tpu7x, Qwen3-Next heads, T=4096, C=128:
-  # 16.68 -- 17.0 / 20.05 -- 20.5 MiB with 8 / 16 heads, estimated 17.1 /
-  # 20.6; 23.0 MiB with 16 heads and the relayout). The states pass is not
-  # refitted.
-  written = residuals if save_states else 0
-  long = _LONG_FWD_HEADROOM if length > _LONG_BWD_FROM else 0
-  return scratch + (2 * key + value) + blocks // 2 + written + interleave * 7 * tile + long
-
-
-def vmem_cap(gen: gdn_config.TpuGeneration) -> int:
-  """The scoped VMEM limit we give the kernels on `gen`, and the most a config
-  may estimate to need: (VMEM - 22 MiB) / 2 (53 MiB on v5e/v6e, 21 on tpu7x).
-
-  The compiled program's VMEM is about the scoped limit, plus what the kernel
-  uses of it, plus XLA's own, which grows with T. So a larger limit can fail
-  where a smaller one compiles; the compiles that set 22 MiB (`tokamax-gdn
-  aot --target v6e|tpu7x`, memory at --seq-len) are in README.md, "VMEM
-  model".
-  """
-  return (gen.vmem_bytes - 22 * _MIB) // 2
 
 
 def _run_interleave(interleave: int, sh: _Shapes) -> int:
@@ -265,23 +185,6 @@ def _check_supported(q: jax.Array, v: jax.Array) -> bool:
   if v.shape[2] > 128:
     raise NotImplementedError(f"pallas_mosaic_tpu supports up to 128 value heads; got {v.shape[2]}.")
   return interpret
-
-
-def check_vmem(op_name: str, need: int, cap: int, what: str, *, slack: bool = True) -> None:
-  """Raises before anything is compiled where a kernel's VMEM estimate is past
-  the cap: Mosaic's own failure comes only at compile time, as a
-  `CompileTimeScopedVmemOom` that names neither the op nor the config. The
-  estimates round up (they are fitted above Mosaic's reports), so only a need
-  past the cap by more than an eighth is refused: the heuristics' last resort
-  (one GVA group at C = 64) may sit just above the cap and compiles. Without
-  `slack` the cap itself is the limit (a kernel whose limit is its estimate).
-  """
-  if need > cap + (cap // 8 if slack else 0):
-    gen = gdn_config.target_generation()
-    raise ValueError(
-        f"{op_name} pallas_mosaic_tpu: {what} needs about {need / _MIB:.1f} MiB of VMEM,"
-        f" over the {cap / _MIB:.1f} MiB its kernels may use on {gen.name}; pick a smaller"
-        " config (or config=None for the heuristics) or another implementation.")
 
 
 def _kernel_args(config: Config, q: jax.Array, v: jax.Array, interpret: bool,

@@ -18,8 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from tokamax_gdn.ops import segments
 from tokamax_gdn.ops.gated_delta_rule import base
-from tokamax_gdn.ops.gated_delta_rule import segments
 
 
 class ReferenceGatedDeltaRule(base.GatedDeltaRule[Any, Any]):

@@ -54,8 +54,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int  # pylint: disable=g-multiple-import,g-importing-member
 
 from tokamax_gdn.ops import numerics
+from tokamax_gdn.ops import segments
 from tokamax_gdn.ops import tiling
-from tokamax_gdn.ops.gated_delta_rule import segments
 
 _F32 = jnp.float32
 # Diagonal blocks of `invert_unit_lower` (forward substitution inside them).

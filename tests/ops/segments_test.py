@@ -1,11 +1,11 @@
-"""Packed segments (`ops/gated_delta_rule/segments.py`), against per-row loops."""
+"""Packed segments (`ops/segments.py`), against per-row loops."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tokamax_gdn.ops.gated_delta_rule import segments
+from tokamax_gdn.ops import segments
 
 IDS = np.array([[3, 3, 1, 1, 1, 3, 0], [2, 2, 2, 2, 2, 2, 2], [0, 1, 2, 3, 4, 5, 6]], np.int32)
 

@@ -31,7 +31,7 @@ from tokamax_gdn import registry
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs
 
 OP = "causal_conv1d_gated_delta_rule"
-_BUILDER = "tokamax_gdn.benchmarks.serving_aot:cases"
+_BUILDER = "tokamax_gdn.aot.serving:cases"
 
 
 def _abstract(spec, mesh: Mesh):

@@ -15,8 +15,8 @@ import pytest  # pylint: disable=g-import-not-at-top
 
 from tokamax_gdn import cli  # pylint: disable=g-import-not-at-top
 from tokamax_gdn import layers  # pylint: disable=g-import-not-at-top
+from tokamax_gdn.aot import training as train_aot  # pylint: disable=g-import-not-at-top
 from tokamax_gdn.models import ModelConfig  # pylint: disable=g-import-not-at-top
-from tokamax_gdn.training import aot as train_aot  # pylint: disable=g-import-not-at-top
 
 # Head dims of 32 and widths of 64 are the smallest the Pallas TPU kernels
 # tile; 2 key / 4 value heads split over a 2-way "model" axis.

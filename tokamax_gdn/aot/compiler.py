@@ -317,7 +317,7 @@ def compile_in_child(target: str, builder: str, kwargs: dict[str, Any] | None = 
   """
   request = json.dumps(dict(target=target, builder=builder, kwargs=kwargs or {}, cycles=cycles,
                             num_devices=num_devices))
-  cmd = [sys.executable, "-c", "from tokamax_gdn import aot; aot._child_main()"]
+  cmd = [sys.executable, "-c", "from tokamax_gdn.aot import compiler; compiler._child_main()"]
   env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
   # The child's cycle dump lives in a folder of ours, removed here even when
   # libtpu aborts the child (its own exit handlers would not run).
@@ -473,7 +473,7 @@ def calibrate(target: str) -> dict[str, float]:
   """
   best = dict(dense_matmul=0.0, hbm_copy=0.0)
   work = dict(dense_matmul=2 * math.prod(_MATMUL_SHAPE), hbm_copy=2 * 2 * math.prod(_COPY_SHAPE))
-  for r in compile_in_child(target, "tokamax_gdn.aot:calibration_cases"):
+  for r in compile_in_child(target, "tokamax_gdn.aot.compiler:calibration_cases"):
     kind = r.label.split()[0]
     cycles = [c for name, c in (r.report.kernel_cycles if r.report else {}).items()
               if kernel_name(name) == kind and c]

@@ -1,6 +1,6 @@
 """Static TPU report of the Pallas gated delta rule, compiled on CPU (`tokamax-gdn aot`).
 
-For one layer call (`ops.gated_delta_rule.workload`) and one TPU generation,
+For one layer call (`benchmarks.workload`) and one TPU generation,
 per pass (forward; forward+backward, the gradient of `workload.step_loss`,
 sum(out²), which keeps the forward kernel in the program as a training step does):
 - memory: temp / argument / output bytes;
@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tokamax_gdn import aot
 from tokamax_gdn import registry
-from tokamax_gdn.ops.gated_delta_rule import workload
+from tokamax_gdn.benchmarks import workload
 
 GDN = "gdn pallas_mosaic_tpu"
 KDA = "tokamax kda mosaic_tpu"
@@ -189,7 +189,7 @@ class PassReport:
   units: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
-_CYCLE_BUILDER = "tokamax_gdn.benchmarks.gated_delta_rule_aot:cycle_cases"
+_CYCLE_BUILDER = "tokamax_gdn.aot.gated_delta_rule:cycle_cases"
 
 
 def report(target: str, s: workload.LayerShape, *, kda: bool = False,
@@ -312,7 +312,7 @@ def _kernels_alone(r: PassReport, target: str, shape: dict[str, Any], lengths: S
 
 
 # ------------------------------------------------------------ kernels alone
-_KERNELS_BUILDER = "tokamax_gdn.benchmarks.gated_delta_rule_aot:kernel_cases"
+_KERNELS_BUILDER = "tokamax_gdn.aot.gated_delta_rule:kernel_cases"
 
 
 def kernel_cases(mesh: Mesh, shape: dict[str, Any],

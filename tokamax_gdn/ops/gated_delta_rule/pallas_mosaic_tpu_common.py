@@ -1,0 +1,317 @@
+"""What every Pallas GDN kernel shares: static config, named refs, head layout.
+
+`Static` holds the compile-time facts of one kernel call; `Refs` and
+`Operand` name the operands `pallas_call` builds; `lanes`, `load_heads` and
+`store_heads` move heads between (C, H D) token blocks and head-major scratch;
+the `code_*` helpers read the per-segment chunk codes; `v5e_forms()`,
+`normalize_interleave` and `default_newton` pick the static config.
+Algebra: `math.md`; layout and v5e forms: `pallas_mosaic_tpu.md`.
+"""
+
+import dataclasses
+import functools
+import operator
+from typing import Any
+
+from jax import lax
+from jax.experimental import pallas as pl
+import jax.numpy as jnp
+
+from tokamax_gdn import config as gdn_config
+from tokamax_gdn.ops import numerics
+from tokamax_gdn.ops import segments
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """Compile-time facts shared by the kernels."""
+
+  t_len: int
+  chunk: int
+  hk: int
+  hv: int
+  dim_k: int
+  dim_v: int
+  scale: float
+  passes: int
+  newton: int
+  interleave: int     # value heads per group: a multiple of the GVA group dividing Hv
+  has_seg: bool
+  has_h0: bool
+  n_states: int = 0   # per-segment states (0: a [B, Hv, K, V] state or none)
+  # The in-kernel half of `isolation.SegmentGuard` (its gates and states are
+  # sanitised in XLA): non-finite k, v (and q, dO in the backward) count as 0.
+  sanitize: bool = False
+  # The whole `isolation.SegmentGuard` in the kernels (`_guard_*`; not with
+  # per-segment states): the raw gates, betas and states come in too, the
+  # per-token bad flags are taken from the tiles the kernel loads and carried
+  # across the chunks, the tiles are sanitised (the forward's k, v where the
+  # head groups read them, `guard.guard_finite`; the backward's in place in a
+  # chunk with a bad token, `guard._guard_sanitize`), and the outputs,
+  # the final state and the gradients of the poisoned tokens are made NaN in
+  # VMEM.
+  guard: bool = False
+  # The op's prologue in the kernel (`prologue.prologue`, from the raw
+  # inputs): q, k L2-normalised (`qk_l2norm`, `kernel_prologue.normed`); the log-decay
+  # -exp(a_log) * softplus(g + dt_bias) of the raw gate (`gate_act`: a_log
+  # and dt_bias are the `a_log` and `dt_bias` inputs: `kernel_prologue.gate_params`) and floored at
+  # `log_decay_floor` (`kernel_prologue._log_decay`); beta the sigmoid of the beta input's
+  # logits (`beta_sigmoid`, `kernel_prologue.beta_block`).
+  qk_l2norm: bool = False
+  gate_act: bool = False
+  log_decay_floor: float | None = None
+  beta_sigmoid: bool = False
+  # The forward kernels' q, k normalised in place in the head-major scratch
+  # before the head groups (tpu7x: less scoped VMEM), else where a head group
+  # reads them (faster: v6e, Qwen3-Next heads, T=512, gdn_fwd 80.3 k cycles
+  # vs 90.4 k in place; in place, tpu7x's forward at T=32768 with an initial
+  # state fits its 21 MiB, where it was 21.14 MiB otherwise).
+  qk_in_place: bool = False
+  # The head groups unrolled (`run_groups`): all of them (True), or by this
+  # factor. tpu7x: the backward by 2, the forward kernels not (all of them
+  # took its forward to 21.08 of its 21 MiB scoped VMEM at Qwen3-Next heads,
+  # T=4096, by 2 the context-parallel forward to 21.16).
+  unroll_groups: bool | int = False
+  interpret: bool = False   # traced for Pallas interpret mode (`_transposed`)
+  # `requests.gdn_fwd_requests`: q, k, v are lane ranges of one [T, 2 Hk K + Hv V]
+  # input and the output is [B, T, Hv V] (heads are lane slices of a block: no
+  # relayout); `beta_guard`: k and v read as 0 at tokens whose beta is 0
+  # (`kernel_prologue.packed_heads`).
+  packed: bool = False
+  beta_guard: bool = False
+  # `requests`: grid steps are work items (a block and a request touching
+  # it) described in SMEM; `gated`: items whose run flag is 0 do nothing
+  # (the cost model `all_run` compiles every item ungated).
+  requests: bool = False
+  gated: bool = False
+  # Traced for v5e: the forms libtpu's cycle estimator accepts there (module
+  # docstring); the values are the same up to ties in rounding to bf16.
+  v5e_forms: bool = False
+
+  @property
+  def guard_branched(self) -> bool:
+    # v5e: the forward's sanitising in a branch taken in chunks with a bad
+    # token (`guard._guard_sanitize`); elsewhere selects in every chunk where the
+    # head groups read the tiles (`guard.guard_finite`), cheaper there than a
+    # branch splitting the unrolled head groups. (The backward's gradient
+    # poison branches everywhere: `guard.guard_bwd_tiles`.) Qwen3-Next heads,
+    # T=512, gdn_fwd / gdn_fwd_states k cycles, branched -> not: v6e 75.1 /
+    # 63.8 -> 72.4 / 60.7 (the current kernels); before this round's kernel
+    # changes (gdn_bwd too, then not branched anywhere): v6e 80.0 / 70.2 /
+    # 114.0 -> 77.7 / 67.0 / 113.6, tpu7x 126.2 / 147.4 / 216.0 -> 125.1 /
+    # 145.4 / 214.9, v5e (no bf16 VPU) 132.3 / 122.3 / 160.0 -> 134.6 / 123.0
+    # / 164.6.
+    return self.v5e_forms
+
+  @property
+  def group(self) -> int:
+    return self.hv // self.hk
+
+  @property
+  def mm(self):
+    return BF16 if self.passes == 1 else F32
+
+  @property
+  def tail(self) -> bool:
+    # With `requests` a block's rows past T are outside every item's rows.
+    return not self.requests and self.t_len % self.chunk != 0
+
+
+class Refs:
+  """A kernel's refs by name: the scalar-prefetched chunk codes, then the
+  inputs, outputs and scratch buffers as `call.pallas_call` passes them.
+
+  `call.pallas_call` names every operand where it builds the operand lists (`Operand`),
+  and the kernel reads them back here by those names, so the order of the
+  refs is stated once and cannot drift from the builder. A name the call
+  did not pass reads as None (an optional operand: `starts` without
+  segments, `h0` without an initial state, ...).
+  """
+
+  def __init__(self, names: tuple[str, ...], refs):
+    assert len(names) == len(refs), (names, len(refs))
+    self._refs = dict(zip(names, refs))
+
+  def __getattr__(self, name):
+    if name.startswith("_"):
+      raise AttributeError(name)
+    return self._refs.get(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+  """One named operand of `call.pallas_call`: an input (`array`, `block`), an output
+  (`block`, `shape`: a ShapeDtypeStruct) or a scratch buffer (`shape`: its
+  VMEM type)."""
+
+  name: str
+  array: Any = None
+  block: Any = None
+  shape: Any = None
+
+
+def lanes(ref, start: int, width: int, st: Static, c_idx):
+  """Lanes [start, start + width) of a (C, ·) token block in f32, an aligned
+  slice (no relayout); rows at or past T zeroed."""
+  return tail_mask(ref[:, start:start + width].astype(F32), st, c_idx)
+
+
+def load_heads(ref, scr, st: Static, c_idx):
+  """A (C, H D) block's heads into the head-major f32 scratch `scr` (H, C, D)
+  (`call._token_block`)."""
+  d = scr.shape[-1]
+  for j in range(scr.shape[0]):
+    scr[j] = lanes(ref, j * d, d, st, c_idx)
+
+
+def store_heads(scr, ref, rows=None):
+  """The head-major f32 scratch `scr` (H, C, D) into a (C, H D) block as
+  lane slices, in the block's dtype; with `rows` (lo, hi) only those rows
+  (the others keep the block's values: `requests.gdn_fwd_requests`' items)."""
+  d = scr.shape[-1]
+  for j in range(scr.shape[0]):
+    lanes = slice(j * d, (j + 1) * d)
+    if rows is None:
+      ref[:, lanes] = scr[j].astype(ref.dtype)
+    else:
+      row = lax.broadcasted_iota(jnp.int32, scr.shape[1:], 0)
+      ref[:, lanes] = jnp.where((row >= rows[0]) & (row < rows[1]),
+                                scr[j].astype(ref.dtype), ref[:, lanes])
+
+
+def tail_mask(x, st: Static, c_idx):
+  """Zero the rows of tokens at or past T (a partial last block holds garbage)."""
+  if not st.tail:
+    return x
+  pos = c_idx * st.chunk + lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 2)
+  return jnp.where(pos < st.t_len, x, 0.0)
+
+
+def row_mask(x, rows):
+  """Zero the rows of x (C, ...) outside [lo, hi) of `rows` = (lo, hi) (None:
+  none): the tokens of a work item's block that are not its request's
+  (`requests.gdn_fwd_requests`); with beta and log-decay 0 they pass the state
+  through."""
+  if rows is None:
+    return x
+  row = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+  return jnp.where((row >= rows[0]) & (row < rows[1]), x, 0.0)
+
+
+def finite(x, st: Static):
+  """x with NaN / inf as 0 under `st.sanitize` (one head's tile: a select over
+  a whole block costs scoped VMEM)."""
+  return numerics.lhs_masked(jnp.isfinite(x), x, st.v5e_forms) if st.sanitize else x
+
+
+def operand_cat(parts, axis, st: Static):
+  """A matmul operand concatenated from f32 parts: cast to the operand dtype
+  part by part, or (v5e forms) concatenated in f32 and cast by `numerics.mxu`."""
+  if st.v5e_forms:
+    return jnp.concatenate(parts, axis)
+  return jnp.concatenate([p.astype(st.mm) for p in parts], axis)
+
+
+def _transposed(x, st: Static):
+  """xᵀ (C×C f32). In interpret mode as products with the identity, exact
+  (x's three bf16 pieces): XLA:CPU folds a transpose stored as a residual
+  into the backward's transposed-operand product of it, and then cannot run
+  that product in bf16 ("Unsupported element type for DotThunk::Execute:
+  BF16 x BF16 = F32")."""
+  if not st.interpret:
+    return x.T
+  c = x.shape[0]
+  eye = (lax.broadcasted_iota(jnp.int32, (c, c), 0)
+         == lax.broadcasted_iota(jnp.int32, (c, c), 1)).astype(BF16)
+  return functools.reduce(operator.add, [numerics.mm(eye, piece, tb=True)
+                                         for piece in numerics.split_bf16(x, 3, st.v5e_forms)])
+
+
+def residual(x, ref, st: Static):
+  """x cast for a residual output `ref`. v5e forms: cast from a value of its
+  own (x + 0), not the cast a matmul reads in another tiling."""
+  return (x + 0.0 if st.v5e_forms else x).astype(ref.dtype)
+
+
+def stored_tmat(t, transposed: bool, ref, st: Static):
+  """T' for its residual output `ref`, from `inverse.invert_unit_lower`'s (t,
+  transposed) pair: t, or tᵀ where t is T'ᵀ. On TPU (but v5e forms) the
+  transpose is taken after the cast, in the stored dtype (bf16 for bf16
+  inputs: half the vregs through the XLU)."""
+  if not transposed:
+    return residual(t, ref, st)
+  if st.v5e_forms or st.interpret:
+    return residual(_transposed(t, st), ref, st)
+  return t.astype(ref.dtype).T
+
+
+def head_row(rows_scr, kind, i):
+  return rows_scr[kind, pl.ds(i, 1), :]
+
+
+def group_heads(st: Static, gi):
+  """(value heads u -> index, key heads ku -> index) of head group `gi`."""
+  kpg = st.interleave // st.group
+  return ({u: gi * st.interleave + u for u in range(st.interleave)},
+          {ku: gi * kpg + ku for ku in range(kpg)})
+
+
+def run_groups(st: Static, group, init=0):
+  """`group(gi, carry)` for every head group, unrolled under
+  `st.unroll_groups`: then one basic block, so
+  the scheduler overlaps one group's transposes and broadcasts (XLU) with
+  another's matmul chains (the inverse, which has none to hide). v6e,
+  Qwen3-Next heads, T=512 (kernel_cases' configs): gdn_fwd 82.8 -> 76.2 k
+  cycles, gdn_fwd_states 74.7 -> 66.8 k, gdn_bwd 119.9 -> 118.7 k; v5e
+  144.6 / 128.6 / 175.7 -> 133.5 / 122.0 / 165.0 k. tpu7x's backward
+  unrolled by 2 (C=64, interleave 4): 246.5 -> 215.0 k. Returns the carry
+  (`init` to start)."""
+  return lax.fori_loop(0, st.hv // st.interleave, group, init, unroll=st.unroll_groups)
+
+
+def flag(flags, bit: int):
+  return (lax.shift_right_logical(flags, jnp.int32(bit)) & 1) == 1
+
+
+# Per-segment states: one int32 code per chunk, read from SMEM (scalar
+# prefetch) by the kernels and by the index maps of the state blocks.
+def code_slot(code):
+  """The state slot of the chunk's segment: min(segment, N); slot N is zeros."""
+  return lax.shift_right_logical(code, jnp.int32(2))
+
+
+def code_reset(code):
+  """1 where a segment starts at the chunk: the state entering it is its slot's."""
+  return lax.shift_right_logical(code, jnp.int32(1)) & 1
+
+
+def code_last(code):
+  """1 where the chunk is its segment's last: the state leaving it is its slot's."""
+  return code & 1
+
+
+def normalize_interleave(requested: int, hv: int, group: int) -> int:
+  """The largest multiple of the GVA group dividing Hv, at most `requested`
+  (at least one group)."""
+  ok = [n for n in range(group, hv + 1, group) if hv % n == 0]
+  return max([n for n in ok if n <= requested] or [ok[0]])
+
+
+def v5e_forms() -> bool:
+  """Whether the kernels are traced for v5e (`Static.v5e_forms`)."""
+  return gdn_config.target_generation().name == "v5e"
+
+
+def unroll_groups(backward: bool = False) -> bool | int:
+  """How the head groups are unrolled (`Static.unroll_groups`)."""
+  if gdn_config.target_generation().name != "tpu7x":
+    return True
+  return 2 if backward else False
+
+
+def default_newton(passes: int) -> int:
+  """Newton steps of the inverse (`inverse.invert_unit_lower`): none for bf16 inputs
+  (its start is as close as one step with a in bf16 gets), two for float32."""
+  return 0 if passes == 1 else 2

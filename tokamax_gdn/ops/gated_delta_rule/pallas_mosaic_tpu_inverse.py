@@ -1,0 +1,147 @@
+"""The triangular inverse of the Pallas GDN kernels: T' = (I + A')⁻¹.
+
+`invert_unit_lower` inverts a list of strictly lower-triangular C×C matrices
+level by level (2×2 diagonal blocks, then block merges, then optional Newton
+steps), two matrices per MXU tile. Algebra: `math.md` ("The inverse");
+precision and pairing: `pallas_mosaic_tpu.md`.
+"""
+
+import math
+
+from jax import lax
+import jax.numpy as jnp
+
+from tokamax_gdn.ops import numerics
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+def invert_unit_lower(a_list, *, newton, v5e_forms=False):
+  """(I + a)⁻¹ for a list of strictly lower-triangular a (C×C f32).
+
+  Level-major over the list (each stage for every matrix before the next),
+  so the MXU always has independent work. Pairs: a_{2i} and a_{2i+1}ᵀ share
+  one C×C tile (one strictly lower, one strictly upper), and so do their
+  inverses (T_{2i} lower, T_{2i+1}ᵀ upper, the unit diagonal shared), so
+  that each product of the merges serves two matrices. T0: I − a on the 2×2
+  diagonal blocks, then exact block merges T ← T − T a_off T for sizes 2 →
+  4 → … → C, in bf16 passes (a whole-chunk Neumann series is unstable:
+  powers of a grow like binomials before they cancel; the merges do not).
+  The lower matrix's off block (the second half's rows and the first half's
+  columns of each 2·size window) and the upper one's (its mirror) are
+  disjoint, and so are the rows of the tile each needs right of a_off (the
+  lower one's T in each window's first half, the upper one's in the second)
+  and left of it (the other way round): a merge level is two C×C products
+  per pair. Then `newton` steps T ← T + T (I − (I + a) T) per matrix (the
+  upper ones as they are, for (I + aᵀ)⁻¹ = Tᵀ), each of which squares the
+  error of T, the residual with a split hi + lo, or with a in bf16 when
+  there is one step. Returns (T, transposed) per matrix: an upper one's is
+  T_iᵀ, for products that take it transposed (`numerics.mxu(ta=True)`, the MXU's to
+  do) and stores that transpose it once. `v5e_forms`: see the module
+  docstring.
+
+  Accuracy. T0 against the float64 inverse, near-duplicate keys, no decay,
+  β ≈ 1 (the hardest case of the inverse test), C = 64 / 128 / 256:
+  2.5e-3 / 2.9e-3 / 3.7e-3, and 2.5e-3 / 2.8e-3 / 3.6e-3 after one Newton
+  step with a in bf16 (that step's floor): bf16 inputs take no step
+  (`common.default_newton`). (The Neumann sums on 8×8 blocks this start replaced
+  left 1.8e-2 / 1.7e-2 / 1.8e-2, which that step was for.)
+
+  Cost. In v6e's estimate a product's MXU time follows the rows of its right
+  operand (weights: a 128×128 bf16 one is 8 pushes of 4 cycles on one of the
+  two MXUs, whatever the left operand's rows), and one MXU's pushes are most
+  of `call.gdn_fwd`'s critical path. The pairs halve the merges' pushes, but with
+  16 heads interleaved a level then has 8 pairs, too few to hide its latency:
+  the unrolled kernels invert every head group's matrices in one list
+  (`fwd_kernel._fwd_chunk`). Qwen3-Next heads, T=512, gdn_fwd / gdn_fwd_states: 64.8 /
+  53.8 k cycles (Neumann sums on 8×8 blocks, then merges of the C/2 rows
+  they change, one Newton step) -> 62.8 / 51.1 (pairs, all groups in one
+  list) -> 57.0 / 47.4 k (no Newton step for bf16); v5e 103 / 82.8 -> 88.7 /
+  71.2 k; tpu7x (its head groups in a loop, pairs per group) 86.0 / 130 ->
+  81.3 / 127 k.
+  """
+  c = a_list[0].shape[0]
+  row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+  col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+  block_of = lambda x, size: lax.shift_right_logical(x, jnp.int32(int(math.log2(size))))
+  lower, upper = row >= col, row <= col
+  # Pairs: a_{2i} and a_{2i+1}ᵀ in one tile (strictly lower / strictly
+  # upper), their inverses T_{2i} and T_{2i+1}ᵀ in one tile z (unit diagonal
+  # shared); a last unpaired matrix alone. The tile of the a's is only ever
+  # a bf16 operand: transposed in bf16, half the vregs through the XLU
+  # (v6e, Qwen3-Next heads, T=512: gdn_fwd / gdn_fwd_states 57.0 / 47.4 ->
+  # 56.4 / 46.7 k cycles); not in the v5e forms (16-bit packing).
+  pairs = [(a_list[i], a_list[i + 1] if i + 1 < len(a_list) else None)
+           for i in range(0, len(a_list), 2)]
+  wide = F32 if v5e_forms else BF16
+  combs = [a.astype(wide) if an is None else a.astype(wide) + an.astype(wide).T
+           for a, an in pairs]
+  base = min(2, c)
+  eye = (row == col).astype(F32)
+  same = block_of(row, base) == block_of(col, base)
+  zs = [eye - jnp.where(same, comb, 0.0).astype(F32) for comb in combs]   # 2×2 blocks: I − a
+  # Merges size → 2·size, T ← T − T a_off T, both matrices of a pair in one
+  # product each: the lower one's off block (second half's rows, first half's
+  # columns of each 2·size window) and the upper one's (the mirror) are
+  # disjoint, and so are the rows of z each needs on the right (the lower
+  # one's T in the first halves, the upper one's in the second) and on the
+  # left (the other way round).
+  size = base
+  while size < c:
+    rb, cb = block_of(row, size), block_of(col, size)
+    first = (rb & jnp.int32(1)) == 0
+    off = (block_of(row, 2 * size) == block_of(col, 2 * size)) & (rb != cb)
+    second = jnp.logical_not(first)
+    right = (first & lower) | (second & upper)
+    left = (first & upper) | (second & lower)
+    prods = [numerics.mm(numerics.lhs_masked(off, comb, v5e_forms).astype(BF16),
+                 jnp.where(right, z, 0.0).astype(BF16)) for comb, z in zip(combs, zs)]
+    zs = [z - numerics.mm(numerics.lhs_masked(left, z, v5e_forms).astype(BF16), pr.astype(BF16))
+          for z, pr in zip(zs, prods)]
+    size *= 2
+  # (a, T0, strict mask, transposed): an upper one's T0 is T_iᵀ, the inverse
+  # of I + a_iᵀ, refined as it is (the same steps, with a_iᵀ).
+  heads = []
+  for (a, an), z in zip(pairs, zs):
+    heads.append((a, z if an is None else jnp.where(lower, z, 0.0), row > col, False))
+    if an is not None:
+      heads.append((an.T if newton else None, jnp.where(upper, z, 0.0), row < col, True))
+  ts = [numerics.round_bf16(inv) if v5e_forms else (inv.astype(BF16), None)
+        for _, inv, _, _ in heads]                         # (bf16 T, f32 T or None)
+  for _ in range(newton):
+    staged = []
+    for t, (a, _, strict, _) in zip(ts, heads):
+      if isinstance(t, tuple):
+        t_parts, tf = [t[0]], t[0].astype(F32) if t[1] is None else t[1]
+      else:
+        t_parts, tf = numerics.split_bf16(t, 2, v5e_forms), t
+      if newton == 1:
+        # One step (bf16 inputs): its residual takes a in bf16 only (one
+        # 128-row product, no hi/lo split), so it converges to
+        # (I + bf16(a))⁻¹, a within 2⁻⁹ per entry, the perturbation rounding
+        # T to bf16 for the products that use it makes anyway. Near-duplicate
+        # keys (the inverse test): error 3.6e-6 -> 1.1e-3. v6e, Qwen3-Next
+        # heads, T=512: gdn_fwd 80.0 -> 77.0 k cycles. (float32's first of two
+        # steps too cost its outputs ~25 % more error on unnormalised keys.)
+        a_hi = numerics.round_bf16(a)[0] if v5e_forms else a.astype(BF16)
+        at = numerics.mm(a_hi, t_parts[0])
+      else:
+        stacked, a_hi = numerics.stacked_bf16(a, 2, v5e_forms)      # [a_hi; a_lo]: one weight push of T
+        at2 = numerics.mm(stacked, t_parts[0])
+        if len(t_parts) == 1:
+          at = at2[:c] + at2[c:]
+        else:
+          at = at2[:c] + (at2[c:] + numerics.mm(a_hi, t_parts[1]))
+      staged.append((t_parts, tf, at, strict))
+    ts = []
+    for t_parts, tf, at, strict in staged:
+      # −(I − (I + a) T), nonzero strictly below the diagonal only (there
+      # I's entries are 0), and T − T (that): one negation and one
+      # subtraction of I fewer than forming I − (I + a) T (the same values).
+      r = jnp.where(strict, tf + at, 0.0).astype(BF16)
+      corr = numerics.mm(t_parts[0], r)
+      for p in t_parts[1:]:
+        corr = corr + numerics.mm(p, r)
+      ts.append(tf - corr)
+  return [((t[0].astype(F32) if t[1] is None else t[1]) if isinstance(t, tuple) else t,
+           transposed) for t, (_, _, _, transposed) in zip(ts, heads)]
