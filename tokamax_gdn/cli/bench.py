@@ -1,5 +1,10 @@
 """Benchmarks on the op's named workloads (its `arg_specs.py`, tag 'bench' by default).
 
+On a TPU every --op prints wall-clock tables against the chip's floors and
+the peers that run there (`tokamax_gdn.cli.bench_chip`):
+  tokamax-gdn bench [--op OP] [--lengths 4096,32768] [--profile] [--record [PATH]] [--json]
+Elsewhere (CPU):
+
   tokamax-gdn bench [--op gated_delta_rule] [--specs NAME,...] [--tag bench]
       [--impls reference,xla,xla_autodiff] [--reps 7] [--json]
   tokamax-gdn bench --op gmm [--target v6e] [--specs NAME,...] [--tiles tm,tk,tn] [--json]
@@ -41,13 +46,30 @@ def add_arguments(parser) -> None:
                       " default reference,xla,xla_autodiff, 'xla_autodiff' being xla's forward"
                       " under JAX autodiff; causal_conv1d_gated_delta_rule: default xla, with"
                       " tokamax's xla always added)")
-  parser.add_argument("--reps", type=int, default=7, help="timed rounds (CPU benches)")
+  parser.add_argument("--reps", type=int, default=None,
+                      help="timed rounds (CPU benches); on a TPU, timed calls (default 20)")
   parser.add_argument("--target", default="v6e", help="gmm: TPU generation to compile for")
   parser.add_argument("--tiles", help="gmm: also compile ours with tm,tk,tn")
   parser.add_argument("--json", action="store_true", help="print the results as JSON")
+  parser.add_argument("--lengths", default="4096,32768",
+                      help="TPU, gated_delta_rule: sequence lengths of the layer shape")
+  parser.add_argument("--profile", action="store_true",
+                      help="TPU, gated_delta_rule: device time per kernel and XLA op")
+  parser.add_argument("--record", nargs="?", const="docs/performance.md", default=None,
+                      metavar="PATH", help="TPU: also write the tables into the performance"
+                      " record (default PATH: docs/performance.md)")
 
 
 def run(args) -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.default_backend() == "tpu":
+    from tokamax_gdn.cli import bench_chip  # pylint: disable=g-import-not-at-top
+    tag = "aot" if args.op == "causal_conv1d_gated_delta_rule" and args.tag == "bench" else args.tag
+    specs = (common.select_specs(args.op, args.specs, tag)
+             if args.op == "causal_conv1d_gated_delta_rule" else [])
+    args.reps = args.reps or 20
+    return bench_chip.run(args, specs)
+  args.reps = args.reps or 7
   specs = common.select_specs(args.op, args.specs, args.tag)
   run_op = dict(gated_delta_rule=_gdn, gmm=_gmm, causal_conv1d_gated_delta_rule=_serving)
   return run_op[args.op](args, specs)

@@ -19,7 +19,8 @@ import pytest
 import tokamax_gdn
 from tokamax_gdn import registry
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu
-from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as pk
+from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_call as pk_call
+from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_common as pk_common
 from tokamax_gdn.testing import specs
 
 Config = pallas_mosaic_tpu.Config
@@ -141,9 +142,9 @@ def test_unrolled_groups_match_reference(monkeypatch):
   group's matrices in one list (`_fwd_chunk`); interpret mode runs them in a
   loop unless told otherwise. Three heads per group, so the inverse's pair
   (2, 3) spans two groups; bf16, so one of a pair's T is used transposed."""
-  monkeypatch.setattr(pk, "_interpret_static",
+  monkeypatch.setattr(pk_call, "_interpret_static",
                       lambda st: dataclasses.replace(st, interpret=True))
-  monkeypatch.setattr(pk, "_unroll_groups", lambda backward=False: True)
+  monkeypatch.setattr(pk_common, "unroll_groups", lambda backward=False: True)
   _check_matches_reference(("unrolled", 1, 65, 6, 6, 16, 16, jnp.bfloat16, "zeros", True, True,
                             True, True, 64, 3))
 

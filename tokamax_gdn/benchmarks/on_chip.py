@@ -1,0 +1,289 @@
+"""Wall-clock tables on a TPU: ours beside the chip's floors and the peers
+that run there, all measured in one run (`tokamax-gdn bench` on a TPU).
+
+Every figure is the median of `n` timed calls after warm-up
+(`timing.wall_ms`); every row carries its floor (`timing.Floors.floor_ms`:
+essential MXU FLOPs or minimal HBM bytes at the rates this chip reached in the
+same run) and its ratio to it. A peer that cannot run on this chip is a row
+with the reason instead of a time, so a table says what was tried.
+
+- `gdn_rows`: the gated delta rule as the GatedDeltaNet layer calls it
+  (`workload.layer_fns`: [B, T, H D] q, k, v, the raw gate with a_log and
+  dt_bias, beta's logits, q/k L2 norm), forward and training step (the value
+  and gradients of `jnp.square(out).sum()`), per T; `fixed_cost` fits the
+  per-call intercept over the lengths.
+- `serving_rows`: the serving op on its named workloads, pools donated and
+  fed back as an engine calls it, against the workload's HBM floor.
+- `gmm_rows`: grouped matmuls at MoE shapes against a dense matmul of the
+  same FLOPs and against `jax.lax.ragged_dot` / `tokamax.ragged_dot`.
+"""
+
+from collections.abc import Callable, Sequence
+import dataclasses
+import time
+import traceback
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tokamax_gdn.benchmarks import timing
+from tokamax_gdn.benchmarks import workload
+
+PALLAS = "pallas_mosaic_tpu"
+KDA_XLA = "tokamax kda xla_chunked"
+KDA_MOSAIC = "tokamax kda mosaic_tpu"
+FLOPS_CHUNK = 64
+
+
+def _error(e: BaseException) -> str:
+  msg = f"{type(e).__name__}: {e}".replace("\n", " ")
+  return msg[:300]
+
+
+def _run(fn: Callable[[], float]) -> tuple[float | None, str | None]:
+  try:
+    return fn(), None
+  except Exception as e:  # pylint: disable=broad-except
+    return None, _error(e)
+
+
+def _random_inputs(s: workload.LayerShape, seed: int = 0):
+  keys = jax.random.split(jax.random.key(seed), 7)
+  abstract = workload.abstract_inputs(s)
+  return [(jax.random.normal(k, a.shape, jnp.float32) * (0.5 if i >= 5 else 1.0)).astype(a.dtype)
+          for i, (k, a) in enumerate(zip(keys, abstract))]
+
+
+def _kda_fns(s: workload.LayerShape, implementation: str):
+  """tokamax's kimi_delta_attention as a GDN peer: the raw gate broadcast over
+  K, a_log [H] and dt_bias [H] repeated over K, so every channel of a head
+  decays alike, as in GDN; q/k L2 norm. Its chunked XLA path needs its
+  bounded gate form (`lower_bound`), which costs the same as GDN's. [H, B, T,
+  D] arrays (its layout); forward and step."""
+  from tokamax._src.ops.kda import api as kda_api  # pylint: disable=g-import-not-at-top
+
+  def forward(q, k, v, g, beta, a_log, dt_bias):
+    gate = jnp.broadcast_to(g[..., None], g.shape + (s.k,))
+    out, _ = kda_api.kimi_delta_attention(
+        q, k, v, gate, beta, a_log=a_log, delta_time_bias=jnp.repeat(dt_bias, s.k),
+        use_qk_l2norm=True, use_gate_in_kernel=True, lower_bound=-5.0,
+        implementation=implementation)
+    return out
+
+  def loss(*xs):
+    return workload.step_loss(forward(*xs))
+
+  return forward, jax.value_and_grad(loss, argnums=tuple(range(7)))
+
+
+def _kda_inputs(s: workload.LayerShape, seed: int = 0):
+  keys = jax.random.split(jax.random.key(seed), 7)
+  hb = lambda d: (s.hv, s.b, s.t, d)
+  q, k, v = (jax.random.normal(kk, hb(d), jnp.float32).astype(s.dtype)
+             for kk, d in zip(keys, (s.k, s.k, s.v)))
+  g = jax.random.normal(keys[3], (s.hv, s.b, s.t), jnp.float32).astype(s.dtype)
+  beta = jax.nn.sigmoid(jax.random.normal(keys[4], (s.hv, s.b, s.t), jnp.float32))
+  a_log = 0.5 * jax.random.normal(keys[5], (s.hv,), jnp.float32)
+  dt_bias = 0.5 * jax.random.normal(keys[6], (s.hv,), jnp.float32)
+  return q, k, v, g, beta.astype(s.dtype), a_log, dt_bias
+
+
+def _compiled(fn, *args):
+  start = time.perf_counter()
+  c = jax.jit(fn).lower(*args).compile()
+  return c, time.perf_counter() - start
+
+
+def gdn_rows(floors: timing.Floors, shape: workload.LayerShape,
+             lengths: Sequence[int] = (4096, 8192, 32768),
+             impls: Sequence[str] = (PALLAS, "xla"), policies: Sequence[str] = ("save_gdn",),
+             kda: bool = True, kda_max_t: int = 8192, n: int = 20) -> list[dict[str, Any]]:
+  """One row per (T, implementation, pass): ms, floor and ratio, MFU."""
+  rows = []
+  for t in lengths:
+    s = dataclasses.replace(shape, t=t, flat=True)
+    xs = _random_inputs(s)
+    fwd_flops = workload.essential_flops(s, FLOPS_CHUNK, backward=False)
+    step_flops = workload.essential_flops(s, FLOPS_CHUNK, backward=True)
+    fwd_bytes = workload.min_hbm_bytes(s, backward=False)
+    step_bytes = workload.min_hbm_bytes(s, backward=True)
+    passes = []
+    for impl in impls:
+      fwd, step = workload.layer_fns(s, impl)
+      passes += [(impl, "fwd", fwd, xs, fwd_flops, fwd_bytes),
+                 (impl, "step", step, xs, step_flops, step_bytes)]
+      if impl == PALLAS:
+        for pol in policies:
+          passes.append((impl, f"step {pol}", workload.layer_fns(s, impl, pol)[1], xs,
+                         step_flops, step_bytes))
+    if kda and t <= kda_max_t:
+      kxs = _kda_inputs(s)
+      for name, impl in ((KDA_XLA, "xla_chunked"), (KDA_MOSAIC, "mosaic")):
+        fwd, step = _kda_fns(s, impl)
+        passes += [(name, "fwd", fwd, kxs, fwd_flops, fwd_bytes),
+                   (name, "step", step, kxs, step_flops, step_bytes)]
+    for impl, pass_, fn, args, flops, hbm in passes:
+      row = dict(table="gated_delta_rule", shape=str(s), t=t, impl=impl, pass_=pass_)
+      try:
+        compiled, secs = _compiled(fn, *args)
+        ms = timing.wall_ms(compiled, *args, n=n)
+        mem = compiled.memory_analysis()
+        row.update(ms=ms, compile_s=secs,
+                   temp_mib=getattr(mem, "temp_size_in_bytes", 0) / 2**20 if mem else None)
+      except Exception as e:  # pylint: disable=broad-except
+        row.update(ms=None, error=_error(e))
+      floor = floors.floor_ms(flops, hbm)
+      peak_floor = floors.floor_ms(flops, hbm, peak=True)
+      row.update(floor_ms=floor, peak_floor_ms=peak_floor,
+                 over_floor=row["ms"] / floor if row.get("ms") else None,
+                 over_peak_floor=row["ms"] / peak_floor if row.get("ms") else None,
+                 mfu=(flops / (row["ms"] / 1e3) / floors.peak_flops
+                      if row.get("ms") and floors.peak_flops else None))
+      rows.append(row)
+      del row
+  return rows
+
+
+def fixed_cost(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Per (implementation, pass) with ≥ 2 lengths: the least-squares line
+  ms = intercept + slope · T over the rows' lengths (the intercept is the
+  per-call cost that does not scale with T)."""
+  groups = {}
+  for r in rows:
+    if r.get("ms") is not None:
+      groups.setdefault((r["impl"], r["pass_"]), []).append((r["t"], r["ms"]))
+  out = []
+  for (impl, pass_), pts in groups.items():
+    if len(pts) < 2:
+      continue
+    t, ms = np.array(pts, np.float64).T
+    slope, intercept = np.polyfit(t, ms, 1)
+    out.append(dict(impl=impl, pass_=pass_, intercept_ms=float(intercept),
+                    ms_per_4096_tokens=float(slope * 4096), lengths=[int(x) for x in t]))
+  return out
+
+
+def gdn_profile(shape: workload.LayerShape, t: int, impl: str = PALLAS,
+                policy: str | None = None, top: int = 25) -> dict[str, Any]:
+  """Device time per kernel and XLA op of one forward and one step at `t`."""
+  s = dataclasses.replace(shape, t=t, flat=True)
+  xs = _random_inputs(s)
+  fwd, step = workload.layer_fns(s, impl, policy)
+  out = {}
+  for name, fn in (("fwd", fwd), ("step" if policy is None else f"step {policy}", step)):
+    compiled, _ = _compiled(fn, *xs)
+    wall = timing.wall_ms(compiled, *xs)
+    ops = timing.device_op_times(compiled, *xs)
+    out[name] = dict(wall_ms=wall, device_ms=sum(o["us"] for o in ops if _is_op(o)) / 1e3,
+                     ops=ops[:top])
+  return out
+
+
+def _is_op(o: dict[str, Any]) -> bool:
+  """Device-track events that are ops, not the whole module or step markers."""
+  return "XLA Ops" in o["thread"] or o["thread"].endswith("Ops")
+
+
+# ---------------------------------------------------------------------------
+# Serving
+
+
+def serving_rows(floors: timing.Floors, spec_names: Sequence[str],
+                 impls: Sequence[str] = (PALLAS, "xla"), tokamax: bool = True,
+                 n: int = 20) -> list[dict[str, Any]]:
+  """One row per (workload, implementation): ms against the workload's HBM
+  floor (`serving_aot.hbm_bytes`), pools donated and fed back."""
+  from tokamax_gdn.benchmarks import serving  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.aot import serving as serving_aot  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs  # pylint: disable=g-import-not-at-top
+  names = list(impls) + ([serving.TOKAMAX] if tokamax else [])
+  rows = []
+  for spec_name in spec_names:
+    spec = arg_specs.by_name(spec_name)
+    args, kwargs = spec.make(jax.random.key(0))
+    arrays = {k: v for k, v in kwargs.items() if k not in arg_specs.STATIC}
+    rest = args[:3] + args[5:]
+    hbm = serving_aot.hbm_bytes(spec)
+    floor = floors.floor_ms(0.0, hbm)
+    for impl in names:
+      row = dict(table="serving", spec=spec_name, shape=serving.describe(spec), impl=impl,
+                 hbm_bytes=hbm, floor_ms=floor)
+      try:
+        fn = serving._jitted(impl, kwargs)  # pylint: disable=protected-access
+        pools = (args[3].copy(), args[4].copy())
+        start = time.perf_counter()
+        compiled = fn.lower(*pools, rest, arrays).compile()
+        row["compile_s"] = time.perf_counter() - start
+        state = [pools]
+
+        def call():
+          state[0], out = compiled(*state[0], rest, arrays)
+          return state[0], out
+
+        row["ms"] = timing.wall_ms(call, n=n)
+        row["over_floor"] = row["ms"] / floor
+      except Exception as e:  # pylint: disable=broad-except
+        row.update(ms=None, error=_error(e))
+      rows.append(row)
+  return rows
+
+
+# ---------------------------------------------------------------------------
+# Grouped matmuls
+
+
+GMM_SHAPES = ((16384, 2048, 512, 64), (16384, 512, 2048, 64))
+
+
+def gmm_rows(floors: timing.Floors, shapes=GMM_SHAPES, n: int = 20) -> list[dict[str, Any]]:
+  """gmm and tgmm (bf16, multinomial group sizes) beside a dense matmul of the
+  same FLOPs, `jax.lax.ragged_dot` and `tokamax.ragged_dot`."""
+  import tokamax  # pylint: disable=g-import-not-at-top
+  import tokamax_gdn  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.ops.gmm import arg_specs as gmm_specs  # pylint: disable=g-import-not-at-top
+  rows = []
+  for m, k, n_, g in shapes:
+    key = jax.random.key(m + k + n_ + g)
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    lhs = jax.random.normal(k1, (m, k), jnp.float32).astype(jnp.bfloat16)
+    rhs = (jax.random.normal(k2, (g, k, n_), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
+    dout = jax.random.normal(k4, (m, n_), jnp.float32).astype(jnp.bfloat16)
+    sizes = gmm_specs.random_group_sizes(k3, g=g, total=m)
+    flops = 2 * m * k * n_
+    shape = f"M{m} K{k} N{n_} G{g} bf16"
+    dense_ms, _ = _run(lambda: timing.wall_ms(jax.jit(lambda a, b: a @ b), lhs, rhs[0], n=n))
+    dense_t_ms, _ = _run(lambda: timing.wall_ms(jax.jit(lambda a, b: a.T @ b), lhs, dout, n=n))
+    cands = [
+        ("gmm", "dense matmul", lambda: dense_ms),
+        ("gmm", f"ours {PALLAS}", lambda: timing.wall_ms(
+            jax.jit(lambda a, b, s: tokamax_gdn.gmm(a, b, s, implementation=PALLAS)),
+            lhs, rhs, sizes, n=n)),
+        ("gmm", "ours xla", lambda: timing.wall_ms(
+            jax.jit(lambda a, b, s: tokamax_gdn.gmm(a, b, s, implementation="xla")),
+            lhs, rhs, sizes, n=n)),
+        ("gmm", "jax.lax.ragged_dot", lambda: timing.wall_ms(
+            jax.jit(lambda a, b, s: jax.lax.ragged_dot(a, b, s)), lhs, rhs, sizes, n=n)),
+        ("gmm", "tokamax.ragged_dot", lambda: timing.wall_ms(
+            jax.jit(lambda a, b, s: tokamax.ragged_dot(a, b, s)), lhs, rhs, sizes, n=n)),
+        ("tgmm", "dense matmul", lambda: dense_t_ms),
+        ("tgmm", f"ours {PALLAS}", lambda: timing.wall_ms(
+            jax.jit(lambda a, b, s: tokamax_gdn.tgmm(a, b, s, implementation=PALLAS)),
+            lhs, dout, sizes, n=n)),
+        ("tgmm", "ours xla", lambda: timing.wall_ms(
+            jax.jit(lambda a, b, s: tokamax_gdn.tgmm(a, b, s, implementation="xla")),
+            lhs, dout, sizes, n=n)),
+    ]
+    for op, impl, fn in cands:
+      ms, err = _run(fn)
+      dense = dense_ms if op == "gmm" else dense_t_ms
+      rows.append(dict(table="gmm", op=op, shape=shape, impl=impl, ms=ms, error=err,
+                       floor_ms=floors.floor_ms(flops),
+                       over_floor=ms / floors.floor_ms(flops) if ms else None,
+                       pct_of_dense=100 * dense / ms if ms and dense else None))
+  return rows
+
+
+def traceback_text() -> str:
+  return traceback.format_exc()[-2000:]

@@ -1,0 +1,160 @@
+"""Wall-clock timing on the device, the chip's floors, and per-op device time.
+
+What every on-chip table of `tokamax-gdn bench` is built from:
+
+- `wall_ms`: a compiled function's time per call in steady state (calls
+  dispatched back to back, waited for once), or per synchronous call.
+- `measure_floors`: the rates this chip reaches in the same run: a bf16
+  matmul's FLOP/s and an HBM stream's bytes/s (read + write), next to the
+  published peaks of its generation (`PEAKS`). A row's floor is its essential
+  FLOPs or its minimal HBM bytes at those rates, whichever takes longer.
+- `device_op_times`: where one call's device time goes, per kernel and per
+  XLA op, from a `jax.profiler` trace of the call (the device's op events).
+"""
+
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+# Published peaks: bf16 dense MXU FLOP/s and HBM bytes/s per chip.
+PEAKS: dict[str, tuple[float, float]] = {
+    "v5e": (197e12, 819e9),
+    "v6e": (918e12, 1640e9),
+    "v5p": (459e12, 2765e9),
+    "tpu7x": (2307e12, 7380e9),
+}
+
+
+def wall_ms(fn: Callable[..., Any], *args, n: int = 20, warm: int = 2, sync: bool = False
+            ) -> float:
+  """Wall time of one call of `fn(*args)` in ms, after `warm` untimed calls.
+
+  By default the steady state: `n` calls dispatched back to back and waited
+  for once, as a training loop or a serving engine issues them (the host runs
+  ahead of the chip). With `sync`, the median of `n` calls each waited for:
+  that adds the host's round trip to every call (`round_trip_ms`), which on
+  the v5e chip host is as long as a whole forward at T = 4096.
+  """
+  for _ in range(warm):
+    jax.block_until_ready(fn(*args))
+  if not sync:
+    start = time.perf_counter()
+    for _ in range(n):
+      out = fn(*args)   # one device stream: the last result is ready after all
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / n * 1e3
+  times = []
+  for _ in range(n):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times) * 1e3
+
+
+def round_trip_ms(n: int = 50) -> float:
+  """A synchronous call of a trivial jitted function: the host's dispatch and
+  wait, what `wall_ms(sync=True)` adds to every call."""
+  tiny = jax.jit(lambda x: x + 1)
+  return wall_ms(tiny, jnp.ones((8, 128), jnp.float32), n=n, sync=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Floors:
+  """Rates measured on this chip in this run, and its generation's peaks."""
+
+  device_kind: str
+  generation: str | None
+  mxu_flops: float           # bf16 matmul FLOP/s measured
+  hbm_bytes: float           # HBM read + write bytes/s measured
+  peak_flops: float | None   # published
+  peak_hbm: float | None
+
+  def floor_ms(self, flops: float = 0.0, hbm_bytes: float = 0.0, *, peak: bool = False
+               ) -> float:
+    """The longer of the FLOPs' and the bytes' time at the measured rates (or
+    the published peaks), in ms."""
+    f, b = ((self.peak_flops, self.peak_hbm) if peak and self.peak_flops
+            else (self.mxu_flops, self.hbm_bytes))
+    return max(flops / f, hbm_bytes / b) * 1e3
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def measure_floors(matmul_n: int = 8192, stream_bytes: int = 1 << 31, n: int = 10) -> Floors:
+  """A bf16 `matmul_n`³ matmul's FLOP/s and a `stream_bytes` f32 array read
+  and written once (an elementwise scale), on the default device."""
+  from tokamax_gdn import config  # pylint: disable=g-import-not-at-top
+  key = jax.random.key(0)
+  a = jax.random.normal(key, (matmul_n, matmul_n), jnp.bfloat16)
+  mm = jax.jit(lambda x, y: x @ y)
+  mm_ms = wall_ms(mm, a, a, n=n)
+  x = jnp.ones((stream_bytes // 4,), jnp.float32)
+  scale = jax.jit(lambda x: x * 1.0001)
+  st_ms = wall_ms(scale, x, n=n)
+  del a, x
+  kind = jax.devices()[0].device_kind
+  gen = config.generation_from_device_kind(kind)
+  peak = PEAKS.get(gen.name) if gen is not None else None
+  return Floors(device_kind=kind, generation=gen.name if gen else None,
+                mxu_flops=2 * matmul_n**3 / (mm_ms / 1e3),
+                hbm_bytes=2 * stream_bytes / (st_ms / 1e3),
+                peak_flops=peak[0] if peak else None, peak_hbm=peak[1] if peak else None)
+
+
+def _trace_events(trace_dir: str) -> list[dict[str, Any]]:
+  files = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
+                           recursive=True))
+  if not files:
+    raise RuntimeError(f"jax.profiler wrote no perfetto trace under {trace_dir}.")
+  with gzip.open(files[-1]) as f:
+    data = json.load(f)
+  return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def device_op_times(fn: Callable[..., Any], *args, calls: int = 3,
+                    device_substring: str = "TPU") -> list[dict[str, Any]]:
+  """Per-op device time of `fn(*args)`: [{name, thread, us, count}], the
+  largest first, averaged over `calls` traced calls after one untimed call.
+
+  Reads the perfetto trace `jax.profiler` writes: the duration events on the
+  device's tracks (process names containing `device_substring`), summed per
+  (track, name). A kernel shows under its `pallas_call` name (e.g.
+  `gdn_fwd`), an XLA op under its fusion's name.
+  """
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as d:
+    jax.profiler.start_trace(d, create_perfetto_trace=True)
+    try:
+      for _ in range(calls):
+        jax.block_until_ready(fn(*args))
+    finally:
+      jax.profiler.stop_trace()
+    events = _trace_events(d)
+  process, thread = {}, {}
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      process[e["pid"]] = e["args"]["name"]
+    elif e.get("ph") == "M" and e.get("name") == "thread_name":
+      thread[(e["pid"], e["tid"])] = e["args"]["name"]
+  total = collections.defaultdict(float)
+  count = collections.Counter()
+  for e in events:
+    if e.get("ph") != "X" or device_substring not in process.get(e["pid"], ""):
+      continue
+    key = (thread.get((e["pid"], e["tid"]), str(e["tid"])), e["name"])
+    total[key] += float(e.get("dur", 0.0)) / calls
+    count[key] += 1
+  rows = [dict(thread=k[0], name=k[1], us=us, count=count[k] // calls)
+          for k, us in total.items()]
+  return sorted(rows, key=lambda r: -r["us"])

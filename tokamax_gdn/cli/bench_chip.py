@@ -1,0 +1,104 @@
+"""`tokamax-gdn bench` on a TPU: wall-clock tables beside the chip's floors and
+the peers that run there, all in one run (`tokamax_gdn.benchmarks.on_chip`).
+
+Each table prints, goes out as JSON with --json, and with --record [PATH]
+into its section of the performance record (docs/performance.md), stamped with
+the date, the versions, the device and the command.
+"""
+
+import sys
+from typing import Any
+
+from tokamax_gdn.cli import common
+
+_GDN_COLUMNS = dict(t="T", impl="impl", pass_="pass", ms="ms", floor_ms="floor ms",
+                    over_floor="x floor", over_peak_floor="x peak floor", mfu="MFU",
+                    temp_mib="temp MiB", compile_s="compile s", error="error")
+_FIXED_COLUMNS = dict(impl="impl", pass_="pass", intercept_ms="intercept ms",
+                      ms_per_4096_tokens="ms / 4096 tokens", lengths="lengths")
+_SERVING_COLUMNS = dict(spec="workload", shape="shape", impl="impl", ms="ms",
+                        floor_ms="HBM floor ms", over_floor="x floor", compile_s="compile s",
+                        error="error")
+_GMM_COLUMNS = dict(op="op", shape="shape", impl="impl", ms="ms", floor_ms="MXU floor ms",
+                    over_floor="x floor", pct_of_dense="% of dense", error="error")
+
+
+def _fmt(rows, columns) -> list[dict[str, Any]]:
+  out = []
+  for r in rows:
+    row = {}
+    for k in columns:
+      v = r.get(k)
+      if isinstance(v, float):
+        v = f"{v:.1%}" if k == "mfu" else f"{v:.4g}"
+      row[k] = v
+    out.append(row)
+  return out
+
+
+def _emit(args, name: str, title: str, rows, columns, floors_line: str) -> None:
+  rows = _fmt(rows, columns)
+  common.print_table(rows, columns, title=title)
+  if args.record:
+    from tokamax_gdn.benchmarks import record  # pylint: disable=g-import-not-at-top
+    command = "tokamax-gdn " + " ".join(a for a in sys.argv[1:] if a != "--json")
+    record.write_section(args.record, name, f"{title} (wall clock on the chip)", command,
+                         rows, columns)
+  print(floors_line)
+
+
+def run(args, specs) -> int:
+  """The on-chip tables of --op."""
+  from tokamax_gdn.benchmarks import on_chip  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.benchmarks import timing  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.benchmarks import workload  # pylint: disable=g-import-not-at-top
+  floors = timing.measure_floors()
+  trip = timing.round_trip_ms()
+  floors_line = (
+      f"{floors.device_kind}: bf16 matmul {floors.mxu_flops / 1e12:.1f} TFLOP/s, HBM stream"
+      f" {floors.hbm_bytes / 1e9:.0f} GB/s measured in this run (peaks"
+      f" {(floors.peak_flops or 0) / 1e12:.0f} TFLOP/s, {(floors.peak_hbm or 0) / 1e9:.0f} GB/s);"
+      f" floor = essential FLOPs or minimal HBM bytes at the measured rates. Times are steady"
+      f" state (calls issued back to back); a synchronous call adds the host round trip,"
+      f" {trip:.3f} ms here.")
+  report: dict[str, Any] = dict(floors=floors.as_dict(), round_trip_ms=trip)
+  if args.op == "gated_delta_rule":
+    lengths = [int(t) for t in args.lengths.split(",")]
+    shape = workload.LayerShape(b=1, t=lengths[0], hk=16, hv=32, k=128, v=128)
+    impls = [s for s in (args.impls or f"{on_chip.PALLAS},xla").split(",") if s]
+    rows = on_chip.gdn_rows(floors, shape, lengths, impls, n=args.reps)
+    fixed = on_chip.fixed_cost(rows)
+    report.update(rows=rows, fixed_cost=fixed)
+    if args.profile:
+      report["profile"] = {t: on_chip.gdn_profile(shape, t) for t in lengths}
+    if args.json:
+      common.print_json(report)
+      return 0
+    _emit(args, "chip-gdn", f"gated_delta_rule, Qwen3-Next layer (B1 Hk16 Hv32 K=V=128 bf16)"
+          f" on {floors.device_kind}", rows, _GDN_COLUMNS, floors_line)
+    if fixed:
+      common.print_table(_fmt(fixed, _FIXED_COLUMNS), _FIXED_COLUMNS,
+                         title="fit ms = intercept + slope * T (per-call cost that does not scale)")
+    for t, prof in report.get("profile", {}).items():
+      for pass_, p in prof.items():
+        ops = [dict(name=o["name"], thread=o["thread"], us=f"{o['us']:.1f}", count=o["count"])
+               for o in p["ops"]]
+        common.print_table(ops, title=f"T={t} {pass_}: wall {p['wall_ms']:.3f} ms, device"
+                           f" ops {p['device_ms']:.3f} ms")
+    return 0
+  if args.op == "causal_conv1d_gated_delta_rule":
+    impls = [s for s in (args.impls or f"{on_chip.PALLAS},xla").split(",") if s]
+    rows = on_chip.serving_rows(floors, [s.name for s in specs], impls, n=args.reps)
+    if args.json:
+      common.print_json(report | dict(rows=rows))
+      return 0
+    _emit(args, "chip-serving", f"causal_conv1d_gated_delta_rule on {floors.device_kind}",
+          rows, _SERVING_COLUMNS, floors_line)
+    return 0
+  rows = on_chip.gmm_rows(floors, n=args.reps)
+  if args.json:
+    common.print_json(report | dict(rows=rows))
+    return 0
+  _emit(args, "chip-gmm", f"gmm / tgmm, MoE shapes (bf16, 64 groups) on {floors.device_kind}",
+        rows, _GMM_COLUMNS, floors_line)
+  return 0
