@@ -1,4 +1,4 @@
-"""XLA gmm: `jax.lax.ragged_dot_general`, float32 accumulation.
+"""XLA gmm: `jax.lax.ragged_dot_general` (`base.ragged_dot`), float32 accumulation.
 
 The VJP is gmm / tgmm of this same family (see `base.gmm_vjp_fn`).
 """
@@ -6,8 +6,6 @@ The VJP is gmm / tgmm of this same family (see `base.gmm_vjp_fn`).
 import dataclasses
 from typing import Any, ClassVar
 
-import jax
-import jax.numpy as jnp
 
 from tokamax_gdn.ops.gmm import base
 
@@ -22,12 +20,7 @@ class XlaGmm(base.Gmm[Any, Any]):
     del config
     ct = base.compute_dtype(lhs.dtype, rhs.dtype)
     dims = base.DIMS_TRANSPOSED_RHS if transpose_rhs else base.DIMS_PLAIN
-    out = jax.lax.ragged_dot_general(
-        lhs.astype(ct), rhs.astype(ct), group_sizes,
-        ragged_dot_dimension_numbers=dims,
-        precision=base.ragged_precision(ct),
-        preferred_element_type=jnp.float32,
-    )
+    out = base.ragged_dot(lhs, rhs, group_sizes, dims, ct)
     return out.astype(out_dtype)
 
 

@@ -7,7 +7,6 @@ import dataclasses
 from typing import Any, ClassVar
 
 import jax
-import jax.numpy as jnp
 
 from tokamax_gdn.ops.gmm import base as gmm_base
 from tokamax_gdn.ops.tgmm import base
@@ -22,12 +21,7 @@ class XlaTgmm(base.Tgmm[Any, Any]):
   def _tgmm(self, lhs, rhs, group_sizes, *, out_dtype, config):
     del config
     ct = gmm_base.compute_dtype(lhs.dtype, rhs.dtype)
-    out = jax.lax.ragged_dot_general(
-        lhs.astype(ct), rhs.astype(ct), group_sizes,
-        ragged_dot_dimension_numbers=base.DIMS,
-        precision=gmm_base.ragged_precision(ct),
-        preferred_element_type=jnp.float32,
-    )
+    out = gmm_base.ragged_dot(lhs, rhs, group_sizes, base.DIMS, ct)
     return out.astype(out_dtype)
 
 
