@@ -6,7 +6,6 @@ The VJP is gmm of this same family (see `base.tgmm_vjp_fn`).
 import dataclasses
 from typing import Any, ClassVar
 
-import jax
 
 from tokamax_gdn.ops.gmm import base as gmm_base
 from tokamax_gdn.ops.tgmm import base
