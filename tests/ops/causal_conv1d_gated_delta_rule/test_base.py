@@ -251,6 +251,62 @@ class ServingTestBase:
       np.testing.assert_array_equal(np.asarray(rec)[others], np.asarray(clean[0][1])[others])
       np.testing.assert_array_equal(np.asarray(conv)[others], np.asarray(clean[0][0])[others])
 
+  def test_seq_lens_below_token_count_is_a_fresh_request(self):
+    """tokamax's convention: a request whose seq_lens is at or below its token
+    count starts from zeros, reading nothing (a NaN in its slot stays out)."""
+    if not self.PROPERTIES:
+      pytest.skip("property tests run for the implementations, not the oracle")
+    lay = arg_specs.layout(lengths=[1, 9, 6], context_lens=[3, 0, 0], **TINY, **F32)
+    args, kwargs = make(lay, seed=13)
+    fresh = self.call(args, kwargs)
+    bad = list(args)
+    bad[12] = args[12].at[1].set(2)                     # seq_lens 2 < 9 tokens
+    bad[4] = args[4].at[int(lay["state_indices"][1])].set(jnp.nan)
+    (conv, rec), out = self.call(tuple(bad), kwargs)
+    np.testing.assert_array_equal(_bits(out), _bits(fresh[1]))
+    np.testing.assert_array_equal(_bits(rec), _bits(fresh[0][1]))
+    np.testing.assert_array_equal(_bits(conv), _bits(fresh[0][0]))
+
+  @pytest.mark.parametrize("windows", [False, True], ids=["slots", "spec_windows"])
+  def test_slots_outside_the_pool_under_jit(self, windows):
+    """Under jit (no eager check of the indices) a request whose write slot,
+    read slot or verify window lies outside the pool (past the end, negative,
+    a window running past the end) reads and writes nothing and its output
+    rows are NaN; every other row, and every slot but the one it would have
+    written, is bit-identical to the call without it."""
+    if not self.PROPERTIES:
+      pytest.skip("property tests run for the implementations, not the oracle")
+    if windows:
+      lay = arg_specs.layout(lengths=[4, 3, 1, 2], context_lens=9, num_spec_tokens=3,
+                             max_reqs=5, **TINY)
+    else:
+      lay = arg_specs.layout(lengths=[1, 1, 1, 9, 14, 5], context_lens=[3, 3, 3, 0, 4, 0],
+                             **TINY, **F32)
+    args, kwargs = make(lay, seed=11)
+    (c_conv, c_rec), c_out = self.call(args, kwargs)
+    n_slots = args[4].shape[0]
+    qsl = lay["query_start_loc"]
+    slots = np.asarray(args[10])
+    window = lay.get("num_spec_tokens", 0) + 1
+    cases = ([(0, n_slots - 2), (1, -1)] if windows
+             else [(1, n_slots + 3), (4, -1), (2, -5), (4, n_slots)])
+    for victim, slot in cases:
+      bad = list(args)
+      bad[10] = jnp.asarray(np.where(np.arange(slots.size) == victim, slot, slots), jnp.int32)
+      (conv, rec), out = self.call(tuple(bad), kwargs)
+      lo, hi = int(qsl[victim]), int(qsl[victim + 1])
+      out, c_out_np = np.asarray(out, np.float32), np.asarray(c_out, np.float32)
+      assert np.isnan(out[lo:hi]).all(), (victim, slot)
+      keep = np.ones(out.shape[0], bool)
+      keep[lo:hi] = False
+      np.testing.assert_array_equal(_bits(out[keep]), _bits(c_out_np[keep]))
+      own = set(range(slots[victim], slots[victim] + window))
+      others = np.array([s for s in range(n_slots) if s not in own])
+      np.testing.assert_array_equal(_bits(rec[others]), _bits(c_rec[others]))
+      np.testing.assert_array_equal(_bits(conv[others]), _bits(c_conv[others]))
+      mine = np.array(sorted(own & set(range(n_slots))))
+      np.testing.assert_array_equal(_bits(rec[mine]), _bits(args[4][mine]))
+
   def test_composition_change_does_not_recompile(self):
     """Same T and R as test_nan_isolation's batch, another composition (one
     prefill, padding requests): no new compile."""

@@ -63,7 +63,7 @@ Output: TypeAlias = tuple[tuple[jax.Array, jax.Array], jax.Array]
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["start", "length", "valid", "decode", "has_init", "read_slot",
-                 "write_slot", "num_checkpoints", "valid_tokens_end", "index"],
+                 "write_slot", "num_checkpoints", "valid_tokens_end", "bad", "index"],
     meta_fields=["window"])
 @dataclasses.dataclass(frozen=True)
 class Requests:
@@ -79,6 +79,11 @@ class Requests:
   num_checkpoints: states written: min(length, window) for decode requests,
     1 for the other valid ones, 0 for invalid ones.
   valid_tokens_end: scalar, qsl[mixed_end]: `out` rows from there on are zero.
+  bad: r < mixed_end, length > 0, and a slot it would write (its window's for
+    a decode) or the slot it would read lies outside the pool: such a request
+    is not valid (it reads and writes nothing) and its output rows are NaN.
+    Checked eagerly too (a ValueError with concrete indices); under jit this
+    is what keeps every other slot intact.
   index: the call's index arrays as int32 (`Index`), for a backend that
     derives the fields above itself (the Pallas decode kernel does, from
     SMEM, so that they cost no XLA ops; XLA drops the fields nothing reads).
@@ -94,6 +99,7 @@ class Requests:
   write_slot: jax.Array
   num_checkpoints: jax.Array
   valid_tokens_end: jax.Array
+  bad: jax.Array
   index: "Index"
   window: int
 
@@ -110,17 +116,23 @@ class Requests:
     idx = jnp.arange(r, dtype=jnp.int32)
     in_range = idx < num_valid
     length = jnp.where(in_range, qsl[1:] - qsl[:-1], 0)
-    valid = in_range & (length > 0)
-    decode = valid & (idx < num_decode)
-    length = jnp.where(valid, length, 0)
-    start = jnp.where(valid, qsl[:-1], 0)
-    has_init = valid & (seq_lens.astype(jnp.int32) > length)
     reads = state_indices if read_state_indices is None else read_state_indices
     read_slot = reads.astype(jnp.int32)
     if read_offsets is not None:
       read_slot = read_slot + read_offsets.astype(jnp.int32)
-    read_slot = jnp.clip(read_slot, 0, num_slots - 1)
     write_slot = state_indices.astype(jnp.int32)
+    runs = in_range & (length > 0)
+    writes = jnp.where(runs & (idx < num_decode), jnp.minimum(length, window), 1)
+    reads_state = seq_lens.astype(jnp.int32) > length
+    outside = ((write_slot < 0) | (write_slot + writes > num_slots)
+               | (reads_state & ((read_slot < 0) | (read_slot >= num_slots))))
+    bad = runs & outside
+    valid = runs & ~bad
+    decode = valid & (idx < num_decode)
+    length = jnp.where(valid, length, 0)
+    start = jnp.where(valid, qsl[:-1], 0)
+    has_init = valid & reads_state
+    read_slot = jnp.clip(read_slot, 0, num_slots - 1)
     num_checkpoints = jnp.where(decode, jnp.minimum(length, window), valid.astype(jnp.int32))
     as_i32 = lambda x: None if x is None else x.astype(jnp.int32)
     index = Index(query_start_loc=qsl, state_indices=write_slot, distribution=dist,
@@ -129,7 +141,14 @@ class Requests:
                   read_offsets=as_i32(read_offsets))
     return cls(start=start, length=length, valid=valid, decode=decode, has_init=has_init,
                read_slot=read_slot, write_slot=write_slot, num_checkpoints=num_checkpoints,
-               valid_tokens_end=qsl[num_valid], index=index, window=window)
+               valid_tokens_end=qsl[num_valid], bad=bad, index=index, window=window)
+
+  def bad_tokens(self, num_tokens: int) -> jax.Array:
+    """[T] bool: the tokens of `bad` requests (their output rows are NaN)."""
+    qsl = self.index.query_start_loc
+    token = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
+    return jnp.any(self.bad[None, :] & (token >= qsl[None, :-1]) & (token < qsl[None, 1:]),
+                   axis=1)
 
 
 @functools.partial(
@@ -418,7 +437,7 @@ class CausalConv1dGatedDeltaRule[C, K](ShippedAutotuningCacheMixin,
     if not self.serve_zeroes_other_rows:
       token = jnp.arange(qkv.shape[0])
       out = jnp.where((token < reqs.valid_tokens_end)[:, None], out, 0)
-    out = out.astype(qkv.dtype)
+    out = jnp.where(reqs.bad_tokens(qkv.shape[0])[:, None], jnp.nan, out).astype(qkv.dtype)
     return ((conv_pool.astype(conv_state.dtype), rec_pool.astype(recurrent_state.dtype)),
             out), None
 

@@ -198,10 +198,17 @@ def _step_metadata(st: DecodeStatic, base, idx, meta_scr):
     rc = r if exact else jnp.minimum(r, r_max - 1)
     start = qsl[rc]
     length = qsl[rc + 1] - start
-    valid = jnp.logical_and(r < num_valid, length > 0)
+    read = reads[rc] if offsets is None else reads[rc] + offsets[rc]
+    # A request whose slots lie outside the pool runs nowhere (`base.Requests.bad`).
+    asked = jnp.logical_and(r < num_valid, length > 0)
+    writes = jnp.where(jnp.logical_and(asked, r < num_decode), jnp.minimum(length, st.window), 1)
+    outside = jnp.logical_or(
+        jnp.logical_or(slots[rc] < 0, slots[rc] + writes > st.num_slots),
+        jnp.logical_and(seq_lens[rc] > length,
+                        jnp.logical_or(read < 0, read >= st.num_slots)))
+    valid = jnp.logical_and(asked, jnp.logical_not(outside))
     decode = jnp.logical_and(valid, r < num_decode)
     length = jnp.where(valid, length, 0)
-    read = reads[rc] if offsets is None else reads[rc] + offsets[rc]
     runs = valid
     if st.min_chunked:
       runs = jnp.logical_and(valid, jnp.logical_or(decode, length < st.min_chunked))
