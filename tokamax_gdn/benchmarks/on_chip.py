@@ -37,6 +37,15 @@ KDA_MOSAIC = "tokamax kda mosaic_tpu"
 FLOPS_CHUNK = 64
 
 
+def _quiet(line: str) -> None:
+  del line
+
+
+def _done(row: dict[str, Any]) -> str:
+  what = " ".join(str(row[k]) for k in ("op", "spec", "t", "impl", "pass_") if k in row)
+  return f"{what}: {row['ms']:.3f} ms" if row.get("ms") else f"{what}: {row.get('error')}"
+
+
 def _error(e: BaseException) -> str:
   msg = f"{type(e).__name__}: {e}".replace("\n", " ")
   return msg[:300]
@@ -99,8 +108,11 @@ def _compiled(fn, *args):
 def gdn_rows(floors: timing.Floors, shape: workload.LayerShape,
              lengths: Sequence[int] = (4096, 8192, 32768),
              impls: Sequence[str] = (PALLAS, "xla"), policies: Sequence[str] = ("save_gdn",),
-             kda: bool = True, kda_max_t: int = 8192, n: int = 20) -> list[dict[str, Any]]:
-  """One row per (T, implementation, pass): ms, floor and ratio, MFU."""
+             kda: bool = True, kda_max_t: int = 8192, n: int = 20,
+             log: Callable[[str], None] = _quiet) -> list[dict[str, Any]]:
+  """One row per (T, implementation, pass): ms, floor and ratio, MFU. `log`
+  gets a line before each compile and after each row (a long compile on the
+  chip says what it is)."""
   rows = []
   for t in lengths:
     s = dataclasses.replace(shape, t=t, flat=True)
@@ -126,6 +138,7 @@ def gdn_rows(floors: timing.Floors, shape: workload.LayerShape,
                    (name, "step", step, kxs, step_flops, step_bytes)]
     for impl, pass_, fn, args, flops, hbm in passes:
       row = dict(table="gated_delta_rule", shape=str(s), t=t, impl=impl, pass_=pass_)
+      log(f"gated_delta_rule T={t} {impl} {pass_}: compiling")
       try:
         compiled, secs = _compiled(fn, *args)
         ms = timing.wall_ms(compiled, *args, n=n)
@@ -142,6 +155,7 @@ def gdn_rows(floors: timing.Floors, shape: workload.LayerShape,
                  mfu=(flops / (row["ms"] / 1e3) / floors.peak_flops
                       if row.get("ms") and floors.peak_flops else None))
       rows.append(row)
+      log(_done(row))
       del row
   return rows
 
@@ -192,7 +206,7 @@ def _is_op(o: dict[str, Any]) -> bool:
 
 def serving_rows(floors: timing.Floors, spec_names: Sequence[str],
                  impls: Sequence[str] = (PALLAS, "xla"), tokamax: bool = True,
-                 n: int = 20) -> list[dict[str, Any]]:
+                 n: int = 20, log: Callable[[str], None] = _quiet) -> list[dict[str, Any]]:
   """One row per (workload, implementation): ms against the workload's HBM
   floor (`serving_aot.hbm_bytes`), pools donated and fed back."""
   from tokamax_gdn.benchmarks import serving  # pylint: disable=g-import-not-at-top
@@ -210,6 +224,7 @@ def serving_rows(floors: timing.Floors, spec_names: Sequence[str],
     for impl in names:
       row = dict(table="serving", spec=spec_name, shape=serving.describe(spec), impl=impl,
                  hbm_bytes=hbm, floor_ms=floor)
+      log(f"serving {spec_name} {impl}: compiling")
       try:
         fn = serving._jitted(impl, kwargs)  # pylint: disable=protected-access
         pools = (args[3].copy(), args[4].copy())
@@ -227,6 +242,7 @@ def serving_rows(floors: timing.Floors, spec_names: Sequence[str],
       except Exception as e:  # pylint: disable=broad-except
         row.update(ms=None, error=_error(e))
       rows.append(row)
+      log(_done(row))
   return rows
 
 
@@ -237,7 +253,8 @@ def serving_rows(floors: timing.Floors, spec_names: Sequence[str],
 GMM_SHAPES = ((16384, 2048, 512, 64), (16384, 512, 2048, 64))
 
 
-def gmm_rows(floors: timing.Floors, shapes=GMM_SHAPES, n: int = 20) -> list[dict[str, Any]]:
+def gmm_rows(floors: timing.Floors, shapes=GMM_SHAPES, n: int = 20,
+             log: Callable[[str], None] = _quiet) -> list[dict[str, Any]]:
   """gmm and tgmm (bf16, multinomial group sizes) beside a dense matmul of the
   same FLOPs, `jax.lax.ragged_dot` and `tokamax.ragged_dot`."""
   import tokamax  # pylint: disable=g-import-not-at-top
@@ -276,12 +293,14 @@ def gmm_rows(floors: timing.Floors, shapes=GMM_SHAPES, n: int = 20) -> list[dict
             lhs, dout, sizes, n=n)),
     ]
     for op, impl, fn in cands:
+      log(f"{op} {shape} {impl}: compiling")
       ms, err = _run(fn)
       dense = dense_ms if op == "gmm" else dense_t_ms
       rows.append(dict(table="gmm", op=op, shape=shape, impl=impl, ms=ms, error=err,
                        floor_ms=floors.floor_ms(flops),
                        over_floor=ms / floors.floor_ms(flops) if ms else None,
                        pct_of_dense=100 * dense / ms if ms and dense else None))
+      log(_done(rows[-1]))
   return rows
 
 

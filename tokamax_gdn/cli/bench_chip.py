@@ -23,6 +23,11 @@ _GMM_COLUMNS = dict(op="op", shape="shape", impl="impl", ms="ms", floor_ms="MXU 
                     over_floor="x floor", pct_of_dense="% of dense", error="error")
 
 
+def _log(line: str) -> None:
+  """Progress on stderr: a row's compile on the chip can take a minute."""
+  print(f"[bench] {line}", file=sys.stderr, flush=True)
+
+
 def _fmt(rows, columns) -> list[dict[str, Any]]:
   out = []
   for r in rows:
@@ -66,7 +71,7 @@ def run(args, specs) -> int:
     lengths = [int(t) for t in args.lengths.split(",")]
     shape = workload.LayerShape(b=1, t=lengths[0], hk=16, hv=32, k=128, v=128)
     impls = [s for s in (args.impls or f"{on_chip.PALLAS},xla").split(",") if s]
-    rows = on_chip.gdn_rows(floors, shape, lengths, impls, n=args.reps)
+    rows = on_chip.gdn_rows(floors, shape, lengths, impls, n=args.reps, log=_log)
     fixed = on_chip.fixed_cost(rows)
     report.update(rows=rows, fixed_cost=fixed)
     if args.profile:
@@ -88,14 +93,15 @@ def run(args, specs) -> int:
     return 0
   if args.op == "causal_conv1d_gated_delta_rule":
     impls = [s for s in (args.impls or f"{on_chip.PALLAS},xla").split(",") if s]
-    rows = on_chip.serving_rows(floors, [s.name for s in specs], impls, n=args.reps)
+    rows = on_chip.serving_rows(floors, [s.name for s in specs], impls, n=args.reps,
+                                   log=_log)
     if args.json:
       common.print_json(report | dict(rows=rows))
       return 0
     _emit(args, "chip-serving", f"causal_conv1d_gated_delta_rule on {floors.device_kind}",
           rows, _SERVING_COLUMNS, floors_line)
     return 0
-  rows = on_chip.gmm_rows(floors, n=args.reps)
+  rows = on_chip.gmm_rows(floors, n=args.reps, log=_log)
   if args.json:
     common.print_json(report | dict(rows=rows))
     return 0

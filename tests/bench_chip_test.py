@@ -1,0 +1,61 @@
+"""The on-chip bench's tables (`benchmarks/on_chip.py`, `cli/bench_chip.py`),
+run on CPU at tiny shapes with given floors: rows, ratios, failures as rows,
+progress lines, and the record section the command writes."""
+
+import jax
+import pytest
+
+from tokamax_gdn import cli
+from tokamax_gdn.benchmarks import on_chip
+from tokamax_gdn.benchmarks import timing
+from tokamax_gdn.benchmarks import workload
+
+FLOORS = timing.Floors("cpu", "v5e", mxu_flops=1e11, hbm_bytes=1e10, peak_flops=197e12,
+                       peak_hbm=819e9)
+
+
+def test_wall_ms_steady_state_and_sync():
+  f = jax.jit(lambda x: x * 2.0)
+  x = jax.numpy.ones((256, 256))
+  assert timing.wall_ms(f, x, n=3) > 0 and timing.wall_ms(f, x, n=3, sync=True) > 0
+  assert timing.round_trip_ms(n=3) > 0
+
+
+def test_gdn_rows_floors_and_fixed_cost():
+  lines = []
+  shape = workload.LayerShape(b=1, t=64, hk=1, hv=2, k=16, v=16)
+  rows = on_chip.gdn_rows(FLOORS, shape, (64, 128), ("xla",), policies=(), kda=False, n=2,
+                          log=lines.append)
+  assert [(r["t"], r["pass_"]) for r in rows] == [(64, "fwd"), (64, "step"), (128, "fwd"),
+                                                  (128, "step")]
+  for r in rows:
+    assert r["ms"] > 0 and r["over_floor"] == pytest.approx(r["ms"] / r["floor_ms"])
+    assert r["floor_ms"] == pytest.approx(FLOORS.floor_ms(
+        workload.essential_flops(workload.LayerShape(b=1, t=r["t"], hk=1, hv=2, k=16, v=16,
+                                                     flat=True), 64,
+                                 backward=r["pass_"] == "step"),
+        workload.min_hbm_bytes(workload.LayerShape(b=1, t=r["t"], hk=1, hv=2, k=16, v=16,
+                                                   flat=True), backward=r["pass_"] == "step")))
+  assert len(lines) == 2 * len(rows) and lines[0].endswith("compiling")
+  fits = {f["pass_"]: f for f in on_chip.fixed_cost(rows)}
+  assert set(fits) == {"fwd", "step"} and fits["fwd"]["lengths"] == [64, 128]
+
+
+def test_a_peer_that_cannot_run_is_a_row_with_its_reason():
+  shape = workload.LayerShape(b=1, t=64, hk=1, hv=2, k=16, v=16)
+  rows = on_chip.gdn_rows(FLOORS, shape, (64,), ("pallas_mosaic_tpu",), policies=(), kda=False,
+                          n=1)
+  assert all(r["ms"] is None and "NotImplementedError" in r["error"] for r in rows)
+
+
+def test_command_on_a_tpu_writes_the_record(monkeypatch, tmp_path, capsys):
+  monkeypatch.setattr(timing, "measure_floors", lambda: FLOORS)
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  path = tmp_path / "performance.md"
+  code = cli.main(["bench", "--op", "causal_conv1d_gated_delta_rule", "--specs",
+                   "tiny_decode_8_ctx", "--impls", "xla", "--reps", "2", "--record", str(path)])
+  assert code == 0
+  out = capsys.readouterr()
+  assert "tiny_decode_8_ctx" in out.out and "[bench] serving tiny_decode_8_ctx xla" in out.err
+  text = path.read_text()
+  assert "<!-- BEGIN chip-serving -->" in text and "| tiny_decode_8_ctx |" in text
