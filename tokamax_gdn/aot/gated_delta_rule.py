@@ -81,9 +81,7 @@ def _gdn_fn(pass_: str, s: workload.LayerShape):
   written in the layout the kernels read, and their gradients go to its
   weight-gradient matmul; a jit of the bare call on [B, T, Hv] parameters
   instead gets T-minor layouts for them, and XLA relayouts g and beta in and
-  dg and dbeta out (v6e, Qwen3-Next heads, T=512: 1.7 k cycles of the
-  save_gdn step's 10.3 k of glue; the compiled GatedDeltaNet layer has no
-  such copies).
+  dg and dbeta out (the compiled GatedDeltaNet layer has no such copies).
   """
   if pass_ == "fwd":
     fn = workload.layer_fns(s, "pallas_mosaic_tpu")[0]

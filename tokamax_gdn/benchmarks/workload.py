@@ -94,9 +94,8 @@ def step_loss(out: jax.Array) -> jax.Array:
   out's dtype, not widened to float32 first: under a `jax.checkpoint` policy
   that saves the output, JAX puts a `reduce_precision` on it (a saved
   residual the forward also reads), which XLA:TPU copies out as an op of its
-  own when the sum widens, and fuses into the sum when it does not (v6e,
-  Qwen3-Next heads, T=512, save_gdn: glue 7.07 k cycles for sum(out²) in
-  float32 or with a float32 accumulator, 6.56 k in bf16).
+  own when the sum widens (or takes a float32 accumulator), and fuses into
+  the sum when it does not.
   """
   return jnp.square(out).sum()
 
@@ -122,14 +121,11 @@ def layer_fns(s: LayerShape, implementation, remat_policy: str | None = None):
   then internal to the region, and the square's VJP needs it, as the
   layer's gated norm does), with named residuals (under "recompute" too:
   nothing is kept, and the backward's rerun of the forward emits the
-  residuals, so no states pass runs: v6e, Qwen3-Next heads, T=512, 242 k
-  cycles against 300 k for the plain path, temporaries at T=4096 133.2 vs
-  132.3 MiB). The sum is inside the region too: outside it, the scalar
+  residuals, so no states pass runs). The sum is inside the region too: outside it, the scalar
   loss's cotangent
   reached the region as a [B, T, Hv, V] broadcast of ones that XLA
   materialised (a cotangent no model has: a block's arrives from the next
-  layer), 1.6 k of save_gdn's 14.0 k cycles of glue at the Qwen3-Next
-  heads, T=512, v6e (12.1 k with the sum inside).
+  layer).
   """
   from tokamax_gdn.ops.gated_delta_rule import remat  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule  # pylint: disable=g-import-not-at-top

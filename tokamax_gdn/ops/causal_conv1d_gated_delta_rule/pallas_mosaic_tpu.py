@@ -26,19 +26,11 @@ recompiles when the composition changes):
    of other requests count as beta 0 and log-decay 0 there, so a NaN there
    cannot reach a chunked request. Items past the chunked requests' blocks
    skip their body and fetch nothing: a decode batch whose T allows chunked
-   requests (tp8_decode_512) pays for their empty steps only.
-   v6e estimates, kcycles (`tokamax-gdn aot --op causal_conv1d_gated_delta_rule
-   --target v6e`), the previous chunked path (`gdn_fwd_packed` for N = 1,
-   `gdn_fwd` on the chunk-aligned layout of per-request segments for N > 1)
-   -> this one: tp8_decode_512 (N = 4, none chunked) 269.2 -> 146.0 (the
-   chunked path's GDN kernel 62.2 -> 0.9, its XLA layout gathers and state
-   scatters gone), tp8_mixed_3x512 (N = 3) 141.0 -> 74.0, tp8_prefill_4096
-   (N = 1) 299.8 -> 294.3 (no XLA add of the two paths' outputs).
-   The estimator aborts on the kernel as it runs (block indices from SMEM);
-   the figures are of its cost model (`full_chunk_cost`), which now runs
-   one item per block (it ran all ceil(T/C) + N - 1): tp8_mixed_3x512 74.0
-   -> 60.9, the others unchanged. Calls with a long qkv keep their arrays in
-   HBM (`_HBM_TOKEN_BYTES`): tp8_mixed_64_t8192 681.3 (no estimate before).
+   requests (tp8_decode_512) pays for their empty steps only. libtpu's
+   estimator aborts on the kernel as it runs (block indices from SMEM), so
+   `tokamax-gdn aot` estimates it through its cost model (`full_chunk_cost`,
+   one item per block). Calls with a long qkv keep their arrays in HBM
+   (`_HBM_TOKEN_BYTES`).
 
 When T < min_chunked_tokens (every decode batch with the heuristic) the
 chunked path is not compiled at all.
@@ -256,7 +248,7 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, 
   # `mid` for tokens past a short request's window (they are in `out_mid`).
   # One compare of every token against every request's range (requests are
   # disjoint, so at most one matches): a single fusion, where scatters and a
-  # cumsum cost ~1k cycles each on the estimate.
+  # cumsum were each an op of their own.
   k = jnp.arange(t_len, dtype=jnp.int32)[:, None] - reqs.start[None, :]          # [T, R]
   none, mid_row = r_pad * window, r_pad * window + 1
   in_win = (k >= 0) & (k < jnp.minimum(length, window)[None, :])
@@ -389,8 +381,8 @@ def _chunked_path(qkv, b, a, out, conv_pool, rec_pool, conv_weight, conv_bias, a
       static_blocks=_chunk_cost is not None, in_hbm=_in_hbm(qkv), interpret=interpret,
       vmem_limit_bytes=min(_vmem_cap(), need * 5 // 4))
   if n_max == 1:
-    # A dynamic-update-slice (row scatters cost ~3.5k cycles each on the v6e
-    # estimate, with their bounds checks): without a chunked request, the
+    # A dynamic-update-slice (row scatters, with their bounds checks, cost
+    # more): without a chunked request, the
     # slot's own contents go back.
     conv_pool = _put_slot(conv_pool, reqs.write_slot[req[0]], conv_new[0], used[0])
   else:

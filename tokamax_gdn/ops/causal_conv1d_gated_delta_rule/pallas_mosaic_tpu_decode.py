@@ -3,8 +3,8 @@
 One grid step takes a tile of `tile` requests; it derives their metadata
 (token range, read and write slots, whether each runs here) from the call's
 index arrays in SMEM, and reads the layer's weights in their own dtypes, so
-that no XLA op prepares either (each such op cost ~0.6-1.8 k cycles on the
-v6e estimate, more than its work). Each request's states live in
+that no XLA op prepares either (each such op cost more than its work).
+Each request's states live in
 the pools (HBM, `memory_space=ANY`, aliased in place): the step starts one DMA
 per request and state (recurrent [Hv, K, V], conv [W-1, D]) from the read slot
 (scalar-prefetched) and waits for the write-backs at its end. Requests that
@@ -21,10 +21,8 @@ whatever their buffers hold; their output rows are selected away and none
 of their states is written back. A group none of whose requests reads a
 state (all start from zeros) takes state-free steps: S' = k v_new^T, no
 product with S and no decay of it. A wait (and a `pl.when`) per request had
-left each request's chain exposed: v6e static estimate, tokamax's
-tp8_decode_cached_64_ctx8192 (64 requests, Hv=8, K=V=128, bf16 pools, tile
-16), 40.2 k cycles per request-wise waits -> 29.7 k in groups of 8; the
-compute alone is ~11 k, the state DMAs alone ~19 k.
+left each request's chain exposed (on the v6e estimate, groups of 8 cut a
+quarter of a cached decode's cost).
 
 Why every DMA is started and waited in the same grid step: libtpu's static
 cycle estimator aborts ("No DMA issue node found for sync flag") on a wait
@@ -41,8 +39,7 @@ whole grid where it is small (`resident_rows`: every row written where it
 is, no XLA op after the kernel); else those rows go to a second output,
 zeroed by the first grid step, and the op's output is the sum of the two.
 This drops the XLA row gathers
-of qkv / b / a and of the output (v6e estimate, tokamax's tp8_decode_64:
-46.5 -> 43.1 k cycles in all). Verify windows take gathered blocks (row
+of qkv / b / a and of the output. Verify windows take gathered blocks (row
 r * window + t).
 
 Per token (positions t < `window` from the activation block; longer short

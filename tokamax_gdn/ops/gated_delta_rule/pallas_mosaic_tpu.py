@@ -8,9 +8,7 @@ the -30 floor) runs inside the kernels (`prologue_in_core`, `kernel.Prologue`):
 they read the raw q, k and gate, and the backward kernel does the prologue's
 VJP, returning the raw inputs' gradients and per-token terms of a_log's,
 which the wrapper sums. (In XLA, before the kernels and differentiated by
-autodiff, it cost v6e 30 k of the forward's 106 k cycles and 79 k of the
-step's 335 k at the Qwen3-Next heads, T=512; the glue left is mostly the NaN
-guard's.) The in-chunk gate cumsum, decay masks, segment resets, the partial
+autodiff, it was a large share of the forward and of the step.) The in-chunk gate cumsum, decay masks, segment resets, the partial
 last chunk and d log-decay per token are inside the kernels too.
 
 The NaN guard (`isolation.SegmentGuard`) runs in the kernels
@@ -23,12 +21,8 @@ that has one; `_Static.guard_branched`) and write NaN into the poisoned
 tokens' outputs, final state and gradients; the states pass hands the backward
 the forward's flags ([B, NC, Hv, C] f32), and the backward carries the "bad
 cotangent at or after" flag in reverse. In XLA, as reductions, selects and
-cumulative flags over the raw inputs, the guard cost v6e 21.4 k of the
-forward's 103.1 k cycles and 25.2 k of the step's 303.9 k (Qwen3-Next heads,
-T=512); in the kernels the forward kernel grew by 2.0 k, the states pass by
-1.6 k and the backward by 0.4 k (each kernel alone, its inputs in HBM); with
-the head groups unrolled, by 1.6 k, 1.8 k and 4.1 k (75.2 / 66.5 / 113.6 k
-against 73.6 / 64.8 / 109.5 k without the guard). With per-segment states
+cumulative flags over the raw inputs, the guard was a fifth of the
+forward's cost; in the kernels it adds a few percent. With per-segment states
 ([B, N, Hv, K, V]) XLA still computes the flags (`guards_in_core`): the
 forward kernel gets the poison rows and the backward kernels zero non-finite
 q, k, v, dO in VMEM.
@@ -169,9 +163,7 @@ def _autotuning_configs(ba: op.BoundArguments, backward: bool) -> set[Config]:
 def _states_config(config: Config, sh: _Shapes) -> Config:
   """The VJP's states pass: the VJP's chunk size, its own interleave, up to
   32 heads (it holds no outputs; with every head group's inverse in one list
-  one group of 32 was faster than two of 16: v6e, Qwen3-Next heads, T=512,
-  gdn_fwd_states 44.6 -> 44.1 k cycles; the forward stays at 16, 55.6 k
-  with 32 against 55.6)."""
+  one group of 32 was faster than two of 16; the forward gained nothing)."""
   return _most_interleaved(config.chunk_size, sh, "states", start=32)
 
 

@@ -72,7 +72,7 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
     kj = lambda u: u // st.group
     # The attention scale goes on the queries (the L2 norm's (C, 1) factor), not
     # on every value head's dO: the gradients are the same, dq's scale is
-    # `kernel_prologue.normed_vjp`'s. v6e, Qwen3-Next heads, T=512: gdn_bwd 103.1 -> 102.7 k cycles.
+    # `kernel_prologue.normed_vjp`'s (one pass per key head, not per value head).
     q = {ku: common.finite(kernel_prologue.normed(qh_scr[j], st, st.scale)[0], st) for ku, j in kheads.items()}
     k = {ku: common.finite(kernel_prologue.normed(kh_scr[j], st)[0], st) for ku, j in kheads.items()}
     k_t = {ku: k[ku].T for ku in kheads}
@@ -90,8 +90,7 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
     # inputs from its float32 part alone: off by up to a few float32 ulps of
     # |G| (relative 6e-4 in Γ where |G| ~ 2000 at the −30 floor), below the
     # bfloat16 rounding of the inputs, for one transpose (XLU) and three vector
-    # passes less per head (v6e, Qwen3-Next heads, T=512: gdn_bwd 101.6 -> 99.3 k
-    # cycles).
+    # passes less per head.
     gammas, dins, dins_v = {}, {}, {}
     for u, i in heads.items():
       g_lo = common.head_row(rows_scr, kernel_prologue.G_LO, i) if st.passes > 1 else None
@@ -107,9 +106,8 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
     # State part: −dV″ = −P̃ᵀ dO − (K ⊙ kout_i) dS′ (the sign from β's and
     # kout's rows, so that dS = Q_inᵀ dO + W̃ᵀ (−dV″) + λ dS′ and [dO Sᵀ; dW̃]
     # take it as it is).
-    # The transposed products take their left operands as they are (ta): v6e,
-    # Qwen3-Next heads, T=512, gdn_bwd 118.7 -> 109.5 k cycles against
-    # transposing them first (XLU).
+    # The transposed products take their left operands as they are (ta):
+    # cheaper than transposing them first on the XLU.
     # Every stacked operand by `common.operand_cat`, so that a tile stacked into
     # several (dO, dS, −dV″) is cast to bf16 once.
     nd_vnew = {}
@@ -119,7 +117,7 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
                        common.operand_cat([d_o[u], dsn[u]], 0, st), ta=True)
     # decay_in on dO's rows (Q_inᵀ dO = Qᵀ (decay_in ⊙ dO)), which then
     # reaches dq's part, dO_in Sᵀ, too: one C×K pass per head less than on Q
-    # and on dO Sᵀ (v6e, Qwen3-Next heads, T=512: gdn_bwd 99.4 -> 98.5 k cycles).
+    # and on dO Sᵀ.
     d_oin = {u: d_o[u] * dins_v[u] for u in heads}
     for u, i in heads.items():
       lhs = common.operand_cat([q[kj(u)], wu[u][:, :dim_k]], 0, st)
@@ -174,21 +172,19 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
           # (2⁻⁹ of f for bf16 inputs, 2⁻¹⁶ for float32) moves both sums
           # alike. bf16 inputs: one piece, and β rounded to bf16 on both
           # sides, the row sums as columns in the carried tile (below);
-          # float32: two pieces against β's three, as a row. v6e,
-          # Qwen3-Next heads, T=512: gdn_bwd 80.0 k cycles with f's three
-          # pieces as a row, 78.2 k with one, 77.3 k as columns (77.5 k
-          # stacked with decay_in's part in one product, 77.6 k selecting β's
-          # column in bf16, 79.1 k rounding f ⊙ β as one tile instead).
+          # float32: two pieces against β's three, as a row. Of the forms
+          # tried (three pieces or one as a row, stacked with decay_in's part,
+          # β's column selected in bf16, f ⊙ β rounded as one tile) columns
+          # were the cheapest on the estimate.
           (-numerics.rounded_bf16(beta[u], 1, st.v5e_forms)[1] * f_col if f_cols else
            gates.rowsum_row(f, pieces=f_pieces, weights=beta[u], v5e_forms=st.v5e_forms)
            - beta[u] * f_col)
           - d_dout
           + jnp.where(lane == c - 1, jnp.sum(d_dout) + d_lam, 0.0))
       # decay_in's part, into lane i of the carried columns (`gates.lane_rowsums`):
-      # no cancellation to keep, so one bf16 piece for bf16 inputs (v6e,
-      # Qwen3-Next heads, T=512: gdn_bwd 98.5 -> 97.3 k cycles; rel-RMS of
-      # a_log's / dt_bias's gradient in the bf16 case of pallas_mosaic_tpu_test
-      # 6.6e-3 / 6.9e-3 -> 7.3e-3 / 7.6e-3, of 2e-2), two for float32.
+      # no cancellation to keep, so one bf16 piece for bf16 inputs (a_log's
+      # and dt_bias's gradients stay well within the bf16 tolerance), two for
+      # float32.
       carry = carry + gates.lane_rowsums(dk_in * k[ku] + dqw[u][:c] * q[ku], i,
                                    pieces=1 if st.passes == 1 else 2, v5e_forms=st.v5e_forms,
                                    weighted=(f_bf16[0], b_cols) if f_cols else None)
@@ -201,8 +197,7 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
       # The VJP at the sanitised q, k (they differ at non-finite rows only,
       # whose gradients come poisoned), the norms taken again: kept from the
       # start, they took tpu7x's backward past its scoped VMEM limit
-      # (Qwen3-Next heads, T=4096, C=64: 21.10 of 21 MiB), and v6e's estimate
-      # gained nothing (Qwen3-Next heads, T=512: gdn_bwd 99.4 -> 99.6 k cycles).
+      # at C=64, and v6e's estimate gained nothing.
       dq_scr[j] = kernel_prologue.normed_vjp((q[ku], kernel_prologue.normed(qh_scr[j], st)[1]), dq_acc[ku], st.scale)
       dk_scr[j] = kernel_prologue.normed_vjp((k[ku], kernel_prologue.normed(kh_scr[j], st)[1]), dk_acc[ku])
     return carry
@@ -211,8 +206,8 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
   d_gcum = dgr_scr[...] + in_cols.T[:st.hv]
   # d_gcum's reverse cumsum in the segment, d_g_j = Σ_{i ≥ j, same segment}
   # d_gcum_i, as d_gcum @ causal on the MXU (three bf16 pieces: exact products,
-  # float32 sums): v6e, Qwen3-Next heads, T=512, 3.9 k cycles of gdn_bwd as a
-  # compensated scan over lanes (`gates.chunk_cumsum`, a dependent chain).
+  # float32 sums), where a compensated scan over lanes (`gates.chunk_cumsum`)
+  # is a dependent chain.
   # (A product per piece: Hv rows need not be a multiple of bf16's 16.)
   mask = numerics.lhs_masked(causal, jnp.ones((c, c), F32), st.v5e_forms).astype(BF16)
   d_g = functools.reduce(operator.add, [
@@ -228,10 +223,9 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
     # a_log's and dt_bias's gradients, summed over the row's chunks in the
     # resident output block (per-token terms took tpu7x past its VMEM; per
     # chunk parts and dg in float32 for XLA to sum cost two fusions and a
-    # convert: v6e, Qwen3-Next heads, T=512, 2.7 k cycles of glue; one
-    # stacked [B, 2, Hv] output cost a slicing fusion, 0.5 k). A select, not
+    # convert; one stacked [B, 2, Hv] output cost a slicing fusion). A select, not
     # a branch, starts the sums (the block holds garbage at the first chunk):
-    # the two branches cost 0.8 k cycles less but 2 KiB more scoped VMEM,
+    # the two branches cost fewer cycles but more scoped VMEM,
     # which took the backward of Qwen3-Next's heads split over tpu7x's two
     # devices at T=4096 past its 21 MiB.
     for ref, x in ((r.d_a_log, d_a_log), (r.d_dt_bias, d_gate)):

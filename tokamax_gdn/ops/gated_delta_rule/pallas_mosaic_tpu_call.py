@@ -106,9 +106,7 @@ def _token_block(st: common.Static, chunk_of, *dims: int) -> pl.BlockSpec:
   an aligned lane slice of the block (`common.load_heads`, `common.store_heads`). As
   (C, H, D) blocks, tiled over (H, D), each head's rows were strided, and
   the kernels relaid each block out head-major (`einshape`) and the outputs
-  back. v6e, Qwen3-Next heads, T=512, the layer's call
-  (`workload.layer_fns`): gdn_fwd / gdn_fwd_states / gdn_bwd 72.5 / 57.0 /
-  94.0 -> 65.7 / 54.9 / 82.3 k cycles. The reshape is free where the arrays
+  back, a fifth of the forward's vector work. The reshape is free where the arrays
   come from a projection, as in the layer (XLA lays the [B, T, H D] product
   out for the kernel); a [B, T, H, D] argument at a jit boundary, in the
   default layout tiled over (H, D), is copied into it by XLA.
@@ -268,8 +266,7 @@ def gdn_fwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
   each chunk and T' of each chunk, bf16 for bf16 inputs, else f32.
 
   `final_state=False`: the kernel has no final-state output at all (an
-  output block the last chunk writes back is an HBM write nothing hides:
-  v6e, Qwen3-Next heads, T=512, gdn_fwd 53.3 -> 49.6 k cycles without it).
+  output block the last chunk writes back is an HBM write nothing hides).
 
   `initial_state` [B, Hv, K, V] gives final_state [B, Hv, K, V];
   per-segment states [B, N, Hv, K, V] (with `segment_ids`) give each

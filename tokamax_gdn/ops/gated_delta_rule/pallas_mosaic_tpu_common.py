@@ -65,9 +65,8 @@ class Static:
   beta_sigmoid: bool = False
   # The forward kernels' q, k normalised in place in the head-major scratch
   # before the head groups (tpu7x: less scoped VMEM), else where a head group
-  # reads them (faster: v6e, Qwen3-Next heads, T=512, gdn_fwd 80.3 k cycles
-  # vs 90.4 k in place; in place, tpu7x's forward at T=32768 with an initial
-  # state fits its 21 MiB, where it was 21.14 MiB otherwise).
+  # reads them (faster on v6e; in place, tpu7x's forward at T=32768 with an
+  # initial state fits its scoped VMEM).
   qk_in_place: bool = False
   # The head groups unrolled (`run_groups`): all of them (True), or by this
   # factor. tpu7x: the backward by 2, the forward kernels not (all of them
@@ -96,13 +95,8 @@ class Static:
     # token (`guard._guard_sanitize`); elsewhere selects in every chunk where the
     # head groups read the tiles (`guard.guard_finite`), cheaper there than a
     # branch splitting the unrolled head groups. (The backward's gradient
-    # poison branches everywhere: `guard.guard_bwd_tiles`.) Qwen3-Next heads,
-    # T=512, gdn_fwd / gdn_fwd_states k cycles, branched -> not: v6e 75.1 /
-    # 63.8 -> 72.4 / 60.7 (the current kernels); before this round's kernel
-    # changes (gdn_bwd too, then not branched anywhere): v6e 80.0 / 70.2 /
-    # 114.0 -> 77.7 / 67.0 / 113.6, tpu7x 126.2 / 147.4 / 216.0 -> 125.1 /
-    # 145.4 / 214.9, v5e (no bf16 VPU) 132.3 / 122.3 / 160.0 -> 134.6 / 123.0
-    # / 164.6.
+    # poison branches everywhere: `guard.guard_bwd_tiles`.) On the estimates
+    # selects were cheaper on v6e and tpu7x, the branch on v5e (no bf16 VPU).
     return self.v5e_forms
 
   @property
@@ -262,12 +256,9 @@ def run_groups(st: Static, group, init=0):
   """`group(gi, carry)` for every head group, unrolled under
   `st.unroll_groups`: then one basic block, so
   the scheduler overlaps one group's transposes and broadcasts (XLU) with
-  another's matmul chains (the inverse, which has none to hide). v6e,
-  Qwen3-Next heads, T=512 (kernel_cases' configs): gdn_fwd 82.8 -> 76.2 k
-  cycles, gdn_fwd_states 74.7 -> 66.8 k, gdn_bwd 119.9 -> 118.7 k; v5e
-  144.6 / 128.6 / 175.7 -> 133.5 / 122.0 / 165.0 k. tpu7x's backward
-  unrolled by 2 (C=64, interleave 4): 246.5 -> 215.0 k. Returns the carry
-  (`init` to start)."""
+  another's matmul chains (the inverse, which has none to hide): cheaper on
+  the v6e and v5e estimates for all three kernels, and tpu7x's backward
+  unrolled by 2. Returns the carry (`init` to start)."""
   return lax.fori_loop(0, st.hv // st.interleave, group, init, unroll=st.unroll_groups)
 
 

@@ -126,8 +126,7 @@ def _fwd_chunk(r: common.Refs, st: common.Static, write_out: bool, emit: bool, r
     kernel_prologue.packed_heads(r.qkv, b_ref, qh_scr, kh_scr, vh_scr, st, c_idx, rows)
   else:
     # The states pass (no outputs) reads no queries: they reach the outputs
-    # only (v6e, Qwen3-Next heads, T=512: gdn_fwd_states 60.7 -> 57.0 k
-    # cycles without their copy, norm and half of [Q; K] Kᵀ).
+    # only (the states pass skips their copy, norm and half of [Q; K] Kᵀ).
     for ref, scr in ((q_ref, qh_scr), (k_ref, kh_scr), (v_ref, vh_scr))[0 if write_out else 1:]:
       common.load_heads(ref, scr, st, c_idx)
   if st.qk_l2norm and st.qk_in_place:
@@ -159,7 +158,7 @@ def _fwd_chunk(r: common.Refs, st: common.Static, write_out: bool, emit: bool, r
     qkk = {ku: dot(jnp.concatenate([q[ku], k[ku]], 0) if write_out else k[ku], k[ku], tb=True)
            for ku in kheads}                               # [Q; K] Kᵀ, or K Kᵀ
     kk = lambda ku: qkk[ku][c:] if write_out else qkk[ku]
-    # Γ ⊙ β_j once for A' and P̃ (v6e, Qwen3-Next heads, T=512: gdn_fwd -0.4 k cycles)
+    # Γ ⊙ β_j once for A' and P̃
     gbs = {u: gammas[u] * beta[u] for u in heads}
     a_list = [jnp.where(strict, kk(kj(u)) * gbs[u], 0.0) for u in heads]
     return dict(q=q, k=k, dins=dins, qkk=qkk, gbs=gbs, a_list=a_list)
@@ -173,9 +172,7 @@ def _fwd_chunk(r: common.Refs, st: common.Static, write_out: bool, emit: bool, r
     v = {u: common.finite(guard.guard_finite(vh_scr[i], st), st) for u, i in heads.items()}
     s = {u: s_scr[i] for u, i in heads.items()}
     # V″ = Ũ − W̃ S = T' (V − K_in S): the forward needs no W̃, so two
-    # products, not three, and the first does not wait for the inverse. v6e,
-    # Qwen3-Next heads, T=512: gdn_fwd 74.8 -> 73.6 k cycles, gdn_fwd_states
-    # 66.1 -> 64.8 k (v5e 133.5 / 121.9 -> 130.2 / 117.5 k).
+    # products, not three, and the first does not wait for the inverse.
     x_in = {u: v[u] - dot(k[kj(u)] * dins[u], s[u]) for u in heads}   # V − K_in S
     v_new = {u: dot(tmats[u][0], x_in[u], ta=tmats[u][1]) for u in heads}   # V″
     if write_out:

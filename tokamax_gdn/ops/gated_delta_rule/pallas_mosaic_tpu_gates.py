@@ -76,9 +76,8 @@ def chunk_gate(g_cols, starts, scan_axis: int = 0):
   `scan_axis` 0: the cumsum runs down the sublanes, then hi and lo are
   transposed to rows. 1: the block is transposed first and the cumsum runs
   along the lanes, whose Hillis–Steele levels each rotate the lanes (XLU);
-  in the forward kernels that is on the critical path (v6e, Qwen3-Next heads,
-  T=512: gdn_fwd / gdn_fwd_states 55.6 / 45.7 -> 53.5 / 44.1 k cycles down
-  the sublanes), the backward is faster along the lanes (82.8 -> 82.3 k)."""
+  in the forward kernels that is on the critical path (so they run down the
+  sublanes); the backward is faster along the lanes."""
   c = g_cols.shape[0]
   if scan_axis == 0:
     run = None if starts is None else chunk_cumsum(starts, None, axis=0)[0].T
@@ -111,10 +110,9 @@ def gamma_decay_in(gate_rows, masks, dim_k: int, dim_v: int | None = None):
   float32 ulps of |G|).
   Columns come from transposing the row broadcast (XLU); decay_in is the
   exp of G's columns, a tile of exp on the EUP. (The exp of the (1, C) row,
-  transposed on its own, took a transpose more per head: v6e, Qwen3-Next
-  heads, T=512, gdn_bwd 114.0 -> 120.1 k cycles; gdn_fwd 76.2 -> 75.7 k
-  then, but with the paired inverse the forward's critical path runs through
-  the XLU, and it is 55.6 -> 56.4 k.)
+  transposed on its own, took a transpose more per head, dearer in the
+  backward and, since the paired inverse put the forward's critical path on
+  the XLU, in the forward too.)
   """
   g_hi, g_lo, run = gate_rows
   causal, _ = masks
@@ -169,8 +167,7 @@ def lane_rowsums(x, lane, pieces=1, v5e_forms=False, *, weighted=None):
   MXU. Heads' sums add up in one tile, one lane each, and one transpose
   makes them rows (`bwd_kernel.bwd_kernel`). The row form, ones against x transposed
   (`rowsum_row`), pushes x as transposed weights, ~7 cycles per pushed vreg
-  against 3–4 (v6e; 5.3 k of gdn_bwd's 82.3 k cycles at Qwen3-Next heads,
-  T=512, for one piece per head).
+  against 3–4 (a visible share of gdn_bwd at one piece per head).
 
   `weighted` (y, w_cols): adds the row sums of y ⊙ w, w a (1, m) row scaling
   y's (C×m, bf16) columns, given as `w_cols` (m, 128) f32 whose lane `lane`

@@ -24,14 +24,13 @@ def _bad_row(x, bf16=False):
 
   The row sums of x·0 (0, or NaN for NaN / inf) by the MXU against ones (as
   `gates.rowsum_row`; NaN propagating as in the forward's poisoned P̃): a lane
-  reduction on the vector units costs ~9 cycles per vreg. v6e, Qwen3-Next
-  heads, T=512: the forward kernel's k and v rows cost it 0.9 k cycles; the
-  XLA reductions of the raw k and v they replace cost 15.7 k.
+  reduction on the vector units is several times dearer per vreg, and the
+  XLA reductions of the raw k and v these rows replace were dearer still.
 
   `bf16`: x holds bf16 values or values within ±1 (a tile of a bf16 input,
   or its L2-normalised form), so its bf16 cast is finite where x is: x·0 is
-  then taken in bf16, half the vregs (v6e, as above: gdn_fwd 75.6 -> 75.2 k,
-  gdn_fwd_states 67.0 -> 66.5 k; in the backward it cost 0.1 k more).
+  then taken in bf16, half the vregs (the forward kernels only: in the
+  backward it cost more).
   """
   if bf16:
     zeros = x.astype(BF16) * jnp.zeros((), BF16)
@@ -51,8 +50,7 @@ def guard_finite(x, st: "_Static"):
   inf as 0 under `st.guard`: a select per tile in every chunk, where the
   head groups read it. As a branch on the chunk's flags (`_guard_sanitize`)
   it cost more: the branch splits the unrolled body into basic blocks the
-  scheduler cannot overlap (v6e, Qwen3-Next heads, T=512: gdn_fwd 80.0 ->
-  77.7 k cycles, gdn_fwd_states 70.2 -> 67.0 k selecting here)."""
+  scheduler cannot overlap."""
   if not st.guard or st.guard_branched:
     return x
   return numerics.lhs_masked(jnp.isfinite(x), x, st.v5e_forms)
@@ -62,9 +60,8 @@ def _guard_sanitize(flags, tiles, st: "_Static"):
   """Where the chunk has a bad token (`flags` (H, C) f32 > 0 anywhere): the
   head tiles in scratch (`tiles`: refs of (H, C, D)) with NaN / inf as 0, in
   place (the backward's q, k, v, dO). Finite chunks (every chunk of a finite
-  run) skip it; as a branch it costs the backward ~0.1 k cycles, as selects
-  per tile where the head groups read them (`guard_finite`) 2.4 k (v6e,
-  Qwen3-Next heads, T=512)."""
+  run) skip it; as a branch it costs the backward far less than selects
+  per tile where the head groups read them (`guard_finite`)."""
   @pl.when(jnp.max(flags) > 0.0)
   def _():
     for ref in tiles:
@@ -89,8 +86,7 @@ def _poison_tile(nan_row, width: int, st: "_Static"):
 def poison_diag(x, nan_row, diag, st: "_Static"):
   """The C×C matmul operand x with NaN on its diagonal where the (1, C) row
   `nan_row` is NaN; in the operand's dtype (bf16 for bf16 inputs, but not
-  on v5e): half the vregs of an f32 select (v6e, Qwen3-Next heads, T=512:
-  gdn_fwd 77.7 -> 75.6 k cycles; tpu7x, its loop not unrolled, 125.1 -> 125.4 k)."""
+  on v5e): half the vregs of an f32 select."""
   if st.mm == BF16 and not st.v5e_forms:
     x, nan_row = x.astype(BF16), nan_row.astype(BF16)
   return jnp.where(diag, x + nan_row, x)
@@ -136,7 +132,7 @@ def guard_state_out(out_ref, s_scr, flags_ref):
   """out_ref = s_scr, NaN for the heads h whose flags (`flags_ref` (Hv, L))
   are set in lane 0 (a poisoned final state, or initial state's gradient): a
   copy, and where a head is poisoned (never in a finite run) a pass over the
-  heads (per head in a loop: 4.2 k cycles on every row, v6e, Hv=32)."""
+  heads (a loop per head cost that on every row)."""
   out_ref[...] = s_scr[...]
 
   @pl.when(jnp.max(flags_ref[:, 0:1]) > 0.0)
@@ -227,11 +223,9 @@ def guard_bwd_tiles(r: "_Refs", st: "_Static"):
   tokens (`guard_rows[0]`): dv per value head, dq and dk where any value
   head of the key head's group is (`SegmentGuard.poison_gradients`), in a
   branch taken only in a chunk with a poisoned token, on every generation.
-  (It sits after the head groups, not inside an unrolled body. Adding the
-  tiles in every chunk instead was the cheaper form once, v6e, Qwen3-Next
-  heads, T=512: gdn_bwd 114.0 -> 113.6 k cycles; since this round's leaner
-  backward the branch is: v6e 96.8 -> 94.0 k, tpu7x, all heads on one
-  device, 183.4 -> 181.0 k.)"""
+  (It sits after the head groups, not inside an unrolled body; with the
+  leaner backward the branch beat adding the tiles in every chunk, on v6e
+  and tpu7x.)"""
   rows = r.guard_rows
 
   def key_head(j, heads):

@@ -53,12 +53,9 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   of `call.gdn_fwd`'s critical path. The pairs halve the merges' pushes, but with
   16 heads interleaved a level then has 8 pairs, too few to hide its latency:
   the unrolled kernels invert every head group's matrices in one list
-  (`fwd_kernel._fwd_chunk`). Qwen3-Next heads, T=512, gdn_fwd / gdn_fwd_states: 64.8 /
-  53.8 k cycles (Neumann sums on 8×8 blocks, then merges of the C/2 rows
-  they change, one Newton step) -> 62.8 / 51.1 (pairs, all groups in one
-  list) -> 57.0 / 47.4 k (no Newton step for bf16); v5e 103 / 82.8 -> 88.7 /
-  71.2 k; tpu7x (its head groups in a loop, pairs per group) 86.0 / 130 ->
-  81.3 / 127 k.
+  (`fwd_kernel._fwd_chunk`; tpu7x, whose head groups run in a loop, pairs
+  per group). Each step (pairs, one list, no Newton step for bf16) made the
+  forward kernels cheaper on the v6e, v5e and tpu7x estimates.
   """
   c = a_list[0].shape[0]
   row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
@@ -68,9 +65,8 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   # Pairs: a_{2i} and a_{2i+1}ᵀ in one tile (strictly lower / strictly
   # upper), their inverses T_{2i} and T_{2i+1}ᵀ in one tile z (unit diagonal
   # shared); a last unpaired matrix alone. The tile of the a's is only ever
-  # a bf16 operand: transposed in bf16, half the vregs through the XLU
-  # (v6e, Qwen3-Next heads, T=512: gdn_fwd / gdn_fwd_states 57.0 / 47.4 ->
-  # 56.4 / 46.7 k cycles); not in the v5e forms (16-bit packing).
+  # a bf16 operand: transposed in bf16, half the vregs through the XLU; not
+  # in the v5e forms (16-bit packing).
   pairs = [(a_list[i], a_list[i + 1] if i + 1 < len(a_list) else None)
            for i in range(0, len(a_list), 2)]
   wide = F32 if v5e_forms else BF16
@@ -120,8 +116,8 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
         # 128-row product, no hi/lo split), so it converges to
         # (I + bf16(a))⁻¹, a within 2⁻⁹ per entry, the perturbation rounding
         # T to bf16 for the products that use it makes anyway. Near-duplicate
-        # keys (the inverse test): error 3.6e-6 -> 1.1e-3. v6e, Qwen3-Next
-        # heads, T=512: gdn_fwd 80.0 -> 77.0 k cycles. (float32's first of two
+        # keys (the inverse test): error within the bf16 contract, for a
+        # cheaper forward. (float32's first of two
         # steps too cost its outputs ~25 % more error on unnormalised keys.)
         a_hi = numerics.round_bf16(a)[0] if v5e_forms else a.astype(BF16)
         at = numerics.mm(a_hi, t_parts[0])

@@ -60,9 +60,8 @@ def normed(x, st: common.Static, scale: float = 1.0):
   under `st.qk_l2norm` (`prologue.l2norm`, in float32 and not rounded to the
   input dtype), else (x, None). Per head tile: a whole block at once costs
   scoped VMEM. The sums are lane reductions: by
-  the MXU against ones (three bf16 pieces, as `gates.rowsum_row`) v6e's estimate
-  (Qwen3-Next heads, T=512) was 4.1 / 5.4 / 4.5 k cycles more in gdn_fwd /
-  gdn_fwd_states / gdn_bwd. `scale`: the tile times scale (the factor r
+  the MXU against ones (three bf16 pieces, as `gates.rowsum_row`) they cost
+  every kernel more on v6e's estimate. `scale`: the tile times scale (the factor r
   as it is)."""
   if not st.qk_l2norm:
     return (x, None) if scale == 1.0 else (x * scale, None)
@@ -184,7 +183,7 @@ class Prologue:
   def gate_params(self) -> tuple[jax.Array, jax.Array] | None:
     """(a_log, dt_bias) as [1, Hv] f32 (the kernels' inputs of those names;
     two inputs, not one stacked [2, Hv]: the stack was an XLA fusion of its
-    own, 0.6 k cycles per call on v6e), or None."""
+    own per call), or None."""
     if self.a_log is None:
       return None
     a_log = self.a_log.astype(F32).reshape(1, -1)

@@ -106,13 +106,9 @@ def gdn_fwd_requests(qkv: Float[Array, "T D"], log_decay: Float[Array, "T Hv"],
 
   Items past the requests' blocks (all of them in a decode batch) do nothing
   and move nothing: their index maps repeat the last block and the body is
-  under `pl.when` of the run flag. How libtpu's static estimate counts that
-  (measured on v6e, a 16-step kernel of four dependent 256x1024x1024 bf16
-  matmuls per step, blocks of 256 rows in and out): 76.6 k cycles; the body
-  under a pl.when on a scalar-prefetched flag 17.4 k (a skipped body costs
-  nothing, the block DMAs still count); block indices from SMEM that stay
-  the same 14.1 k (inputs) and 7.1 k (inputs and output): a DMA of a
-  data-dependent, repeated block index counts as nothing either. So a call
+  under `pl.when` of the run flag. libtpu's static estimate counts a
+  skipped body as nothing (the block DMAs still count), and a DMA of a
+  data-dependent, repeated block index as nothing either. So a call
   whose requests run no block costs its empty steps.
 
   The estimator aborts on this kernel as it runs ("No DMA issue node found
@@ -127,8 +123,7 @@ def gdn_fwd_requests(qkv: Float[Array, "T D"], log_decay: Float[Array, "T Hv"],
   blocks, one item each (a prefill, or tp8_mixed_64_t8192's prefill after
   63 decodes: the real kernel runs 64 of its ceil(T/C) + N - 1 = 127 items
   and skips the rest; running all 127 had counted every skipped item as a
-  whole block, v6e 848 k cycles for this kernel vs 429 k for the same
-  prefill alone). Without it the static-block estimate is that of a call
+  whole block, twice the prefill's own cost). Without it the static-block estimate is that of a call
   whose items are all skipped.
 
   `in_hbm`: qkv and out_base (so out) stay in HBM (else XLA may place them

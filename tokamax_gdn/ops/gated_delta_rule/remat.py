@@ -120,7 +120,7 @@ def call(op, query, key, value, g, beta, *, initial_state=None, a_log=None, dt_b
     # Named (so saved) as [B, T, Hv V], the Pallas kernels' own output (the
     # layer reads it so too): saved as [B, T, Hv, V], tiled over (Hv, V) on
     # TPU, XLA copied the kernel's output into it and the output's cotangent
-    # back (v6e, Qwen3-Next heads, T=512, save_gdn: 3.1 k cycles of glue).
+    # back.
     if "out" in names:
       out = checkpoint_name(out.reshape(*out.shape[:2], -1), names["out"]).reshape(out.shape)
     residuals = None if residuals is None else _named(residuals, names)
