@@ -135,6 +135,23 @@ def _prepare(x, weight, bias, initial_state, reach, cfg: Config) -> _Prepared:
   return _Prepared(xp, x_prev, w_t, bias_p, reach_p, bt, bd)
 
 
+def conv_tokens(x: jax.Array, weight: jax.Array, bias: jax.Array | None, *,
+                activation: str | None, config: Config) -> jax.Array:
+  """act(conv(x)) [B, T, D] from zero history: the forward kernel alone, for
+  other ops' kernels on one device (the serving op's chunked path), without
+  the op's dispatch, custom VJP or sharding wrapper. weight [D, W]."""
+  interpret = _check_supported(x, weight.shape[1])
+  if x.size == 0:
+    return jnp.zeros(x.shape, x.dtype)
+  t, d = x.shape[1:]
+  p = _prepare(x, weight, bias, None, None, config)
+  y = kernel.conv_fwd(
+      p.x, p.x_prev, p.w_t, p.bias, p.reach, bt=p.bt, bd=p.bd, activation=activation,
+      interpret=interpret, in_hbm=config.in_hbm,
+      vmem_limit_bytes=_vmem_limit(p.bt, p.bd, weight.shape[1], x.dtype.itemsize))
+  return y[:, :t, :d]
+
+
 # Dimension labels for `ops.partitioning`: channels D are independent ("h").
 _LABELS = dict(x="b t h", dy="b t h", weight="h w", bias="h",
                initial_state="b s h", reach="b t")

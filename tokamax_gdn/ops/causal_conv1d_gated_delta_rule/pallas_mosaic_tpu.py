@@ -47,7 +47,6 @@ from tokamax._src.ops import op
 
 from tokamax_gdn import config as gdn_config
 from tokamax_gdn.ops import config_hooks
-from tokamax_gdn.ops.causal_conv1d import api as conv_api
 from tokamax_gdn.ops.causal_conv1d import pallas_mosaic_tpu as conv_pallas
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import base
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu_decode as decode_kernel
@@ -297,12 +296,11 @@ def _requests_conv(qkv, conv_weight, conv_bias, taps, conv0, start, length, used
   """
   t_len, dim = qkv.shape
   n_max, kw1 = conv0.shape[0], taps.shape[0] - 1
-  conv = "pallas_mosaic_tpu"
-  if _in_hbm(qkv):
-    conv = conv_pallas.IMPLEMENTATION.replace(config=dataclasses.replace(
-        conv_pallas.heuristic_tiles(t_len, dim, block_t=_HBM_CONV_BLOCK_T), in_hbm=True))
-  act = conv_api.causal_conv1d(qkv[None], conv_weight[:, 0, :], conv_bias, activation="silu",
-                               implementation=conv)[0][0]
+  tiles = (dataclasses.replace(conv_pallas.heuristic_tiles(t_len, dim, block_t=_HBM_CONV_BLOCK_T),
+                               in_hbm=True)
+           if _in_hbm(qkv) else conv_pallas.heuristic_tiles(t_len, dim))
+  act = conv_pallas.conv_tokens(qkv[None], conv_weight[:, 0, :], conv_bias, activation="silu",
+                                config=tiles)[0]
   m = jnp.arange(kw1, dtype=jnp.int32)
   dus = n_max == 1 and at_least_window and t_len >= kw1
   if dus:
