@@ -351,9 +351,9 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
   flags = sds((s.b, nc, s.hv, c), jnp.float32)     # the guard's forward flags
   scale = s.k ** -0.5
 
-  def kwargs(cfg):
+  def kwargs(cfg, kind):
     with aot.on_target(mesh):
-      out = pallas._kernel_args(cfg, *args[:3:2], False)   # pylint: disable=protected-access
+      out = pallas._kernel_args(cfg, *args[:3:2], False, kind)   # pylint: disable=protected-access
     if vmem_limit_mib:
       out["vmem_limit_bytes"] = vmem_limit_mib << 20
     return out
@@ -366,18 +366,18 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
 
   def fwd(q, k, v, g, beta, a_log, dt_bias):
     out, _, _ = kernel.gdn_fwd(*heads(q, k, v), g, beta, scale=scale, final_state=False,
-                               pro=pro(a_log, dt_bias), guard=True, **kwargs(fwd_cfg))
+                               pro=pro(a_log, dt_bias), guard=True, **kwargs(fwd_cfg, "fwd"))
     return workload.merge_heads(out)
 
   def states_pass(q, k, v, g, beta, a_log, dt_bias):
     return kernel.gdn_fwd(*heads(q, k, v), g, beta, scale=scale,
                           write_out=False, emit_residuals=True, final_state=False, guard=True,
-                          pro=pro(a_log, dt_bias), **kwargs(states_cfg))[2]
+                          pro=pro(a_log, dt_bias), **kwargs(states_cfg, "states"))[2]
 
   def bwd(q, k, v, g, beta, a_log, dt_bias, d_out, states, tmats, flags):
     grads = kernel.gdn_bwd(*heads(q, k, v), g, beta, workload.split_heads(d_out, s.v), None,
                            scale=scale, residuals=(states, tmats, flags), guard=True,
-                           pro=pro(a_log, dt_bias), **kwargs(bwd_cfg))
+                           pro=pro(a_log, dt_bias), **kwargs(bwd_cfg, "bwd"))
     return tuple(map(workload.merge_heads, grads[:3])) + tuple(grads[3:])
 
   label = lambda name, cfg: f"{name} C={cfg.chunk_size} interleave={cfg.interleave}"
