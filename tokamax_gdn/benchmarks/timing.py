@@ -14,10 +14,6 @@ What every on-chip table of `tokamax-gdn bench` is built from:
 
 import collections
 import dataclasses
-import glob
-import gzip
-import json
-import os
 import statistics
 import tempfile
 import time
@@ -25,6 +21,8 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+
+from tokamax_gdn.training import profile
 
 # Published peaks: bf16 dense MXU FLOP/s and HBM bytes/s per chip.
 PEAKS: dict[str, tuple[float, float]] = {
@@ -112,16 +110,6 @@ def measure_floors(matmul_n: int = 8192, stream_bytes: int = 1 << 31, n: int = 1
                 peak_flops=peak[0] if peak else None, peak_hbm=peak[1] if peak else None)
 
 
-def _trace_events(trace_dir: str) -> list[dict[str, Any]]:
-  files = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
-                           recursive=True))
-  if not files:
-    raise RuntimeError(f"jax.profiler wrote no perfetto trace under {trace_dir}.")
-  with gzip.open(files[-1]) as f:
-    data = json.load(f)
-  return data["traceEvents"] if isinstance(data, dict) else data
-
-
 def device_op_times(fn: Callable[..., Any], *args, calls: int = 3,
                     device_substring: str = "TPU") -> list[dict[str, Any]]:
   """Per-op device time of `fn(*args)`: [{name, thread, us, count}], the
@@ -140,7 +128,7 @@ def device_op_times(fn: Callable[..., Any], *args, calls: int = 3,
         jax.block_until_ready(fn(*args))
     finally:
       jax.profiler.stop_trace()
-    events = _trace_events(d)
+    events = profile.trace_events(d)
   process, thread = {}, {}
   for e in events:
     if e.get("ph") == "M" and e.get("name") == "process_name":

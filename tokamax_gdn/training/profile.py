@@ -72,15 +72,17 @@ def instruction_groups(hlo_text: str) -> dict[str, str | None]:
   return out
 
 
-def _trace_events(trace_dir: str) -> list[dict[str, Any]]:
+def trace_events(trace_dir: str) -> list[dict[str, Any]]:
+  """Every event of the perfetto trace `jax.profiler` wrote under `trace_dir`
+  (the newest, with `create_perfetto_trace=True`): durations ("X") and the
+  process / thread names ("M")."""
   files = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
                            recursive=True))
   if not files:
     raise RuntimeError(f"jax.profiler wrote no perfetto trace under {trace_dir}.")
   with gzip.open(files[-1]) as f:
     data = json.load(f)
-  events = data["traceEvents"] if isinstance(data, dict) else data
-  return [e for e in events if e.get("ph") == "X"]
+  return data["traceEvents"] if isinstance(data, dict) else data
 
 
 def profiled_call(compiled, *args, trace_dir: str | None = None):
@@ -100,7 +102,7 @@ def profiled_call(compiled, *args, trace_dir: str | None = None):
       step = time.perf_counter() - t0
     finally:
       jax.profiler.stop_trace()
-    events = _trace_events(d)
+    events = [e for e in trace_events(d) if e.get("ph") == "X"]
   per_group = collections.Counter()
   for e in events:
     if e.get("name") in groups:
