@@ -114,24 +114,30 @@ class Config:
   chunk_size: C of the chunked GDN kernel.
   min_chunked_tokens: requests at least this long take the chunked path (see
     the module doc); shorter ones the decode kernel.
+  decode_rolled: requests per iteration of the decode kernel's fori_loop over
+    a tile (a divisor of decode_tile); 0 traces every request of the tile
+    (lower and compile time grow with the tile). See
+    `pallas_mosaic_tpu_decode.DecodeStatic.rolled`.
   """
 
   decode_tile: Annotated[int, pydantic.Field(gt=0, multiple_of=8)] = 16
   chunk_size: Literal[64, 128] = 128
   min_chunked_tokens: Annotated[int, pydantic.Field(ge=2)] = 128
+  decode_rolled: Literal[0, 1, 2, 4, 8] = 2
 
 
 def _heuristics(ba: op.BoundArguments) -> Config:
-  """Decode tiles of 8 requests, C = 128, and the
-  chunked path from C tokens on.
+  """Decode tiles of 8 requests, stepped 2 at a time in a loop, C = 128,
+  and the chunked path from C tokens on.
 
   On the v5e chip a tile of 8 was faster than one of 32 at every TP8 decode
-  spec and compiled in a quarter of the time (the kernel unrolls a tile's
-  requests); `tokamax-gdn bench` on a TPU re-measures it, and autotuning
-  explores 16 to 64 (libtpu's v6e estimate favoured the larger tiles).
+  spec (measured with the unrolled kernel, `decode_rolled=0`, whose compile
+  time grows with the tile; the rolled one's does not); `tokamax-gdn bench`
+  on a TPU re-measures it, and autotuning explores 16 to 64 (libtpu's v6e
+  estimate favoured the larger tiles).
   """
   del ba
-  return Config(decode_tile=8, chunk_size=128, min_chunked_tokens=128)
+  return Config(decode_tile=8, chunk_size=128, min_chunked_tokens=128, decode_rolled=2)
 
 
 def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
@@ -157,8 +163,8 @@ _RESIDENT_OUT_BYTES = 1 << 20
 
 def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool, *, num_requests: int,
                    num_tokens: int, act_itemsize: int, num_slots: int = 1, min_chunked: int = 0,
-                   has_bias: bool = True, has_reads: bool = False, has_offsets: bool = False
-                   ) -> decode_kernel.DecodeStatic:
+                   has_bias: bool = True, has_reads: bool = False, has_offsets: bool = False,
+                   rolled: int = 0) -> decode_kernel.DecodeStatic:
   direct = mid and window == 1
   blk = decode_kernel.BLOCK_ROWS
   tile = min(tile, round_up(num_requests, 8))
@@ -175,7 +181,8 @@ def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool, *, num_re
                                     has_reads=has_reads, has_offsets=has_offsets,
                                     all_run=_all_run is not None,
                                     all_init=_all_run is not False,
-                                    v5e_forms=gdn_common.v5e_forms())
+                                    v5e_forms=gdn_common.v5e_forms(),
+                                    rolled=rolled if tile % max(rolled, 1) == 0 else 0)
 
 
 def _decode_vmem(args, tile: int, window: int) -> int:
@@ -209,7 +216,8 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, 
                       num_slots=rec_pool.shape[0], min_chunked=min_chunked,
                       has_bias=conv_bias is not None,
                       has_reads=reqs.index.read_state_indices is not None,
-                      has_offsets=reqs.index.read_offsets is not None)
+                      has_offsets=reqs.index.read_offsets is not None,
+                      rolled=cfg.decode_rolled)
   need = decode_kernel.vmem_bytes(st, jnp.dtype(rec_pool.dtype).itemsize,
                                   jnp.dtype(qkv.dtype).itemsize)
   gdn_vmem.check_vmem(

@@ -24,6 +24,18 @@ product with S and no decay of it. A wait (and a `pl.when`) per request had
 left each request's chain exposed (on the v6e estimate, groups of 8 cut a
 quarter of a cached decode's cost).
 
+Rolled (`DecodeStatic.rolled` = n > 0, the default): the groups are n
+requests, the iterations of a `lax.fori_loop` over the tile, so the traced
+kernel holds n requests' steps (and their short-prefill and elsewhere
+tails) whatever the tile: lower and compile time no longer grow with it.
+The loop reads each request's rows at a traced index from f32 VMEM that
+the vectorised prologue fills ([x; q | k | v], [beta; decay]; one row at
+a dynamic sublane offset is a load Mosaic has in f32, not in bf16), takes
+its q / k columns by one (8, K) transpose, and writes its output row to
+f32 VMEM, copied to the output block after the loop. Windows of several
+tokens loop over the tile's requests the same way. Unrolled (n = 0) every
+request of the tile is traced, in groups of `_GROUP`.
+
 Why every DMA is started and waited in the same grid step: libtpu's static
 cycle estimator aborts ("No DMA issue node found for sync flag") on a wait
 whose DMA was issued in an earlier grid step or loop iteration, and each
@@ -124,10 +136,16 @@ class DecodeStatic:
   v5e_forms: bool = False
   # Pallas interpret mode (set by `decode`): the loops over a tile's requests
   # run as fori_loops, one traced copy of their bodies. Unrolled (as the TPU
-  # kernel is, for its scheduler), interpret mode discharges and XLA:CPU
-  # compiles every request's copy: the serving tests' kernel compiles took
-  # most of their time.
+  # kernel is with `rolled` 0, for its scheduler), interpret mode discharges
+  # and XLA:CPU compiles every request's copy: the serving tests' kernel
+  # compiles took most of their time.
   interpret: bool = False
+  # Requests per iteration of a fori_loop over the tile's requests (their
+  # GDN steps, a window's tokens), each read from f32 VMEM rows at a traced
+  # index: the kernel's traced size, so its lower and compile time, stays
+  # that of `rolled` requests whatever the tile. 0: every request of the
+  # tile traced (Python-unrolled), which compiles in time linear in the tile.
+  rolled: int = 0
 
   @property
   def dim(self) -> int:
@@ -148,10 +166,11 @@ START, LENGTH, HAS_INIT, READ_SLOT, WRITE_SLOT, CHECKPOINTS = range(6)
 _META = 6
 
 
-def _each(st: DecodeStatic, lo: int, hi: int, body):
+def _each(st: DecodeStatic, lo: int, hi: int, body, roll: bool = False):
   """body(j) for j in range(lo, hi): unrolled, j a Python int (the TPU
-  kernel), or in interpret mode (`st.interpret`) a fori_loop, j traced."""
-  if st.interpret and hi - lo > 1:
+  kernel), or in interpret mode (`st.interpret`), or where `roll` and
+  `st.rolled`, a fori_loop, j traced."""
+  if (st.interpret or (roll and st.rolled)) and hi - lo > 1:
     def step(j, carry):
       body(j)
       return carry
@@ -217,7 +236,7 @@ def _step_metadata(st: DecodeStatic, base, idx, meta_scr):
     meta_scr[CHECKPOINTS, j] = jnp.where(decode, jnp.minimum(length, st.window),
                                          valid.astype(jnp.int32))
 
-  _each(st, 0, st.tile, request)
+  _each(st, 0, st.tile, request, roll=True)
 
 
 def _split(x):
@@ -294,6 +313,28 @@ def _pad_rows(x):
   """(n, L) -> (round_up(n, 8), L), zero rows below."""
   pad = -x.shape[0] % _ROWS
   return jnp.concatenate([x, jnp.zeros((pad, x.shape[1]), x.dtype)], axis=0) if pad else x
+
+
+class _Row:
+  """`_Prepared`'s values for one token (row 0), from the rows the rolled
+  loop reads at a traced index: `qkv` (1, D) [q (scaled) | k, each
+  L2-normalised per key head | v], beta and decay (1, Hv)."""
+
+  def __init__(self, st: DecodeStatic, qkv, beta, decay):
+    dk, kd = st.d_k, st.n_kq * st.d_k
+    self.act, self.beta, self.decay = qkv, beta, decay
+    self.q, self.k, self.qk, self.q_cols, self.k_cols = [], [], [], [], []
+    for i in range(st.n_kq):
+      q = qkv[:, i * dk:(i + 1) * dk]
+      k = qkv[:, kd + i * dk:kd + (i + 1) * dk]
+      self.q.append(q)
+      self.k.append(k)
+      self.qk.append(jnp.sum(q * k, axis=-1, keepdims=True))
+      # One (8, K) transpose gives both columns (a traced row has no
+      # vectorised transpose to share).
+      cols = _rows([q, k], dk).T                                         # (K, 8)
+      self.q_cols.append(cols[:, 0:1])
+      self.k_cols.append(cols[:, 1:2])
 
 
 def _heads(st: DecodeStatic, p: _Prepared, row: int, bcast_scr, s_read, s_write):
@@ -403,7 +444,9 @@ def _kernel(*refs, st: DecodeStatic):
   conv_out, rec_out = refs.pop(0), refs.pop(0)
   (conv_ibuf, rec_ibuf, conv_obuf, rec_obuf, win_scr, act_scr, bcast_scr, s_scr, sem_in,
    sem_out, meta_scr) = refs[:11]
-  blk_bufs = refs[11:]
+  roll = st.rolled > 0
+  roll_bufs = refs[11:14] if roll else ()
+  blk_bufs = refs[11 + len(roll_bufs):]
   base = pl.program_id(0) * st.tile
   del conv_out, rec_out     # aliased with conv_in / rec_in: the DMAs write those
   n_w = st.window
@@ -528,7 +571,10 @@ def _kernel(*refs, st: DecodeStatic):
   _each(st, 0, st.tile, start_reads)
 
   first_step = pl.program_id(0) == 0
-  o_rows = blk_bufs[-1] if resident else o_ref     # the tile's rows
+  o_tile = blk_bufs[-1] if resident else o_ref     # the tile's rows
+  # Rolled: rows written at a traced index go to f32 VMEM (a dynamic sublane
+  # offset into a bf16 ref is not a store Mosaic has), copied once after.
+  o_rows = roll_bufs[2] if roll else o_tile
   if resident:
     @when(first_step)
     def _():
@@ -549,7 +595,7 @@ def _kernel(*refs, st: DecodeStatic):
         cp.start()
 
   if n_w > 1:
-    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+    o_rows[...] = jnp.zeros(o_rows.shape, o_rows.dtype)
   pool_f32 = rec_ibuf.dtype == F32
 
   if n_w == 1:
@@ -589,7 +635,7 @@ def _kernel(*refs, st: DecodeStatic):
           b_scr[_at(j), :] = b
           a_scr[_at(j), :] = a
 
-      _each(st, 0, st.tile, fetch_elsewhere)
+      _each(st, 0, st.tile, fetch_elsewhere, roll=True)
       x, b_rows, a_rows = x_scr[...], b_scr[...], a_scr[...]
     else:
       x, b_rows, a_rows = (x_ref[...].astype(F32), b_ref[...].astype(F32),
@@ -597,38 +643,72 @@ def _kernel(*refs, st: DecodeStatic):
     prep = _Prepared(st, x, [jnp.concatenate([w[r:r + 1] for w in wins], axis=0)
                              for r in range(kw1)],
                      b_rows, a_rows, prm, act_scr)
+    if roll:
+      # The rolled loop's rows, read at a traced request index (f32 VMEM:
+      # Mosaic loads one row at a dynamic sublane offset there).
+      xq_scr, gate_scr = roll_bufs[0], roll_bufs[1]
+      kd = st.n_kq * st.d_k
+      xq_scr[0] = x
+      xq_scr[1] = jnp.concatenate(prep.q + prep.k + [prep.act[:, 2 * kd:]], axis=1)
+      gate_scr[0] = prep.beta
+      gate_scr[1] = prep.decay
+
+      def win_of(j):    # (the vectorised conv's rows, again for a traced j)
+        init = init_of(j)
+        conv = conv_ibuf[j].astype(F32)
+        return conv if init is True else jnp.where(init, conv, 0.0)
+
+      row_of = lambda ref, j: ref[pl.ds(j, 1), :]
+      x_of = lambda j: row_of(xq_scr.at[0], j)
+      b_of = lambda j: row_of(blk_bufs[6], j)
+      a_of = lambda j: row_of(blk_bufs[7], j)
+    else:
+      x_of = lambda j: _take(x, j)
+      b_of = lambda j: _take(b_rows, j)
+      a_of = lambda j: _take(a_rows, j)
+
     def group_steps(group, fresh: bool):
-      """The GDN steps of a group; `fresh`: none of its requests reads a
-      state (each starts from zeros: no read, no product with S)."""
+      """The GDN steps of a group, (request, its bcast_scr slot) pairs;
+      `fresh`: none of its requests reads a state (each starts from zeros:
+      no read, no product with S)."""
       if not fresh:
-        for j in group:
+        for j, _ in group:
           @when(loads(j))
           def _():
             read_rec(j).wait()
           zero_unread(j)
-      def step(j):
-        window = jnp.concatenate([win_of(j)[1:], _take(x, j)], axis=0)
+      def step(j, o):
+        window = jnp.concatenate([win_of(j)[1:], x_of(j)], axis=0)
         conv_obuf[j, 0] = window.astype(conv_obuf.dtype)
 
         def s_write(h, s, j=j):
           rec_obuf[j, 0, h] = s.astype(rec_obuf.dtype)
 
-        out = _heads(st, prep, j, bcast_scr.at[j], None if fresh else first_read(j), s_write)
+        if roll:
+          p, row = _Row(st, row_of(xq_scr.at[1], j), row_of(gate_scr.at[0], j),
+                        row_of(gate_scr.at[1], j)), 0
+        else:
+          p, row = prep, j
+        out = _heads(st, p, row, bcast_scr.at[o], None if fresh else first_read(j), s_write)
         if not st.all_run:
           out = jnp.where(runs(j), out, 0.0)
         o_rows[_at(j), :] = out.astype(o_rows.dtype)
 
-      _each(st, group.start, group.stop, step)
+      if roll:
+        for j, o in group:
+          step(j, o)
+      else:
+        _each(st, group[0][0], group[-1][0] + 1, lambda j: step(j, j))
 
-    for g0 in range(0, st.tile, _GROUP):
-      group = range(g0, min(g0 + _GROUP, st.tile))
+    def run_group(group):
       if st.all_run:
         group_steps(group, fresh=not st.all_init)
       else:
-        any_read = functools.reduce(jnp.logical_or, [loads(j) for j in group])
-        pl.when(any_read)(lambda group=group: group_steps(group, fresh=False))
-        pl.when(jnp.logical_not(any_read))(lambda group=group: group_steps(group, fresh=True))
-      def finish(j):
+        any_read = functools.reduce(jnp.logical_or, [loads(j) for j, _ in group])
+        pl.when(any_read)(lambda: group_steps(group, fresh=False))
+        pl.when(jnp.logical_not(any_read))(lambda: group_steps(group, fresh=True))
+
+      def finish(j, o):
         if st.mid_tokens and not st.all_run:
           # A short prefill (more than one token): token 0 again, token by
           # token from here, keeping the state in float32 between tokens.
@@ -637,9 +717,8 @@ def _kernel(*refs, st: DecodeStatic):
             zero_unread(j)      # (a fresh group's steps left it unread)
             win_scr[...] = win_of(j)
             o_rows[_at(j), :] = _token(
-                st, _take(x, j), _take(b_rows, j), _take(a_rows, j),
-                prm, win_scr, act_scr.at[0:1], bcast_scr.at[j],
-                first_read(j), scr_write).astype(o_rows.dtype)
+                st, x_of(j), b_of(j), a_of(j), prm, win_scr, act_scr.at[0:1],
+                bcast_scr.at[o], first_read(j), scr_write).astype(o_rows.dtype)
 
             def store(t):
               del t   # short prefills keep only their final state
@@ -662,7 +741,25 @@ def _kernel(*refs, st: DecodeStatic):
           for cp in writes(j, 0):
             cp.start()
 
-      _each(st, group.start, group.stop, finish)
+      if roll:
+        for j, o in group:
+          finish(j, o)
+      else:
+        _each(st, group[0][0], group[-1][0] + 1, lambda j: finish(j, j))
+
+    if roll:
+      # `rolled` requests per iteration: one wait for their state reads, then
+      # their steps with no branch between them (as a group's, below).
+      def iteration(i, carry):
+        j0 = i * st.rolled
+        run_group([(j0 + o, o) for o in range(st.rolled)])
+        return carry
+
+      lax.fori_loop(0, st.tile // st.rolled, iteration, 0)
+      o_tile[...] = o_rows[...].astype(o_tile.dtype)
+    else:
+      for g0 in range(0, st.tile, _GROUP):
+        run_group([(j, j) for j in range(g0, min(g0 + _GROUP, st.tile))])
 
     if resident:
       # Rows base.. of the output: request j's row where it runs and its token
@@ -670,7 +767,7 @@ def _kernel(*refs, st: DecodeStatic):
       n = min(_BLOCK, st.tile)    # (a tile of 8 is a single grid step: base 0)
       for c in range(0, st.tile, n):
         rows = pl.ds(pl.multiple_of(base + c, n), n)
-        mine = o_rows[c:c + n, :].astype(F32)
+        mine = o_tile[c:c + n, :].astype(F32)
         if not st.all_run:
           iota = lax.broadcasted_iota(jnp.int32, (n, 1), 0)
           home = jnp.zeros((n, 1), jnp.int32)
@@ -711,11 +808,10 @@ def _kernel(*refs, st: DecodeStatic):
         @when(True if st.all_run else t < length)
         def _():
           row = j * n_w + t
-          out = _token(st, x_ref[_at(row), :].astype(F32),
-                       b_ref[_at(row), :].astype(F32), a_ref[_at(row), :].astype(F32),
+          out = _token(st, *(r[_at(row), :].astype(F32) for r in in_rows),
                        prm, win_scr, act_scr, bcast_scr.at[0],
                        first_read(j) if t == 0 else later_read, scr_write)
-          o_ref[_at(row), :] = out.astype(o_ref.dtype)
+          o_rows[_at(row), :] = out.astype(o_rows.dtype)
           store(t)
 
       if st.mid_tokens and not st.all_run:
@@ -728,7 +824,17 @@ def _kernel(*refs, st: DecodeStatic):
             cp.start()
 
   if n_w > 1:
-    _each(st, 0, st.tile, request_tokens)
+    if roll:
+      # Rows at a traced index come from f32 copies (see `o_rows`).
+      roll_bufs[0][0] = x_ref[...].astype(F32)
+      roll_bufs[1][0] = b_ref[...].astype(F32)
+      roll_bufs[1][1] = a_ref[...].astype(F32)
+      in_rows = (roll_bufs[0].at[0], roll_bufs[1].at[0], roll_bufs[1].at[1])
+    else:
+      in_rows = (x_ref, b_ref, a_ref)
+    _each(st, 0, st.tile, request_tokens, roll=True)
+    if roll:
+      o_tile[...] = o_rows[...].astype(o_tile.dtype)
 
   if st.direct and not resident:
     @when(first_step)
@@ -831,12 +937,19 @@ def decode(index, xs, bs, as_, taps, bias, a_log, dt_bias, conv_pool, rec_pool, 
       pltpu.VMEM((tile, n_w, hv, st.d_k, st.d_v), rec_pool.dtype),
       pltpu.VMEM((kw1, dim), F32),
       pltpu.VMEM((tile if n_w == 1 else 1, dim), F32),
-      pltpu.VMEM((tile if n_w == 1 else 1, 2, st.d_k, st.d_v), F32),
+      pltpu.VMEM((_bcast_slots(st), 2, st.d_k, st.d_v), F32),
       pltpu.VMEM((hv, st.d_k, st.d_v), F32),
       pltpu.SemaphoreType.DMA((2, tile)),
       pltpu.SemaphoreType.DMA((2, tile, n_w)),
       pltpu.SMEM((_META, tile), jnp.int32),
   ]
+  if st.rolled:
+    assert tile % st.rolled == 0, (tile, st.rolled)
+    # The rolled loop's f32 rows: n_w = 1: [x; q | k | v], [beta; decay]
+    # (the prepared tile), else [x], [b; a] (the blocks); and the output rows.
+    scratch += [pltpu.VMEM((2 if n_w == 1 else 1, tile * n_w, dim), F32),
+                pltpu.VMEM((2, tile * n_w, hv), F32),
+                pltpu.VMEM((tile * n_w, hv * st.d_v), F32)]
   if st.mid_tokens:
     scratch += [pltpu.VMEM((_BLOCK, dim), qkv.dtype), pltpu.VMEM((_BLOCK, hv), b.dtype),
                 pltpu.VMEM((_BLOCK, hv), a.dtype), pltpu.VMEM((_BLOCK, hv * st.d_v), out_dtype),
@@ -867,6 +980,12 @@ def decode(index, xs, bs, as_, taps, bias, a_log, dt_bias, conv_pool, rec_pool, 
   return out, out_mid, conv_pool, rec_pool
 
 
+def _bcast_slots(st: DecodeStatic) -> int:
+  """Lane-broadcast buffers (`_heads`): one per request whose steps are
+  traced together."""
+  return (st.rolled or st.tile) if st.window == 1 else 1
+
+
 def _fill_rows(t_pad: int) -> int:
   """Rows of the zero block direct mode fills `out_mid` with (a divisor of
   t_pad, a multiple of _BLOCK, at most 256)."""
@@ -884,8 +1003,11 @@ def vmem_bytes(st: DecodeStatic, pool_itemsize: int, act_itemsize: int) -> int:
   conv = (st.kernel_size - 1) * st.dim
   bufs = st.tile * (1 + st.window) * (state + conv) * pool_itemsize
   acts = 2 * 2 * st.tile * st.window * (st.dim + 2 * st.n_v + st.n_v * st.d_v) * act_itemsize
-  bcast = (st.tile if st.window == 1 else 1) * 2 * st.d_k * st.d_v
+  bcast = _bcast_slots(st) * 2 * st.d_k * st.d_v
   rows = st.tile * (st.dim + 2 * st.n_v) if st.direct else 0   # direct mode's f32 rows
+  if st.rolled:   # the rolled loop's f32 rows (`decode`'s scratch)
+    n = st.tile * st.window
+    rows += n * ((2 if st.window == 1 else 1) * st.dim + 2 * st.n_v + st.n_v * st.d_v)
   scratch = 4 * (state + conv + st.dim + bcast + rows)
   out_row = st.n_v * st.d_v * act_itemsize
   if st.resident_rows:
