@@ -105,25 +105,40 @@ def canonical_out_dtype(lhs, rhs, preferred_element_type) -> jnp.dtype:
 
 def ragged_dot(lhs, rhs, group_sizes, dims, compute_dtype) -> jax.Array:
   """`jax.lax.ragged_dot_general` of lhs and rhs converted to `compute_dtype`,
-  accumulated in float32.
+  accumulated in float32, with the rows that no group covers zero.
 
   On TPU the ragged dot is a Mosaic kernel that runs one bf16 MXU pass
-  whatever `precision` says (on the v5e chip, f32 operands at HIGHEST gave a
-  1.5e-3 relative error, and bf16 ones at HIGHEST did not compile: "Bad lhs
-  type"). So float32 operands run as three bf16 passes, hi·hi + hi·lo +
-  lo·hi of their bf16 splits (lo·lo is below f32's rounding of the sum), on
-  every backend alike; other dtypes run one pass at DEFAULT, exact products.
+  whatever `precision` says (f32 operands at HIGHEST lose f32 accuracy, and
+  bf16 ones at HIGHEST do not compile: "Bad lhs type"). So float32 operands
+  run as three bf16 passes, hi·hi + hi·lo + lo·hi of their bf16 splits (lo·lo
+  is below f32's rounding of the sum), on every backend alike; other dtypes
+  run one pass at DEFAULT, exact products. The split rounds with
+  `reduce_precision`: XLA may drop an f32 -> bf16 -> f32 round trip as
+  allowed excess precision (TPU does), which would make every lo piece zero.
+
+  The TPU kernel leaves the output rows past sum(group_sizes) unwritten, and
+  a ragged contraction may read the operands' rows past it: both are masked
+  here, so that those rows are zero (and the contraction ignores them) as
+  the op's contract says, on every backend.
   """
   dot = lambda a, b: jax.lax.ragged_dot_general(
       a, b, group_sizes, ragged_dot_dimension_numbers=dims,
       precision=jax.lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
   lhs, rhs = lhs.astype(compute_dtype), rhs.astype(compute_dtype)
+  rows = lambda x: jnp.arange(x.shape[0])[:, None] < jnp.sum(group_sizes)
+  ragged_contraction = dims.lhs_ragged_dimensions[0] in dims.dot_dimension_numbers[0][0]
+  if ragged_contraction:
+    lhs = jnp.where(rows(lhs), lhs, jnp.zeros((), lhs.dtype))
+    rhs = jnp.where(rows(rhs), rhs, jnp.zeros((), rhs.dtype))
   if jnp.dtype(compute_dtype) != jnp.float32:
-    return dot(lhs, rhs)
-  split = lambda x: (x.astype(jnp.bfloat16),
-                     (x - x.astype(jnp.bfloat16).astype(jnp.float32)).astype(jnp.bfloat16))
-  (lh, ll), (rh, rl) = split(lhs), split(rhs)
-  return dot(lh, rh) + (dot(lh, rl) + dot(ll, rh))
+    out = dot(lhs, rhs)
+  else:
+    def split(x):
+      hi = jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+      return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
+    (lh, ll), (rh, rl) = split(lhs), split(rhs)
+    out = dot(lh, rh) + (dot(lh, rl) + dot(ll, rh))
+  return out if ragged_contraction else jnp.where(rows(out), out, 0.0)
 
 
 def compute_dtype(lhs_dtype, rhs_dtype) -> jnp.dtype:
