@@ -9,7 +9,9 @@
 - CPU-scaled versions of those layouts (small heads, short prefills) and odd
   cases (GVA 1:4, d_k = d_v = 128 at T = 24, padded batches, context > 0,
   verify windows, f32 and bf16 pools): four tagged 'conformance' (three also
-  'interpret', for Pallas interpret mode), the others 'odd'.
+  'interpret', for Pallas interpret mode), the others 'odd'. The Pallas
+  kernels need d_k, d_v multiples of 128 on a chip: the 'dk128' ones are what
+  the on-chip tier runs of these.
 - The decode and prefill parts of the two mixed AOT workloads as separate
   calls ('aot_parts'), to compare the mixed calls with.
 - The benchmark workloads of `tokamax-gdn bench` ('bench'): Hk=2, Hv=8,
@@ -164,6 +166,8 @@ ARG_SPECS: list[ArgSpec] = [
          num_spec_tokens=1, tags=_O, **_TINY, **f32),
     spec("dk128_mixed", lengths=[1, 1, 22], context_lens=[3, 3, 0], n_kq=1, n_v=1, d_k=128,
          d_v=128, tags=_O, **f32),
+    spec("dk128_spec3_bf16_padded", lengths=[4, 2, 3], context_lens=[9, 9, 5],
+         num_spec_tokens=3, max_reqs=4, n_kq=1, n_v=2, d_k=128, d_v=128, tags=_O),
     spec("bf16_spec3_padded", lengths=[4, 3], context_lens=9, num_spec_tokens=3, max_reqs=4,
          tags=_O, **_TINY),
     # tokamax's named workloads (Qwen3.5-397B and friends).
