@@ -3,12 +3,29 @@
 Used by `tokamax-gdn validate`. Inputs are fresh random arrays shaped like one
 GatedDeltaNet layer of the preset (heads, head dims, conv width); gmm/tgmm use
 an MoE-like [tokens, hidden] x [8 experts, hidden, hidden // 4] problem.
+
+Each row runs in milliseconds: nearly all of the command's time is compiling,
+so `run` builds everything first and concurrently, then runs. Every program
+(each op's reference and each implementation's loss-and-grads, the layer
+through each implementation) is lowered from the inputs' shapes alone
+(`jax.eval_shape` of the case) and compiled ahead of time in a thread pool
+(XLA compiles outside the GIL); the random inputs, whose eager ops are small
+compiles of their own, are made in the same pool. The main thread then runs
+the compiled programs and compares them in row order.
 """
 
+import concurrent.futures
+import dataclasses
+import functools
+import os
+import sys
 import time
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import tqdm
 
 from tokamax_gdn import autotuning
 from tokamax_gdn import config
@@ -17,6 +34,11 @@ from tokamax_gdn import registry
 from tokamax_gdn.ops.gated_delta_rule.arg_specs import random_inputs
 from tokamax_gdn.testing import conformance
 from tokamax_gdn.testing import specs as specs_lib
+
+LAYER = "layer:gated_deltanet"
+# With progress on, how often the compile phase names what is still compiling,
+# so one long compile does not look like a hang.
+STALL_REPORT_S = 15.0
 
 
 def _gdn_case(cfg, batch, seq_len, key):
@@ -77,98 +99,263 @@ def _runnable(impl_name: str, interpret: bool) -> str | None:
   return None
 
 
-def _prepare(op_name, case, key):
-  """What every implementation of `op_name` is checked against, computed once:
-  the case's differentiable arguments, the call, and the reference's output
-  and gradients (jitted)."""
-  args, kwargs, diff_names, shape = case
-  spec = autotuning.ArgSpec(name=op_name, make=lambda _: (args, kwargs),
-                           diff_argnames=diff_names)
+_ARRAY = object()   # where an array leaf goes back in `_join`
+
+
+def _split(tree) -> tuple[list, Any]:
+  """The array leaves of `tree`, and the rest of it (static leaves such as
+  `output_final_state=True`) to put them back with `_join`. The arrays are the
+  compiled programs' arguments: nothing is baked in as a constant, so a program
+  can be compiled before its inputs exist."""
+  leaves, treedef = jax.tree.flatten(tree)
+  arrays = [x for x in leaves if isinstance(x, jax.Array)]
+  return arrays, (treedef, [_ARRAY if isinstance(x, jax.Array) else x for x in leaves])
+
+
+def _join(arrays, structure):
+  treedef, leaves = structure
+  it = iter(arrays)
+  return jax.tree.unflatten(treedef, [next(it) if x is _ARRAY else x for x in leaves])
+
+
+def _shapes(make, key) -> tuple[list, Any]:
+  """A ShapeDtypeStruct per array of `make(key)`, and its structure (`_split`),
+  from tracing `make`: nothing is computed."""
+  box = {}
+
+  def arrays(k):
+    out, box["structure"] = _split(make(k))
+    return out
+
+  return jax.eval_shape(arrays, key), box["structure"]
+
+
+def _leaves(tree):
+  return [x for x in jax.tree.leaves(tree) if x is not None]
+
+
+def _finite(x) -> bool:
+  """In numpy: an eager jnp op would compile once per shape, on the main thread."""
+  return bool(np.all(np.isfinite(np.asarray(x, np.float32))))
+
+
+@dataclasses.dataclass
+class _Group:
+  """One op (or the layer): its inputs as shapes, and what each implementation
+  runs on them. Everything here is known without computing anything."""
+  name: str
+  make: Callable[[jax.Array], Any]        # key -> the inputs (eager)
+  program: Callable[[str], Callable]      # implementation -> fn(input arrays)
+  compare: Callable[..., dict]            # (impl, result, expected) -> row
+  abstract: list                          # a ShapeDtypeStruct per input array
+  structure: Any                          # from `_split`
+
+
+def _op_group(op_name, make_case, cfg, batch, seq_len, key) -> _Group:
+  """Traces the case (no compute) for its shapes and the call's structure; each
+  implementation's program is its loss and gradients, as in the conformance
+  suite."""
+  static = {}
+
+  def make(k):
+    args, kwargs, static["diff_names"], static["shape"] = make_case(cfg, batch, seq_len, k)
+    return args, kwargs
+
+  abstract, structure = _shapes(make, key)
+  diff_names, shape = static["diff_names"], static["shape"]
+  dtype = conformance.lowest_float_dtype(*_join(abstract, structure))
   ref = registry.get(op_name, "reference")
-  diff, call = conformance.split_diff(spec, ref, args, kwargs)
-  dtype = conformance.lowest_float_dtype(args, kwargs)
-  return diff, call, dtype, shape, conformance.loss_and_grads(ref, call, diff, key)
+
+  def program(impl_name):
+    impl = registry.get(op_name, impl_name)
+
+    def loss_and_grads(arrays):
+      args, kwargs = _join(arrays, structure)
+      spec = autotuning.ArgSpec(name=op_name, make=lambda _: (args, kwargs),
+                               diff_argnames=diff_names)
+      diff, call = conformance.split_diff(spec, ref, args, kwargs)
+      return conformance.loss_and_grads(impl, call, diff, key)
+    return loss_and_grads
+
+  def compare(impl_name, result, expected):
+    ((out, grads), ms), ((want, want_grads), _) = result, expected
+    fwd_err = max(specs_lib.rel_rms(a, e) for a, e in zip(_leaves(out), _leaves(want)))
+    grad_err = max(specs_lib.rel_rms(grads[n], want_grads[n]) for n in want_grads)
+    finite = all(_finite(x) for x in _leaves((out, grads)))
+    ok = (finite and fwd_err <= specs_lib.tolerance(dtype, grad=False)
+          and grad_err <= specs_lib.tolerance(dtype, grad=True))
+    return dict(op=op_name, implementation=impl_name, shape=shape,
+                fwd_rel_rms=f"{fwd_err:.2e}", grad_rel_rms=f"{grad_err:.2e}",
+                fwd_bwd_ms=f"{ms:.1f}", status="PASS" if ok else "FAIL")
+
+  return _Group(op_name, make, program, compare, abstract, structure)
 
 
-def _check(op_name, impl_name, prepared, key):
-  diff, call, dtype, shape, (expected, expected_grads) = prepared
-  impl = registry.get(op_name, impl_name)
-  with conformance.execution_context(impl_name):
-    run = jax.jit(lambda d: conformance.loss_and_grads(impl, call, d, key))
-    out, grads = jax.block_until_ready(run(diff))
-    start = time.perf_counter()
-    jax.block_until_ready(run(diff))
-    ms = (time.perf_counter() - start) * 1e3
-  leaves = lambda t: [x for x in jax.tree.leaves(t) if x is not None]
-  fwd_err = max(specs_lib.rel_rms(a, e) for a, e in zip(leaves(out), leaves(expected)))
-  grad_err = max(specs_lib.rel_rms(grads[n], expected_grads[n]) for n in diff)
-  finite = all(bool(jnp.all(jnp.isfinite(x))) for x in leaves((out, grads)))
-  ok = (finite and fwd_err <= specs_lib.tolerance(dtype, grad=False)
-        and grad_err <= specs_lib.tolerance(dtype, grad=True))
-  return dict(op=op_name, implementation=impl_name, shape=shape,
-              fwd_rel_rms=f"{fwd_err:.2e}", grad_rel_rms=f"{grad_err:.2e}",
-              fwd_bwd_ms=f"{ms:.1f}", status="PASS" if ok else "FAIL")
-
-
-def _prepare_layer(cfg, batch, seq_len, key):
-  """The layer's parameters, input and reference output (jitted), once."""
+def _layer_group(cfg, batch, seq_len, key) -> _Group:
+  """The whole layer, forward only, with random parameters and input."""
   from tokamax_gdn import layers as layer  # pylint: disable=g-import-not-at-top
-  kp, kx = jax.random.split(key)
-  params = layer.init_params(kp, cfg)
-  x = jax.random.normal(kx, (batch, seq_len, cfg.hidden_size), jnp.float32)
-  expected = jax.jit(lambda p, x: layer.gated_deltanet(p, x, cfg, implementation="reference"))(
-      params, x)
-  return params, x, expected
+
+  def make(k):
+    kp, kx = jax.random.split(k)
+    return layer.init_params(kp, cfg), jax.random.normal(kx, (batch, seq_len, cfg.hidden_size),
+                                                         jnp.float32)
+
+  abstract, structure = _shapes(make, key)
+
+  def program(impl_name):
+    def forward(arrays):
+      params, x = _join(arrays, structure)
+      return layer.gated_deltanet(params, x, cfg, implementation=impl_name)
+    return forward
+
+  def compare(impl_name, result, expected):
+    (y, ms), (want, _) = result, expected
+    err = specs_lib.rel_rms(y, want)
+    ok = _finite(y) and err <= specs_lib.tolerance(jnp.float32, grad=False)
+    return dict(op=LAYER, implementation=impl_name,
+                shape=f"B{batch} T{seq_len} hidden{cfg.hidden_size}",
+                fwd_rel_rms=f"{err:.2e}", grad_rel_rms="-", fwd_bwd_ms=f"{ms:.1f} (fwd)",
+                status="PASS" if ok else "FAIL")
+
+  return _Group(LAYER, make, program, compare, abstract, structure)
 
 
-def _check_layer(cfg, impl_name, prepared):
-  from tokamax_gdn import layers as layer  # pylint: disable=g-import-not-at-top
-  params, x, expected = prepared
+def _make_inputs(group: _Group, key) -> list:
+  """The group's input arrays, computed (in a worker thread)."""
+  arrays, structure = _split(group.make(key))
+  if structure[0] != group.structure[0]:
+    raise ValueError(f"{group.name}: inputs {structure[0]} do not match their shapes "
+                     f"{group.structure[0]}")
+  return jax.block_until_ready(arrays)
+
+
+def _compile(group: _Group, impl_name: str):
+  """One implementation's program, lowered from shapes and compiled. In the
+  implementation's execution context: interpret mode is a per-thread flag read
+  while tracing, so it is set in the thread that lowers."""
   with conformance.execution_context(impl_name):
-    fn = jax.jit(lambda p, x: layer.gated_deltanet(p, x, cfg, implementation=impl_name))
-    y = jax.block_until_ready(fn(params, x))
+    return jax.jit(group.program(impl_name)).lower(group.abstract).compile()
+
+
+def _run_timed(compiled, arrays, impl_name: str):
+  """The program's output, and the time of a second, warm call in ms (the
+  first call pays one-off costs such as transfers and allocations)."""
+  with conformance.execution_context(impl_name):
+    out = jax.block_until_ready(compiled(arrays))
     start = time.perf_counter()
-    jax.block_until_ready(fn(params, x))
-    ms = (time.perf_counter() - start) * 1e3
-  err = specs_lib.rel_rms(y, expected)
-  ok = bool(jnp.all(jnp.isfinite(y))) and err <= specs_lib.tolerance(jnp.float32, grad=False)
-  batch, seq_len = x.shape[:2]
-  return dict(op="layer:gated_deltanet", implementation=impl_name,
-              shape=f"B{batch} T{seq_len} hidden{cfg.hidden_size}",
-              fwd_rel_rms=f"{err:.2e}", grad_rel_rms="-", fwd_bwd_ms=f"{ms:.1f} (fwd)",
-              status="PASS" if ok else "FAIL")
+    jax.block_until_ready(compiled(arrays))
+  return out, (time.perf_counter() - start) * 1e3
+
+
+def _available_cpus() -> int:
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:
+    return os.cpu_count() or 1
+
+
+def _build_all(tasks: dict[str, Callable], workers: int,
+               progress: bool) -> dict[str, concurrent.futures.Future]:
+  """Runs every task in a pool of `workers` threads (1: one after another, in
+  order); returns label -> its finished Future. A task's exception stays in its
+  Future, for its rows to report."""
+  bar = progress_lib.bar(total=len(tasks), desc="validate: compile", disable=not progress)
+  pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="validate")
+  try:
+    futures = {label: pool.submit(fn) for label, fn in tasks.items()}
+    pending = set(futures.values())
+    start = last_report = time.monotonic()
+    while pending:
+      timeout = max(0.1, last_report + STALL_REPORT_S - time.monotonic())
+      done, pending = concurrent.futures.wait(
+          pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+      bar.update(len(done))
+      now = time.monotonic()
+      if progress and pending and now - last_report >= STALL_REPORT_S:
+        last_report = now
+        running = [label for label, f in futures.items() if f in pending and f.running()]
+        # tqdm.write keeps a terminal bar intact; elsewhere it is a plain print.
+        tqdm.tqdm.write(f"validate: still compiling after {now - start:.0f} s: "
+                        f"{', '.join(running)}", file=sys.stderr)
+  finally:
+    # On Ctrl-C, what has not started never starts (a running compile cannot
+    # be stopped); otherwise every task is done and this returns at once.
+    pool.shutdown(wait=False, cancel_futures=True)
+  bar.close()
+  return futures
+
+
+def _fail_row(group_name, impl_name, e: Exception) -> dict:
+  return dict(op=group_name, implementation=impl_name, shape="-", fwd_rel_rms="-",
+              grad_rel_rms="-", fwd_bwd_ms="-",
+              status=f"FAIL ({type(e).__name__}: {str(e)[:160]})")
 
 
 def run(cfg, *, seq_len: int = 64, batch: int = 1, interpret: bool = False,
-        progress: bool = True) -> list[dict]:
-  """Runs every check; returns one row per (op, implementation) and layer."""
-  jobs = []
-  for op_name, make_case in CASES.items():
-    for impl_name in registry.implementations(op_name):
-      jobs.append((op_name, impl_name, make_case))
-  layer_impls = [n for n in registry.implementations("gated_delta_rule")
-                 if n in registry.implementations("causal_conv1d")]
-  jobs += [("layer", n, None) for n in layer_impls]
-  rows = []
+        progress: bool = True, workers: int | None = None) -> list[dict]:
+  """Runs every check; returns one row per (op, implementation) and layer.
+
+  `workers`: threads that compile (and make the inputs) at once; default one per
+  available CPU, at most one per task; 1 compiles one program after another. A
+  row whose inputs, compile or run raise is a FAIL row; the others still run.
+  """
+  plan = [(op_name, impl_name) for op_name in CASES
+          for impl_name in registry.implementations(op_name)]
+  plan += [(LAYER, n) for n in registry.implementations("gated_delta_rule")
+           if n in registry.implementations("causal_conv1d")]
+  runnable = [(g, i) for g, i in plan if _runnable(i, interpret) is None]
   key = jax.random.key(0)
-  prepared = {}   # per op: its case and reference results, shared by its implementations
-  for op_name, impl_name, make_case in progress_lib.bar(jobs, disable=not progress, desc="validate"):
+
+  # Shapes and programs of every group with a row to run (tracing only, here).
+  groups: dict[str, _Group | Exception] = {}
+  for name in dict.fromkeys(g for g, _ in runnable):
+    try:
+      groups[name] = (_layer_group(cfg, batch, seq_len, key) if name == LAYER
+                      else _op_group(name, CASES[name], cfg, batch, seq_len, key))
+    except Exception as e:  # pylint: disable=broad-except
+      groups[name] = e
+
+  # Likely longest first, so that no long task starts last: the groups whose programs
+  # hold a GatedDeltaNet (the op's chunked scans, and the layer) before the rest;
+  # in each group the implementations, its reference (every row of the group
+  # needs it), then its inputs. The `reference` row runs the program its group
+  # is checked against, so that is compiled once.
+  impls = {n: [i for g, i in runnable if g == n and i != "reference"] for n in groups}
+  tasks = {}
+  for name in sorted(groups, key=lambda n: n not in ("gated_delta_rule", LAYER)):
+    group = groups[name]
+    if isinstance(group, _Group):
+      tasks |= {f"{name}/{i}": functools.partial(_compile, group, i) for i in impls[name]}
+      tasks[f"{name}/reference"] = functools.partial(_compile, group, "reference")
+      tasks[f"{name} inputs"] = functools.partial(_make_inputs, group, key)
+  workers = max(1, min(workers or _available_cpus(), len(tasks)))
+  built = _build_all(tasks, workers, progress)
+
+  rows = []
+  expected: dict[str, Any] = {}   # per group: the reference's (output, ms), or its exception
+  for group_name, impl_name in progress_lib.bar(plan, desc="validate: run",
+                                                disable=not progress):
     why = _runnable(impl_name, interpret)
     if why is not None:
-      rows.append(dict(op=op_name if op_name != "layer" else "layer:gated_deltanet",
-                       implementation=impl_name, shape="-", fwd_rel_rms="-",
+      rows.append(dict(op=group_name, implementation=impl_name, shape="-", fwd_rel_rms="-",
                        grad_rel_rms="-", fwd_bwd_ms="-", status=why))
       continue
     try:
-      if op_name not in prepared:
-        prepared[op_name] = (_prepare_layer(cfg, batch, seq_len, key) if op_name == "layer"
-                             else _prepare(op_name, make_case(cfg, batch, seq_len, key), key))
-      if op_name == "layer":
-        rows.append(_check_layer(cfg, impl_name, prepared[op_name]))
-      else:
-        rows.append(_check(op_name, impl_name, prepared[op_name], key))
+      group = groups[group_name]
+      if isinstance(group, Exception):
+        raise group
+      arrays = built[f"{group_name} inputs"].result()
+      if group_name not in expected:
+        try:
+          expected[group_name] = _run_timed(built[f"{group_name}/reference"].result(), arrays,
+                                            "reference")
+        except Exception as e:  # pylint: disable=broad-except
+          expected[group_name] = e
+      if isinstance(expected[group_name], Exception):
+        raise expected[group_name]
+      result = (expected[group_name] if impl_name == "reference" else
+                _run_timed(built[f"{group_name}/{impl_name}"].result(), arrays, impl_name))
+      rows.append(group.compare(impl_name, result, expected[group_name]))
     except Exception as e:  # pylint: disable=broad-except
-      rows.append(dict(op=op_name, implementation=impl_name, shape="-", fwd_rel_rms="-",
-                       grad_rel_rms="-", fwd_bwd_ms="-",
-                       status=f"FAIL ({type(e).__name__}: {str(e)[:160]})"))
+      rows.append(_fail_row(group_name, impl_name, e))
   return rows
