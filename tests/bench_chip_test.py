@@ -59,3 +59,21 @@ def test_command_on_a_tpu_writes_the_record(monkeypatch, tmp_path, capsys):
   assert "tiny_decode_8_ctx" in out.out and "[bench] serving tiny_decode_8_ctx xla" in out.err
   text = path.read_text()
   assert "<!-- BEGIN chip-serving -->" in text and "| tiny_decode_8_ctx |" in text
+
+
+def test_serving_rows_report_device_time():
+  rows = on_chip.serving_rows(FLOORS, ["tiny_decode_8_ctx"], ("xla",), tokamax=False, n=2)
+  [r] = rows
+  # On CPU the profile has no TPU track: device time 0, but the column is there.
+  assert r["ms"] > 0 and r["device_ms"] == 0.0 and r["device_over_floor"] == 0.0
+
+
+def test_gmm_floor_counts_every_groups_weights():
+  m, k, n, g = 64, 32, 16, 8
+  rows = on_chip.gmm_rows(FLOORS, shapes=((m, k, n, g),), n=2)
+  hbm = 2 * (m * k + g * k * n + m * n)
+  for r in rows:
+    assert r["hbm_bytes"] == hbm
+    assert r["floor_ms"] == pytest.approx(FLOORS.floor_ms(2 * m * k * n, hbm))
+  ours = {r["impl"]: r for r in rows if r["op"] == "gmm"}
+  assert ours["ours xla"]["ms"] > 0 and ours["ours pallas_mosaic_tpu"]["error"]

@@ -17,9 +17,10 @@ _GDN_COLUMNS = dict(t="T", impl="impl", pass_="pass", ms="ms", floor_ms="floor m
 _FIXED_COLUMNS = dict(impl="impl", pass_="pass", intercept_ms="intercept ms",
                       ms_per_4096_tokens="ms / 4096 tokens", lengths="lengths")
 _SERVING_COLUMNS = dict(spec="workload", shape="shape", impl="impl", ms="ms",
-                        floor_ms="HBM floor ms", over_floor="x floor", compile_s="compile s",
+                        device_ms="device ms", floor_ms="HBM floor ms", over_floor="x floor",
+                        device_over_floor="device x floor", compile_s="compile s",
                         error="error")
-_GMM_COLUMNS = dict(op="op", shape="shape", impl="impl", ms="ms", floor_ms="MXU floor ms",
+_GMM_COLUMNS = dict(op="op", shape="shape", impl="impl", ms="ms", floor_ms="floor ms",
                     over_floor="x floor", pct_of_dense="% of dense", error="error")
 
 
