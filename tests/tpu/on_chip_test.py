@@ -4,6 +4,7 @@ real TPU, compiled for the chip (no interpret mode).
 Run on a TPU VM, in one process (the chip takes one holder):
 
     python -m pytest -m tpu -p no:xdist tests/tpu
+    python -m tests.tpu.runner --out DIR     # a stall or crash contained, resumable
 
 Without a TPU every test here skips (tests/conftest.py). What it covers:
 - the conformance specs of every op (`tests/conformance_test.py`'s check);

@@ -1,0 +1,71 @@
+"""The tier runner (`tests/tpu/runner.py`) on CPU, over a file of fake tests:
+a pass, a failure, a stall, a crash of the process, and tests after each."""
+
+import json
+import textwrap
+
+from tests.tpu import runner
+
+_FAKE = textwrap.dedent("""
+    import os, time
+
+    def test_a_pass():
+      pass
+
+    def test_b_fail():
+      assert 1 == 2, "wrong"
+
+    def test_c_stall():
+      time.sleep(60)
+
+    def test_d_after_stall():
+      pass
+
+    def test_e_crash():
+      os.abort()
+
+    def test_f_after_crash():
+      pass
+""")
+
+
+def _args(tmp_path):
+  return ["-p", "no:xdist", "-p", "no:cacheprovider", "-c", "/dev/null", "--rootdir",
+          str(tmp_path), str(tmp_path / "test_fake.py")]
+
+
+def test_stalls_and_crashes_are_contained_and_the_rest_runs(tmp_path):
+  (tmp_path / "test_fake.py").write_text(_FAKE)
+  out = tmp_path / "out"
+  lines = []
+  summary = runner.run(str(out), _args(tmp_path), budget_s=120, test_timeout_s=4, poll_s=0.1,
+                       log=lines.append)
+  results = runner.read_results(str(out / "results.jsonl"))
+  outcome = {i.split("::")[-1]: r["outcome"] for i, r in results.items()}
+  assert outcome == dict(test_a_pass="passed", test_b_fail="failed", test_c_stall="timeout",
+                         test_d_after_stall="passed", test_e_crash="crashed",
+                         test_f_after_crash="passed")
+  assert summary["counts"] == dict(passed=3, failed=1, timeout=1, crashed=1)
+  assert not summary["not_run"] and len(summary["problems"]) == 3
+  assert "wrong" in results[next(i for i in results if "b_fail" in i)]["message"]
+  assert json.load(open(out / "summary.json"))["collected"] == 6
+  assert any("timeout" in line and "c_stall" in line for line in lines)
+
+
+def test_a_spent_budget_leaves_tests_for_the_next_call(tmp_path):
+  (tmp_path / "test_fake.py").write_text(_FAKE)
+  out = tmp_path / "out"
+  # The budget runs out in the stall: it and what follows are not run...
+  first = runner.run(str(out), _args(tmp_path), budget_s=10, test_timeout_s=30, poll_s=0.1,
+                     log=lambda _: None)
+  assert "c_stall" in " ".join(first["not_run"])
+  assert first["counts"] == dict(passed=1, failed=1)
+  # ...and a second call with the same folder and a short timeout runs only those.
+  second = runner.run(str(out), _args(tmp_path), budget_s=120, test_timeout_s=3, poll_s=0.1,
+                      log=lambda _: None)
+  assert not second["not_run"]
+  assert second["counts"] == dict(passed=3, failed=1, timeout=1, crashed=1)
+  # --rerun-failed drops the bad results and runs those tests again.
+  third = runner.run(str(out), _args(tmp_path), budget_s=120, test_timeout_s=3, poll_s=0.1,
+                     rerun_failed=True, log=lambda _: None)
+  assert third["counts"] == dict(passed=3, failed=1, timeout=1, crashed=1)
