@@ -10,6 +10,10 @@ Elsewhere (CPU):
   tokamax-gdn bench --op gmm [--target v6e] [--specs NAME,...] [--tiles tm,tk,tn] [--json]
   tokamax-gdn bench --op causal_conv1d_gated_delta_rule [--specs NAME,...] [--reps 7] [--json]
 
+Generation, on a TPU or (small sizes, `xla`, CPU figures) anywhere:
+  tokamax-gdn bench --op generate [--model qwen3.5-tiny] [--batches 1,8,64]
+      [--impls pallas_mosaic_tpu,xla] [--prompt-len 128] [--record [PATH]] [--json]
+
 gated_delta_rule (on this machine's default backend): median forward and
 forward+backward times, the bytes the VJP keeps for the backward, compiled
 fwd+bwd temp bytes and speed ratios against `reference` and against
@@ -25,6 +29,12 @@ causal_conv1d_gated_delta_rule (on this machine's default backend): median
 call times of our serving `xla` (or --impls) and tokamax's `xla` op on the
 same inputs, pools donated and fed back, interleaved rounds of one run, and
 the ratio tokamax / ours (`tokamax_gdn.benchmarks.serving`).
+
+generate: `models.generate`'s two kinds of step for a model preset at each
+batch, prefill (every prompt in one call) and decode (one token per request),
+ms and tokens/s, the decode step against its HBM floor (weights, GDN states
+and KV cache read once) and, on a TPU, the GDN op's share of the device time
+(`tokamax_gdn.benchmarks.generation`).
 """
 
 import sys
@@ -32,9 +42,9 @@ import sys
 from tokamax_gdn.cli import common
 
 HELP = ("benchmarks (--op gated_delta_rule | gmm | causal_conv1d_gated_delta_rule) on the"
-        " ops' bench workloads")
+        " ops' bench workloads, or --op generate: a model's generation steps")
 
-OPS = ("gated_delta_rule", "gmm", "causal_conv1d_gated_delta_rule")
+OPS = ("gated_delta_rule", "gmm", "causal_conv1d_gated_delta_rule", "generate")
 
 
 def add_arguments(parser) -> None:
@@ -55,6 +65,12 @@ def add_arguments(parser) -> None:
                       help="TPU, gated_delta_rule: sequence lengths of the layer shape")
   parser.add_argument("--profile", action="store_true",
                       help="TPU, gated_delta_rule: device time per kernel and XLA op")
+  parser.add_argument("--model", help="generate: model preset name or .yml path (default"
+                      f" {common.DEFAULT_MODEL})")
+  parser.add_argument("--batches", help="generate: comma-separated request counts (default"
+                      " 1,8,64 on a TPU, 1,8 elsewhere)")
+  parser.add_argument("--prompt-len", type=int, help="generate: tokens per prompt (default 128"
+                      " on a TPU, 16 elsewhere)")
   parser.add_argument("--record", nargs="?", const="docs/performance.md", default=None,
                       metavar="PATH", help="TPU: also write the tables into the performance"
                       " record (default PATH: docs/performance.md)")
@@ -62,6 +78,11 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
   import jax  # pylint: disable=g-import-not-at-top
+  if args.op == "generate":
+    from tokamax_gdn.cli import bench_chip  # pylint: disable=g-import-not-at-top
+    on_tpu = jax.default_backend() == "tpu"
+    args.reps = args.reps or (20 if on_tpu else 3)
+    return bench_chip.generate(args, on_tpu)
   if jax.default_backend() == "tpu":
     from tokamax_gdn.cli import bench_chip  # pylint: disable=g-import-not-at-top
     tag = "aot" if args.op == "causal_conv1d_gated_delta_rule" and args.tag == "bench" else args.tag

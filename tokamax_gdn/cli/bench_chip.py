@@ -4,6 +4,10 @@ the peers that run there, all in one run (`tokamax_gdn.benchmarks.on_chip`).
 Each table prints, goes out as JSON with --json, and with --record [PATH]
 into its section of the performance record (docs/performance.md), stamped with
 the date, the versions, the device and the command.
+
+`--op generate` (`generate`) also runs off a TPU, at small sizes with the
+`xla` implementation, so the command and its table can be checked anywhere;
+its figures are then the CPU's, said so, and never recorded.
 """
 
 import sys
@@ -22,6 +26,12 @@ _SERVING_COLUMNS = dict(spec="workload", shape="shape", impl="impl", ms="ms",
                         error="error")
 _GMM_COLUMNS = dict(op="op", shape="shape", impl="impl", ms="ms", floor_ms="floor ms",
                     over_floor="x floor", pct_of_dense="% of dense", error="error")
+_GENERATION_COLUMNS = dict(impl="impl", batch="B", phase="phase", tokens="tokens / call",
+                           ms="ms", tokens_per_s="tokens/s", device_ms="device ms",
+                           floor_ms="HBM floor ms", over_floor="x floor",
+                           device_over_floor="device x floor", gdn_share="GDN share",
+                           matched="attributed", compile_s="compile s", error="error")
+_PERCENT = ("mfu", "gdn_share", "matched")
 
 
 def _log(line: str) -> None:
@@ -36,7 +46,7 @@ def _fmt(rows, columns) -> list[dict[str, Any]]:
     for k in columns:
       v = r.get(k)
       if isinstance(v, float):
-        v = f"{v:.1%}" if k == "mfu" else f"{v:.4g}"
+        v = f"{v:.1%}" if k in _PERCENT else f"{v:.4g}"
       row[k] = v
     out.append(row)
   return out
@@ -53,6 +63,16 @@ def _emit(args, name: str, title: str, rows, columns, floors_line: str) -> None:
   print(floors_line)
 
 
+def _floors_line(floors, trip: float) -> str:
+  return (
+      f"{floors.device_kind}: bf16 matmul {floors.mxu_flops / 1e12:.1f} TFLOP/s, HBM stream"
+      f" {floors.hbm_bytes / 1e9:.0f} GB/s measured in this run (peaks"
+      f" {(floors.peak_flops or 0) / 1e12:.0f} TFLOP/s, {(floors.peak_hbm or 0) / 1e9:.0f} GB/s);"
+      f" floor = essential FLOPs or minimal HBM bytes at the measured rates. Times are steady"
+      f" state (calls issued back to back); a synchronous call adds the host round trip,"
+      f" {trip:.3f} ms here.")
+
+
 def run(args, specs) -> int:
   """The on-chip tables of --op."""
   from tokamax_gdn.benchmarks import on_chip  # pylint: disable=g-import-not-at-top
@@ -60,13 +80,7 @@ def run(args, specs) -> int:
   from tokamax_gdn.benchmarks import workload  # pylint: disable=g-import-not-at-top
   floors = timing.measure_floors()
   trip = timing.round_trip_ms()
-  floors_line = (
-      f"{floors.device_kind}: bf16 matmul {floors.mxu_flops / 1e12:.1f} TFLOP/s, HBM stream"
-      f" {floors.hbm_bytes / 1e9:.0f} GB/s measured in this run (peaks"
-      f" {(floors.peak_flops or 0) / 1e12:.0f} TFLOP/s, {(floors.peak_hbm or 0) / 1e9:.0f} GB/s);"
-      f" floor = essential FLOPs or minimal HBM bytes at the measured rates. Times are steady"
-      f" state (calls issued back to back); a synchronous call adds the host round trip,"
-      f" {trip:.3f} ms here.")
+  floors_line = _floors_line(floors, trip)
   report: dict[str, Any] = dict(floors=floors.as_dict(), round_trip_ms=trip)
   if args.op == "gated_delta_rule":
     lengths = [int(t) for t in args.lengths.split(",")]
@@ -108,4 +122,51 @@ def run(args, specs) -> int:
     return 0
   _emit(args, "chip-gmm", f"gmm / tgmm, MoE shapes (bf16, 64 groups) on {floors.device_kind}",
         rows, _GMM_COLUMNS, floors_line)
+  return 0
+
+
+def generate(args, on_tpu: bool) -> int:
+  """`models.generate`'s prefill and decode steps for --model at --batches
+  (`benchmarks.generation`): on a TPU beside the chip's floors (--record
+  writes "chip-generation"); elsewhere at small sizes, said to be CPU figures.
+
+  Off a TPU the floors come from a small matmul and stream (an 8192³ bf16
+  matmul would take minutes on a CPU) and the defaults shrink (batches 1,8,
+  16-token prompts, `xla`): about a minute, most of it compiling the four steps.
+  """
+  from tokamax_gdn.benchmarks import generation  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.benchmarks import timing  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.models.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  cfg = ModelConfig.load(args.model or common.DEFAULT_MODEL)
+  batches = [int(b) for b in (args.batches or ("1,8,64" if on_tpu else "1,8")).split(",") if b]
+  impls = [s for s in (args.impls or (f"{generation.PALLAS},xla" if on_tpu else "xla")).split(",")
+           if s]
+  prompt_len = args.prompt_len or (128 if on_tpu else 16)
+  if min(batches, default=0) < 1 or prompt_len < 1:
+    raise ValueError("--batches and --prompt-len must be >= 1")
+  if on_tpu:
+    floors = timing.measure_floors()
+  else:
+    floors = timing.measure_floors(matmul_n=512, stream_bytes=1 << 26, n=3)
+  trip = timing.round_trip_ms()
+  rows = generation.generation_rows(floors, cfg, batches=batches, prompt_len=prompt_len,
+                                    impls=impls, n=args.reps, log=_log)
+  if args.json:
+    common.print_json(dict(floors=floors.as_dict(), round_trip_ms=trip, model=cfg.name,
+                           prompt_len=prompt_len, on_tpu=on_tpu, rows=rows))
+    return 0
+  title = (f"models.generate steps, {cfg.name} (prompts of {prompt_len} tokens; bf16 weights and"
+           f" activations, f32 GDN states) on {floors.device_kind}")
+  if not on_tpu:
+    title += ": CPU figures, not the chip's"
+    if args.record:
+      print("--record: not written, these are CPU figures (the record holds the chip's).",
+            file=sys.stderr)
+      args.record = None
+  _emit(args, "chip-generation", title, rows, _GENERATION_COLUMNS, _floors_line(floors, trip))
+  print("prefill: one step over all B prompts; decode: one step of one token per request."
+        " HBM floor (decode): the weights the step uses read once, each request's GDN states"
+        " read and written, the KV cache read up to its length (benchmarks/generation.py)."
+        " GDN share: the serving op's part of the step's device time (TPU profile);"
+        " attributed: the part of it the profile's events could be traced to.")
   return 0

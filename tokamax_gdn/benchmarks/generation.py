@@ -1,0 +1,326 @@
+"""`models.generate` on the chip: prefill and decode steps of a model preset,
+their tokens/s, the decode step against its HBM floor, and the GDN op's share
+of each step's device time (`tokamax-gdn bench --op generate`).
+
+`generate` is one prefill `step` (every prompt's tokens in one ragged call)
+and then one decode `step` per new token (one token per request). Each row
+times one of those calls as `generate` issues it: `generation._jit_step`
+compiled once for the row's shapes, the cache donated and fed back, calls
+dispatched back to back (`timing.wall_ms`), so the figure is the step's
+steady state, not the host's round trip.
+
+- prefill: B fresh prompts of `prompt_len` tokens each (the cache's lengths
+  are reset to 0 before each call, so every call is a fresh prefill).
+- decode: one token for each of B requests that have seen `prompt_len`
+  tokens; consecutive calls continue (position prompt_len, prompt_len + 1,
+  ...) exactly as `generate`'s decode loop does. The cache holds enough
+  positions for every call the row makes. The decode starts from a cache
+  whose lengths say prompt_len tokens were seen (zero states and keys): the
+  step's work does not depend on the values, and a decode row so does not
+  depend on the prefill row having run.
+
+The HBM floor of a decode step (`decode_hbm_bytes`) is the least a step must
+move: every weight it uses read once, every GDN layer's recurrent and conv
+state read and written for each request, and the attention layers' KV cache
+read up to each request's length (the new token's keys and values written).
+Two refinements of "every weight": the embedding table is gathered by rows
+(B rows, unless tied to the LM head, which reads it whole), and a MoE layer's
+B · top_k assignments reach at most min(E, B · top_k) experts (exactly top_k
+at batch 1, where counting all E would put the floor above what the step
+needs). Activations (a few rows per layer) and the logits are left out.
+
+The GDN share comes from a profile of the step on a TPU: the device's op
+events, each attributed through the compiled module's text to the tokamax Op
+that emitted it (every instruction an Op emits carries its class in the HLO
+metadata, as `training.profile` uses) or, for a Pallas kernel, by its name.
+GDN is the serving op `causal_conv1d_gated_delta_rule` (conv and recurrence,
+every implementation); the layers' projections around it are "the rest".
+Off a TPU the profile has no device track: device time and share are None.
+"""
+
+from collections.abc import Callable, Sequence
+import collections
+import math
+import re
+import tempfile
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tokamax_gdn import registry
+from tokamax_gdn.benchmarks import timing
+from tokamax_gdn.models import decoder
+from tokamax_gdn.models import generation
+from tokamax_gdn.models.config import ModelConfig
+from tokamax_gdn.training import profile
+
+PALLAS = "pallas_mosaic_tpu"
+WARM = 2             # untimed calls before the timed ones (`timing.wall_ms`'s warm-up)
+PROFILE_CALLS = 3    # profiled calls, after one untimed call
+# The tokamax Ops whose instructions count as GDN (their class's module).
+GDN_OPS = ("tokamax_gdn.ops.causal_conv1d_gated_delta_rule.",
+           "tokamax_gdn.ops.gated_delta_rule.", "tokamax_gdn.ops.causal_conv1d.")
+# Pallas kernels of the serving op, by their `pallas_call` name (a profile may
+# name a kernel's event after it rather than after its HLO instruction).
+GDN_KERNELS = ("gdn_serve_decode", "gdn_fwd_requests", "gdn_fwd")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=")
+_OP_TYPE = re.compile(r'tokamax:\{\\?"op\\?":\{\\?"__type\\?":\\?"([\w.]+)')
+
+
+def _quiet(line: str) -> None:
+  del line
+
+
+def _error(e: BaseException) -> str:
+  return f"{type(e).__name__}: {e}".replace("\n", " ")[:300]
+
+
+def _done(row: dict[str, Any]) -> str:
+  what = f"generation {row['impl']} B={row['batch']} {row['phase']}"
+  if row.get("ms") is None:
+    return f"{what}: {row.get('error')}"
+  return f"{what}: {row['ms']:.3f} ms, {row['tokens_per_s']:.1f} tokens/s"
+
+
+# ---------------------------------------------------------------------------
+# The floor
+
+
+def _nbytes(tree) -> int:
+  return sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def decode_hbm_bytes(cfg: ModelConfig, params, batch: int, kv_positions: float,
+                     cache: generation.GenerationCache) -> dict[str, float]:
+  """The minimal HBM bytes of one decode step of `batch` requests (module
+  docstring), by part: weights, GDN states, KV cache, and their total.
+
+  kv_positions: the positions each request's attention reads, its new token's
+  included (its keys and values written, the others read). The state and KV
+  bytes use `cache`'s dtypes, the weights `params`' own.
+  """
+  weights = _nbytes(params)
+  embed = params["embed"]
+  if not cfg.tie_word_embeddings:      # the LM head is its own matrix: B rows gathered
+    weights -= _nbytes(embed) - batch * embed.shape[1] * jnp.dtype(embed.dtype).itemsize
+  experts = sum(_nbytes({k: kind["moe"][k] for k in ("gate_proj", "up_proj", "down_proj")})
+                for kind in params["blocks"].values())
+  used = min(cfg.num_experts, batch * cfg.num_experts_per_tok) / cfg.num_experts
+  weights -= experts * (1.0 - used)
+  # Each request's slot of every GDN pool, read and written once.
+  states = 2 * batch * sum(_nbytes(pool) / pool.shape[0] for pair in cache.gdn for pool in pair)
+  kv = 0.0
+  for keys, values in cache.kv:        # [slots, max_len, kv_heads, head_dim]
+    for a in (keys, values):
+      kv += batch * kv_positions * math.prod(a.shape[2:]) * jnp.dtype(a.dtype).itemsize
+  return dict(weights=float(weights), states=float(states), kv=float(kv),
+              total=float(weights + states + kv))
+
+
+# ---------------------------------------------------------------------------
+# The GDN share of a step's device time
+
+
+def gdn_instructions(hlo_text: str) -> set[str]:
+  """Names of the instructions of a compiled module that a GDN Op emitted
+  (`GDN_OPS`), in every computation (loop bodies included)."""
+  out = set()
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.match(line)
+    t = _OP_TYPE.search(line) if m else None
+    if t and t.group(1).startswith(GDN_OPS):
+      out.add(m.group(1))
+  return out
+
+
+def _dur(e: dict[str, Any]) -> float:
+  return float(e.get("dur", 0.0))
+
+
+def _end(e: dict[str, Any]) -> float:
+  return float(e["ts"]) + _dur(e)
+
+
+def split_device_time(events: Sequence[dict[str, Any]], instructions: set[str],
+                      gdn: set[str], calls: int = 1, device_substring: str = "TPU"
+                      ) -> dict[str, float] | None:
+  """Device time of one call and its GDN part, from a trace's events.
+
+  Reads the duration events of the device's op tracks (process names with
+  `device_substring`, thread names with "XLA Ops", else ending in "Ops"). An event nested in
+  another on its track (a loop's body under the loop) counts its own time
+  only, so nothing counts twice whether or not a profile shows loop bodies.
+  An event is GDN when its instruction (its name, or its `hlo_op` argument)
+  is in `gdn`, or its name holds a GDN kernel's; `matched` is the share of
+  the time whose event names an instruction of the module or a GDN kernel
+  (low: the attribution did not work on this trace). None when the trace has
+  no device op events (off a TPU).
+  """
+  process, thread = {}, {}
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      process[e["pid"]] = e["args"]["name"]
+    elif e.get("ph") == "M" and e.get("name") == "thread_name":
+      thread[(e["pid"], e["tid"])] = e["args"]["name"]
+  tracks = collections.defaultdict(list)
+  for e in events:
+    if e.get("ph") == "X" and device_substring in process.get(e.get("pid"), ""):
+      tracks[(e["pid"], e["tid"])].append(e)
+  names = {key: thread.get(key, "") for key in tracks}
+  # The XLA op tracks; failing those, any "... Ops" track (as `on_chip._is_op`).
+  ops = [k for k, t in names.items() if "XLA Ops" in t] or [
+      k for k, t in names.items() if t.endswith("Ops")]
+  tracks = {k: tracks[k] for k in ops}
+  if not tracks:
+    return None
+
+  def own_name(e):
+    hlo_op = (e.get("args") or {}).get("hlo_op")
+    return hlo_op if hlo_op in instructions else e["name"].lstrip("%")
+
+  total = gdn_us = matched = 0.0
+  for track in tracks.values():
+    track.sort(key=lambda e: (float(e["ts"]), -_dur(e)))
+    own = [_dur(e) for e in track]
+    stack = []     # indices of the open events enclosing the current one
+    for i, e in enumerate(track):
+      start = float(e["ts"])
+      while stack and start >= _end(track[stack[-1]]):
+        stack.pop()
+      if stack:      # its enclosing event's own time excludes it (what overlaps of it)
+        own[stack[-1]] -= min(_end(e), _end(track[stack[-1]])) - start
+      stack.append(i)
+    for e, us in zip(track, own):
+      name = own_name(e)
+      kernel = any(k in name for k in GDN_KERNELS)
+      total += us
+      gdn_us += us if (name in gdn or kernel) else 0.0
+      matched += us if (name in instructions or kernel) else 0.0
+  return dict(device_ms=total / calls / 1e3, gdn_ms=gdn_us / calls / 1e3,
+              matched=matched / total if total else 0.0)
+
+
+def _profile_split(call: Callable[[], Any], hlo_text: str, calls: int = PROFILE_CALLS
+                   ) -> dict[str, float] | None:
+  """`call()` once untimed, then `calls` times under `jax.profiler`; the
+  device time per call and its GDN part (`split_device_time`)."""
+  instructions = {m.group(1) for m in map(_INSTRUCTION.match, hlo_text.splitlines()) if m}
+  gdn = gdn_instructions(hlo_text)
+  jax.block_until_ready(call())
+  with tempfile.TemporaryDirectory() as d:
+    jax.profiler.start_trace(d, create_perfetto_trace=True)
+    try:
+      for _ in range(calls):
+        jax.block_until_ready(call())
+    finally:
+      jax.profiler.stop_trace()
+    events = profile.trace_events(d)
+  return split_device_time(events, instructions, gdn, calls)
+
+
+# ---------------------------------------------------------------------------
+# Rows
+
+
+def _compile_step(params, cache, args, cfg: ModelConfig, impl: str, dtype):
+  """`generation.step`'s jitted function as `step` calls it with
+  `implementation=impl`, compiled for these shapes: (compiled, seconds)."""
+  static = generation._static  # pylint: disable=protected-access
+  start = time.perf_counter()
+  compiled = generation._jit_step.lower(  # pylint: disable=protected-access
+      params, cache, *args, cfg=cfg,
+      serving_impl=static(registry.for_op(impl, generation.SERVING_OP)),
+      gmm_impl=static(registry.for_op(impl, "gmm")), dtype=jnp.dtype(dtype)).compile()
+  return compiled, time.perf_counter() - start
+
+
+def _phase_row(floors: timing.Floors, cfg: ModelConfig, params, impl: str, batch: int,
+               phase: str, prompt_len: int, n: int, dtype, state_dtype, profiled: bool
+               ) -> dict[str, Any]:
+  """One (batch, phase) row; raises on failure (the caller makes it a row)."""
+  b, p = batch, prompt_len
+  calls = WARM + n + (1 + PROFILE_CALLS if profiled else 0)
+  decode = phase == "decode"
+  # The last decode call writes position p + calls - 1.
+  cache = generation.init_cache(cfg, b + 1, p + (calls if decode else 0), dtype, state_dtype)
+  key = jax.random.key(b)
+  num_tokens = b if decode else b * p
+  tokens = jax.random.randint(key, (num_tokens,), 0, cfg.vocab_size, jnp.int32)
+  per_request = 1 if decode else p
+  qsl = jnp.arange(b + 1, dtype=jnp.int32) * per_request
+  slots = jnp.arange(1, b + 1, dtype=jnp.int32)
+  dist = jnp.array([b, b, b] if decode else [0, b, b], jnp.int32)
+  args = (tokens, qsl, slots, dist)
+  if decode:
+    cache = cache._replace(lengths=jnp.asarray([0] + [p] * b, jnp.int32))
+  compiled, compile_s = _compile_step(params, cache, args, cfg, impl, dtype)
+  state = [cache]
+
+  def call():
+    c = state[0]
+    if not decode:       # a fresh prefill every call: no slot has seen a token
+      c = c._replace(lengths=jnp.zeros((b + 1,), jnp.int32))
+    logits, state[0] = compiled(params, c, *args)
+    return logits, state[0]
+
+  ms = timing.wall_ms(call, n=n, warm=WARM)
+  row = dict(tokens=num_tokens, ms=ms, tokens_per_s=num_tokens / (ms / 1e3),
+             compile_s=compile_s)
+  if decode:
+    # Timed call i (0-based, after WARM) attends over p + WARM + i + 1 positions.
+    kv_positions = p + WARM + (n - 1) / 2 + 1
+    hbm = decode_hbm_bytes(cfg, params, b, kv_positions, cache)
+    floor = floors.floor_ms(0.0, hbm["total"])
+    row.update(kv_positions=kv_positions, hbm_bytes=hbm["total"], weight_bytes=hbm["weights"],
+               state_bytes=hbm["states"], kv_bytes=hbm["kv"], floor_ms=floor,
+               over_floor=ms / floor)
+  if profiled:
+    split = _profile_split(call, compiled.as_text())
+    if split is not None:
+      row.update(device_ms=split["device_ms"], gdn_ms=split["gdn_ms"],
+                 gdn_share=split["gdn_ms"] / split["device_ms"] if split["device_ms"] else None,
+                 matched=split["matched"])
+      if decode and split["device_ms"]:
+        row["device_over_floor"] = split["device_ms"] / row["floor_ms"]
+  del state, cache
+  return row
+
+
+def generation_rows(floors: timing.Floors, cfg: ModelConfig, params=None,
+                    batches: Sequence[int] = (1, 8, 64), prompt_len: int = 128,
+                    impls: Sequence[str] = (PALLAS, "xla"), n: int = 20,
+                    dtype=jnp.bfloat16, state_dtype=jnp.float32, profiled: bool | None = None,
+                    log: Callable[[str], None] = _quiet) -> list[dict[str, Any]]:
+  """One row per (implementation, batch, phase): ms per call, tokens/s; a
+  decode row adds its HBM floor (`decode_hbm_bytes` at the measured chip's
+  rate) and the ratio; with `profiled` (default: on a TPU) the device time
+  of a call and the GDN op's share of it.
+
+  params: the model's (default: `decoder.init_params` in `dtype`, random:
+  the step's time does not depend on the values). A row that fails (an
+  implementation that cannot run here, out of memory) carries `error`
+  instead of a time, and the others still run. `log` gets a line before each
+  compile and after each row.
+  """
+  if profiled is None:
+    profiled = jax.default_backend() == "tpu"
+  if params is None:
+    params = decoder.init_params(jax.random.key(0), cfg, dtype)
+  rows = []
+  for impl in impls:
+    for b in batches:
+      for phase in ("prefill", "decode"):
+        row = dict(table="generation", model=cfg.name, impl=impl, batch=b, phase=phase,
+                   prompt_len=prompt_len)
+        log(f"generation {impl} B={b} {phase}: compiling")
+        try:
+          row.update(_phase_row(floors, cfg, params, impl, b, phase, prompt_len, n, dtype,
+                                state_dtype, profiled))
+        except Exception as e:  # pylint: disable=broad-except
+          row.update(ms=None, error=_error(e))
+        rows.append(row)
+        log(_done(row))
+  return rows
+
