@@ -16,6 +16,7 @@ from tokamax_gdn.models.config import ModelConfig
 from tokamax_gdn.training import profile
 from tokamax_gdn.training import recall as recall_lib
 from tokamax_gdn.training import step as step_lib
+from tokamax_gdn.training import step_split
 from tokamax_gdn.training.data import RecallTask
 
 
@@ -28,6 +29,10 @@ class TrainConfig:
     is measured afterwards on fresh sequences either way.
   profile_step: the step run under the profiler (None: none), excluded from
     the step-time median.
+  device_split: on a TPU, split that step's device time into GDN, gmm/tgmm,
+    attention and the rest (`training.step_split`, `TrainResult.device_split`)
+    in place of the CPU thunks' split (`TrainResult.split`), which off TPU is
+    still taken.
   eval_sequences: fresh sequences for the final recall accuracy (rounded up
     to whole batches).
   generated_recall: also measure recall with the answers generated token by
@@ -47,6 +52,7 @@ class TrainConfig:
   stop_at_accuracy: float | None = None
   window: int = 10
   profile_step: int | None = 1
+  device_split: bool = False
 
   def __post_init__(self):
     for f in ("steps", "batch_size", "eval_sequences", "window"):
@@ -61,7 +67,8 @@ class TrainResult:
   """What a run measured. `history` has one dict per step (step, loss,
   accuracy, grad_norm, aux_loss, seconds). `recall_accuracy` is
   teacher-forced, `generated_recall` (None when not asked for) by
-  generation."""
+  generation. `device_split` (with `TrainConfig.device_split`, on a TPU):
+  device seconds per `step_split` bucket of the profiled step."""
 
   history: list[dict[str, float]]
   eval_loss: float
@@ -74,6 +81,7 @@ class TrainResult:
   params: Any
   opt_state: Any
   generated_recall: float | None = None
+  device_split: dict[str, float] | None = None
 
   @property
   def start_loss(self) -> float:
@@ -127,13 +135,20 @@ def train(cfg: ModelConfig, task: RecallTask, tcfg: TrainConfig = TrainConfig(),
   compile_seconds = time.perf_counter() - t0
 
   tokens = tcfg.batch_size * task.seq_len
-  history, times, split = [], [], None
+  history, times, split, device_split = [], [], None, None
   bar = progress_lib.bar(total=tcfg.steps, desc="train", disable=not progress, unit="step",
                          dynamic_ncols=True)
   try:
     for i in range(tcfg.steps):
       t0 = time.perf_counter()
-      if i == tcfg.profile_step:
+      if i == tcfg.profile_step and tcfg.device_split:
+        text = compiled.as_text()
+        (params, opt_state, metrics), wall, events = profile.traced_call(
+            compiled, params, opt_state, batch)
+        device_split = step_split.device_split(events, text)
+        if device_split is None:    # no device track (CPU): the thunks' split
+          split = profile.split_events(profile.instruction_groups(text), events, wall)
+      elif i == tcfg.profile_step:
         (params, opt_state, metrics), split = profile.profiled_call(
             compiled, params, opt_state, batch)
       else:
@@ -170,4 +185,5 @@ def train(cfg: ModelConfig, task: RecallTask, tcfg: TrainConfig = TrainConfig(),
       history=history, eval_loss=eval_loss, recall_accuracy=recall,
       compile_seconds=compile_seconds, step_seconds=step_seconds,
       tokens_per_second=tokens / step_seconds, total_seconds=time.perf_counter() - start,
-      split=split, params=params, opt_state=opt_state, generated_recall=generated)
+      split=split, params=params, opt_state=opt_state, generated_recall=generated,
+      device_split=device_split)

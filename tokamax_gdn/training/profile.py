@@ -85,14 +85,9 @@ def trace_events(trace_dir: str) -> list[dict[str, Any]]:
   return data["traceEvents"] if isinstance(data, dict) else data
 
 
-def profiled_call(compiled, *args, trace_dir: str | None = None):
-  """Runs `compiled(*args)` once under the profiler: (outputs, seconds per group).
-
-  The split has "step" (wall time of the call), each `GROUPS` key and "rest"
-  (step minus the groups). `compiled` is a `jax.stages.Compiled` (its module
-  text names the instructions); donated arguments are consumed as usual.
-  """
-  groups = instruction_groups(compiled.as_text())
+def traced_call(compiled, *args, trace_dir: str | None = None):
+  """Runs `compiled(*args)` once under the profiler: (outputs, wall seconds of
+  the call, the trace's events). Donated arguments are consumed as usual."""
   with tempfile.TemporaryDirectory() as tmp:
     d = trace_dir or tmp
     jax.profiler.start_trace(d, create_perfetto_trace=True)
@@ -102,10 +97,16 @@ def profiled_call(compiled, *args, trace_dir: str | None = None):
       step = time.perf_counter() - t0
     finally:
       jax.profiler.stop_trace()
-    events = [e for e in trace_events(d) if e.get("ph") == "X"]
+    return out, step, trace_events(d)
+
+
+def split_events(groups: dict[str, str | None], events: list[dict[str, Any]],
+                 step: float) -> dict[str, float]:
+  """The split of `profiled_call` from a call's trace `events`, `groups` being
+  `instruction_groups` of its module and `step` its wall time."""
   per_group = collections.Counter()
   for e in events:
-    if e.get("name") in groups:
+    if e.get("ph") == "X" and e.get("name") in groups:
       per_group[groups[e["name"]]] += float(e.get("dur", 0.0))
   total = sum(per_group.values())
   if not total:
@@ -114,4 +115,16 @@ def profiled_call(compiled, *args, trace_dir: str | None = None):
   for g in GROUPS:
     split[g] = step * per_group[g] / total
   split["rest"] = step - sum(split[g] for g in GROUPS)
-  return out, split
+  return split
+
+
+def profiled_call(compiled, *args, trace_dir: str | None = None):
+  """Runs `compiled(*args)` once under the profiler: (outputs, seconds per group).
+
+  The split has "step" (wall time of the call), each `GROUPS` key and "rest"
+  (step minus the groups). `compiled` is a `jax.stages.Compiled` (its module
+  text names the instructions); donated arguments are consumed as usual.
+  """
+  groups = instruction_groups(compiled.as_text())
+  out, step, events = traced_call(compiled, *args, trace_dir=trace_dir)
+  return out, split_events(groups, events, step)

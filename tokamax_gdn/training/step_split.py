@@ -1,0 +1,249 @@
+"""Where a training step's device time goes: GDN, gmm/tgmm, attention, the rest.
+
+Reads a `jax.profiler` trace of compiled steps on a TPU: the device's op
+tracks ("XLA Ops") hold one event per executed HLO instruction or Pallas
+kernel, named after the instruction of the compiled module (a Pallas call's
+instruction is named after its kernel: `gdn_bwd.18`, `tokamax_gdn_gmm.76`).
+Each event is put in a bucket through that module's text:
+
+  gdn        the gated delta rule and the causal conv: instructions a
+             `tokamax_gdn.ops.gated_delta_rule` / `causal_conv1d` Op emitted
+             (tokamax stamps its Ops' instructions with their class in the
+             HLO metadata, forward and VJP, Pallas kernel or XLA fusion
+             alike), or kernels named `gdn_*`.
+  gmm/tgmm   the MoE's grouped matmuls: instructions of the `gmm` / `tgmm`
+             Ops, `ragged-dot`s, kernels named `tokamax_gdn_gmm` / `_tgmm`.
+  attention  the softmax-attention core (scores, mask, softmax, weighted
+             values): instructions whose innermost source frame is
+             `models.blocks.attention`. The q/k/v/o projections, norms and
+             rope are in `rest`, as the GDN layer's projections and gated
+             norm are: both mixers' buckets are their sequence mixing.
+  rest       everything else (projections, norms, router, loss, AdamW,
+             copies).
+
+Nested events on one track (a loop's event around its body's) count their
+own time only, so nothing is counted twice. Off TPU (CPU) the trace has no
+device track: `device_split` returns None and the caller says that the split
+needs a TPU (`training.profile` splits a CPU step by its thunks instead).
+"""
+
+import collections
+import dataclasses
+import re
+from typing import Any, Iterable
+
+GDN, GMM, ATTENTION, REST = "gdn", "gmm/tgmm", "attention", "rest"
+BUCKETS = (GDN, GMM, ATTENTION, REST)
+LABELS = {GDN: "GDN (gated delta rule + conv)", GMM: "gmm/tgmm", ATTENTION: "attention core",
+          REST: "rest"}
+
+_OP_PREFIXES = {
+    GDN: ("tokamax_gdn.ops.gated_delta_rule.", "tokamax_gdn.ops.causal_conv1d."),
+    GMM: ("tokamax_gdn.ops.gmm.", "tokamax_gdn.ops.tgmm."),
+}
+# Source files of the ops (an instruction without the Op's metadata stamp,
+# e.g. a fusion whose root XLA took from inside the Op's jnp code).
+_OP_DIRS = {
+    GDN: ("tokamax_gdn/ops/gated_delta_rule/", "tokamax_gdn/ops/causal_conv1d/"),
+    GMM: ("tokamax_gdn/ops/gmm/", "tokamax_gdn/ops/tgmm/"),
+}
+_ATTENTION_FRAME = ("tokamax_gdn/models/blocks.py", "attention")
+_KERNEL_PATTERNS = (
+    (GDN, re.compile(r"^gdn_")),
+    (GMM, re.compile(r"^(tokamax_gdn_)?t?gmm\b|ragged[-_]dot")),
+)
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+_OP_TYPE = re.compile(r'tokamax:\{\\?"op\\?":\{\\?"__type\\?":\\?"([\w.]+)')
+_FRAME_ID = re.compile(r"\bstack_frame_id=(\d+)")
+_TABLE_ROW = re.compile(r"^(\d+)\s+(.*)$")
+_FIELDS = re.compile(r"(\w+)=(\d+)")
+_SUFFIX = re.compile(r"\.\d+$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  """What the split needs of one HLO instruction."""
+
+  opcode: str
+  op_type: str | None          # the tokamax Op class that emitted it
+  file: str | None             # innermost source frame
+  function: str | None
+
+
+def _opcode(rhs: str) -> str:
+  """The opcode of an instruction's right-hand side (`shape opcode(...)`)."""
+  if rhs.startswith("("):         # tuple shape: skip to its closing parenthesis
+    depth = 0
+    for i, ch in enumerate(rhs):
+      depth += ch == "("
+      depth -= ch == ")"
+      if depth == 0:
+        rhs = rhs[i + 1:]
+        break
+  else:
+    rhs = rhs.split(" ", 1)[-1]
+  return rhs.strip().split("(", 1)[0].strip()
+
+
+def _frames(lines: list[str]) -> dict[int, tuple[str, str]]:
+  """Stack frame id -> (file, function), from the module text's tables."""
+  tables, current = collections.defaultdict(dict), None
+  for line in lines:
+    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      current = line
+      continue
+    if current is None:
+      continue
+    m = _TABLE_ROW.match(line)
+    if not m:
+      if line.strip():
+        current = None
+      continue
+    tables[current][int(m.group(1))] = m.group(2)
+  files = {k: v.strip('"') for k, v in tables["FileNames"].items()}
+  functions = {k: v.strip('"') for k, v in tables["FunctionNames"].items()}
+  locations = {k: dict((a, int(b)) for a, b in _FIELDS.findall(v))
+               for k, v in tables["FileLocations"].items()}
+  out = {}
+  for k, v in tables["StackFrames"].items():
+    loc = locations.get(dict((a, int(b)) for a, b in _FIELDS.findall(v)).get("file_location_id"),
+                        {})
+    out[k] = (files.get(loc.get("file_name_id"), ""),
+              functions.get(loc.get("function_name_id"), ""))
+  return out
+
+
+def parse_hlo(hlo_text: str) -> dict[str, Instruction]:
+  """Instruction name -> `Instruction`, for every instruction of a compiled
+  HLO module's text (`jax.stages.Compiled.as_text()`)."""
+  lines = hlo_text.splitlines()
+  frames = _frames(lines)
+  out = {}
+  for line in lines:
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    name, rhs = m.groups()
+    t = _OP_TYPE.search(line)
+    f = _FRAME_ID.search(line)
+    file, function = frames.get(int(f.group(1)), (None, None)) if f else (None, None)
+    out[name] = Instruction(opcode=_opcode(rhs), op_type=t.group(1) if t else None,
+                            file=file, function=function)
+  return out
+
+
+def classify_instruction(ins: Instruction) -> str:
+  """The bucket of one HLO instruction (module docstring)."""
+  if ins.op_type:
+    for bucket, prefixes in _OP_PREFIXES.items():
+      if ins.op_type.startswith(prefixes):
+        return bucket
+  if ins.opcode == "ragged-dot":
+    return GMM
+  file = (ins.file or "").replace("\\", "/")
+  for bucket, dirs in _OP_DIRS.items():
+    if any(d in file for d in dirs):
+      return bucket
+  if file.endswith(_ATTENTION_FRAME[0]) and ins.function == _ATTENTION_FRAME[1]:
+    return ATTENTION
+  return REST
+
+
+def classify_name(name: str, instructions: dict[str, Instruction] | None = None) -> str:
+  """The bucket of a device event named `name`: its instruction's, when the
+  module has one by that name; else by kernel name (`gdn_fwd`,
+  `tokamax_gdn_tgmm`, with or without the `.N` suffix)."""
+  if instructions:
+    ins = instructions.get(name)
+    if ins is None and name.startswith("%"):
+      ins = instructions.get(name[1:])
+    if ins is not None:
+      return classify_instruction(ins)
+  base = _SUFFIX.sub("", name.lstrip("%"))
+  for bucket, pattern in _KERNEL_PATTERNS:
+    if pattern.search(base):
+      return bucket
+  return REST
+
+
+def classify_event(e: dict[str, Any], instructions: dict[str, Instruction]) -> str:
+  """The bucket of a trace event: by the instruction its `long_name` argument
+  (`%fusion.3 = ...`) or its name names in the module, else by its name."""
+  name = str(e.get("name", ""))
+  long_name = (e.get("args") or {}).get("long_name", "")
+  m = re.match(r"^\s*%?([\w.\-]+)\s*=", long_name) if isinstance(long_name, str) else None
+  for candidate in ((m.group(1),) if m else ()) + (name,):
+    if candidate.lstrip("%") in instructions:
+      return classify_name(candidate, instructions)
+  return classify_name(name, instructions)
+
+
+def self_times(events: Iterable[dict[str, Any]]) -> list[tuple[dict[str, Any], float]]:
+  """(event, its duration minus its children's) for duration events, children
+  being the events nested inside it on the same track."""
+  by_track = collections.defaultdict(list)
+  for e in events:
+    by_track[(e.get("pid"), e.get("tid"))].append(e)
+  out = []
+  for track in by_track.values():
+    track.sort(key=lambda e: (float(e.get("ts", 0.0)), -float(e.get("dur", 0.0))))
+    stack: list[list[Any]] = []    # [event, end, self time]
+    for e in track:
+      ts, dur = float(e.get("ts", 0.0)), float(e.get("dur", 0.0))
+      while stack and stack[-1][1] <= ts:
+        out.append((stack[-1][0], stack[-1][2]))
+        stack.pop()
+      if stack:
+        stack[-1][2] -= min(dur, stack[-1][1] - ts)
+      stack.append([e, ts + dur, dur])
+    out += [(e, s) for e, _, s in stack]
+  return [(e, max(s, 0.0)) for e, s in out]
+
+
+def device_op_events(events: list[dict[str, Any]], device_substring: str = "TPU"
+                     ) -> list[dict[str, Any]]:
+  """The duration events of the device's op tracks: threads named "XLA Ops"
+  of processes whose name contains `device_substring` (else, on a trace
+  without that thread name, the device's threads whose name ends in "Ops")."""
+  process, thread = {}, {}
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      process[e.get("pid")] = str(e.get("args", {}).get("name", ""))
+    elif e.get("ph") == "M" and e.get("name") == "thread_name":
+      thread[(e.get("pid"), e.get("tid"))] = str(e.get("args", {}).get("name", ""))
+  on_device = [e for e in events
+               if e.get("ph") == "X" and device_substring in process.get(e.get("pid"), "")]
+  for keep in (lambda t: "XLA Ops" in t, lambda t: t.endswith("Ops")):
+    ops = [e for e in on_device if keep(thread.get((e.get("pid"), e.get("tid")), ""))]
+    if ops:
+      return ops
+  return []
+
+
+def device_split(events: list[dict[str, Any]], hlo_text: str | None = None, *, calls: int = 1,
+                 device_substring: str = "TPU") -> dict[str, float] | None:
+  """Seconds of device time per bucket for one call, from the trace `events`
+  of `calls` calls of the compiled module whose text is `hlo_text`; None
+  when the trace has no device op track (not on a TPU).
+
+  The dict has every `BUCKETS` key and "device" (their sum)."""
+  ops = device_op_events(events, device_substring)
+  if not ops:
+    return None
+  instructions = parse_hlo(hlo_text) if hlo_text else {}
+  split = dict.fromkeys(BUCKETS, 0.0)
+  for e, us in self_times(ops):
+    split[classify_event(e, instructions)] += us * 1e-6 / calls
+  split["device"] = sum(split[b] for b in BUCKETS)
+  return split
+
+
+def bucket_totals(ops: Iterable[tuple[str, float]],
+                  instructions: dict[str, Instruction] | None = None) -> dict[str, float]:
+  """Sum of (name, time) pairs per bucket: the classifier on a plain op list
+  (a `benchmarks.timing.device_op_times` table's names and times)."""
+  out = dict.fromkeys(BUCKETS, 0.0)
+  for name, t in ops:
+    out[classify_name(name, instructions)] += t
+  return out
