@@ -13,6 +13,7 @@ from tokamax_gdn import cli
 from tokamax_gdn import models
 from tokamax_gdn.benchmarks import generation
 from tokamax_gdn.benchmarks import timing
+from tokamax_gdn.training import step_split
 
 FLOORS = timing.Floors("cpu", "v5e", mxu_flops=1e11, hbm_bytes=1e10, peak_flops=197e12,
                        peak_hbm=819e9)
@@ -86,7 +87,7 @@ def test_rows_arithmetic_floor_and_failures_as_rows():
   assert decode[1]["weight_bytes"] < decode[3]["weight_bytes"]
 
 
-def test_gdn_instructions_come_from_the_serving_ops_metadata():
+def test_the_serving_ops_instructions_are_gdn_in_the_split():
   from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs  # pylint: disable=g-import-not-at-top
   import tokamax_gdn  # pylint: disable=g-import-not-at-top
   args, kwargs = arg_specs.by_name("tiny_decode_8_ctx").make(jax.random.key(0))
@@ -96,7 +97,9 @@ def test_gdn_instructions_come_from_the_serving_ops_metadata():
     return jnp.cos(x) * 3.0, out
 
   text = jax.jit(f).lower(jnp.ones((8, 8)), *args).compile().as_text()
-  gdn = generation.gdn_instructions(text)
+  instructions = step_split.parse_hlo(text)
+  gdn = {n for n, ins in instructions.items()
+         if step_split.classify_instruction(ins) == step_split.GDN}
   assert gdn and all(f"%{name} =" in text for name in gdn)
   cosine = [line for line in text.splitlines() if "cosine(" in line]
   assert cosine and not any(line.split("=")[0].strip().lstrip("%") in gdn for line in cosine)
@@ -114,22 +117,32 @@ def _trace(ops):
   return meta + events
 
 
-def test_split_counts_nested_events_once_and_finds_kernels_by_name():
+_SERVING = '"tokamax:{\\"op\\":{\\"__type\\":\\"tokamax_gdn.ops.causal_conv1d_gated_delta_rule.xla.X\\"}}"'
+_HLO = "\n".join([
+    f"%while.7 = f32[8]{{0}} while(%p), metadata={{metadata_payload={_SERVING}}}",
+    f"%fusion.3 = f32[8]{{0}} fusion(%a), metadata={{metadata_payload={_SERVING}}}",
+    f"%fusion.4 = f32[8]{{0}} fusion(%b), metadata={{metadata_payload={_SERVING}}}",
+    "%fusion.9 = f32[8]{0} fusion(%c)",
+])
+
+
+def test_split_counts_nested_events_once_and_finds_kernels_by_name(monkeypatch):
   # A GDN loop (100 us) whose body shows as two events (30 + 20 us), a GDN
   # Pallas kernel named by its pallas_call, a matmul, and an unknown event.
   ops = [("while.7", 0, 100), ("fusion.3", 10, 30), ("fusion.4", 50, 20),
          ("gdn_serve_decode.1", 120, 40), ("fusion.9", 200, 60), ("mystery", 300, 10)]
-  instructions = {"while.7", "fusion.3", "fusion.4", "fusion.9"}
-  gdn = {"while.7", "fusion.3", "fusion.4"}
-  split = generation.split_device_time(_trace(ops), instructions, gdn, calls=2)
+  monkeypatch.setattr(generation.profile, "trace_events", lambda d: _trace(ops))
+  split = generation._profile_split(lambda: None, _HLO, calls=2)  # pylint: disable=protected-access
   assert split["device_ms"] == pytest.approx(210 / 2 / 1e3)     # 100 + 40 + 60 + 10, per call
   assert split["gdn_ms"] == pytest.approx(140 / 2 / 1e3)
   assert split["matched"] == pytest.approx(200 / 210)
   # A profile whose loop bodies are not shown: the loop's own time is all GDN.
-  split = generation.split_device_time(_trace([("while.7", 0, 100), ("fusion.9", 200, 60)]),
-                                       instructions, gdn)
+  monkeypatch.setattr(generation.profile, "trace_events",
+                      lambda d: _trace([("while.7", 0, 100), ("fusion.9", 200, 60)]))
+  split = generation._profile_split(lambda: None, _HLO, calls=1)  # pylint: disable=protected-access
   assert split["gdn_ms"] == pytest.approx(0.1) and split["device_ms"] == pytest.approx(0.16)
-  assert generation.split_device_time(_trace([]), instructions, gdn) is None   # no op events
+  monkeypatch.setattr(generation.profile, "trace_events", lambda d: _trace([]))
+  assert generation._profile_split(lambda: None, _HLO) is None   # pylint: disable=protected-access
 
 
 def _model_file(tmp_path):

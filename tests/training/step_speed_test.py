@@ -190,7 +190,7 @@ def test_device_split_of_a_trace():
   split = ss.device_split(events, _HLO, calls=2)
   us = lambda x: x * 1e-6 / 2
   assert split == pytest.approx({ss.GDN: us(40), ss.GMM: us(20), ss.ATTENTION: us(20),
-                                 ss.REST: us(20), "device": us(100)})
+                                 ss.REST: us(20), "device": us(100), "attributed": 0.9})
 
 
 def test_device_split_off_tpu_is_none():

@@ -29,19 +29,17 @@ B · top_k assignments reach at most min(E, B · top_k) experts (exactly top_k
 at batch 1, where counting all E would put the floor above what the step
 needs). Activations (a few rows per layer) and the logits are left out.
 
-The GDN share comes from a profile of the step on a TPU: the device's op
-events, each attributed through the compiled module's text to the tokamax Op
-that emitted it (every instruction an Op emits carries its class in the HLO
-metadata, as `training.profile` uses) or, for a Pallas kernel, by its name.
-GDN is the serving op `causal_conv1d_gated_delta_rule` (conv and recurrence,
-every implementation); the layers' projections around it are "the rest".
+The GDN share comes from a profile of the step on a TPU, split as a training
+step's is (`training.step_split`): the device's op events, each attributed
+through the compiled module's text to the tokamax Op that emitted it or, for
+a Pallas kernel, by its name. GDN is the serving op
+`causal_conv1d_gated_delta_rule` (conv and recurrence, every
+implementation); the layers' projections around it are "the rest".
 Off a TPU the profile has no device track: device time and share are None.
 """
 
 from collections.abc import Callable, Sequence
-import collections
 import math
-import re
 import tempfile
 import time
 from typing import Any
@@ -55,18 +53,11 @@ from tokamax_gdn.models import decoder
 from tokamax_gdn.models import generation
 from tokamax_gdn.models.config import ModelConfig
 from tokamax_gdn.training import profile
+from tokamax_gdn.training import step_split
 
 PALLAS = "pallas_mosaic_tpu"
 WARM = 2             # untimed calls before the timed ones (`timing.wall_ms`'s warm-up)
 PROFILE_CALLS = 3    # profiled calls, after one untimed call
-# The tokamax Ops whose instructions count as GDN (their class's module).
-GDN_OPS = ("tokamax_gdn.ops.causal_conv1d_gated_delta_rule.",
-           "tokamax_gdn.ops.gated_delta_rule.", "tokamax_gdn.ops.causal_conv1d.")
-# Pallas kernels of the serving op, by their `pallas_call` name (a profile may
-# name a kernel's event after it rather than after its HLO instruction).
-GDN_KERNELS = ("gdn_serve_decode", "gdn_fwd_requests", "gdn_fwd")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=")
-_OP_TYPE = re.compile(r'tokamax:\{\\?"op\\?":\{\\?"__type\\?":\\?"([\w.]+)')
 
 
 def _quiet(line: str) -> None:
@@ -123,91 +114,11 @@ def decode_hbm_bytes(cfg: ModelConfig, params, batch: int, kv_positions: float,
 # The GDN share of a step's device time
 
 
-def gdn_instructions(hlo_text: str) -> set[str]:
-  """Names of the instructions of a compiled module that a GDN Op emitted
-  (`GDN_OPS`), in every computation (loop bodies included)."""
-  out = set()
-  for line in hlo_text.splitlines():
-    m = _INSTRUCTION.match(line)
-    t = _OP_TYPE.search(line) if m else None
-    if t and t.group(1).startswith(GDN_OPS):
-      out.add(m.group(1))
-  return out
-
-
-def _dur(e: dict[str, Any]) -> float:
-  return float(e.get("dur", 0.0))
-
-
-def _end(e: dict[str, Any]) -> float:
-  return float(e["ts"]) + _dur(e)
-
-
-def split_device_time(events: Sequence[dict[str, Any]], instructions: set[str],
-                      gdn: set[str], calls: int = 1, device_substring: str = "TPU"
-                      ) -> dict[str, float] | None:
-  """Device time of one call and its GDN part, from a trace's events.
-
-  Reads the duration events of the device's op tracks (process names with
-  `device_substring`, thread names with "XLA Ops", else ending in "Ops"). An event nested in
-  another on its track (a loop's body under the loop) counts its own time
-  only, so nothing counts twice whether or not a profile shows loop bodies.
-  An event is GDN when its instruction (its name, or its `hlo_op` argument)
-  is in `gdn`, or its name holds a GDN kernel's; `matched` is the share of
-  the time whose event names an instruction of the module or a GDN kernel
-  (low: the attribution did not work on this trace). None when the trace has
-  no device op events (off a TPU).
-  """
-  process, thread = {}, {}
-  for e in events:
-    if e.get("ph") == "M" and e.get("name") == "process_name":
-      process[e["pid"]] = e["args"]["name"]
-    elif e.get("ph") == "M" and e.get("name") == "thread_name":
-      thread[(e["pid"], e["tid"])] = e["args"]["name"]
-  tracks = collections.defaultdict(list)
-  for e in events:
-    if e.get("ph") == "X" and device_substring in process.get(e.get("pid"), ""):
-      tracks[(e["pid"], e["tid"])].append(e)
-  names = {key: thread.get(key, "") for key in tracks}
-  # The XLA op tracks; failing those, any "... Ops" track (as `on_chip._is_op`).
-  ops = [k for k, t in names.items() if "XLA Ops" in t] or [
-      k for k, t in names.items() if t.endswith("Ops")]
-  tracks = {k: tracks[k] for k in ops}
-  if not tracks:
-    return None
-
-  def own_name(e):
-    hlo_op = (e.get("args") or {}).get("hlo_op")
-    return hlo_op if hlo_op in instructions else e["name"].lstrip("%")
-
-  total = gdn_us = matched = 0.0
-  for track in tracks.values():
-    track.sort(key=lambda e: (float(e["ts"]), -_dur(e)))
-    own = [_dur(e) for e in track]
-    stack = []     # indices of the open events enclosing the current one
-    for i, e in enumerate(track):
-      start = float(e["ts"])
-      while stack and start >= _end(track[stack[-1]]):
-        stack.pop()
-      if stack:      # its enclosing event's own time excludes it (what overlaps of it)
-        own[stack[-1]] -= min(_end(e), _end(track[stack[-1]])) - start
-      stack.append(i)
-    for e, us in zip(track, own):
-      name = own_name(e)
-      kernel = any(k in name for k in GDN_KERNELS)
-      total += us
-      gdn_us += us if (name in gdn or kernel) else 0.0
-      matched += us if (name in instructions or kernel) else 0.0
-  return dict(device_ms=total / calls / 1e3, gdn_ms=gdn_us / calls / 1e3,
-              matched=matched / total if total else 0.0)
-
-
 def _profile_split(call: Callable[[], Any], hlo_text: str, calls: int = PROFILE_CALLS
                    ) -> dict[str, float] | None:
-  """`call()` once untimed, then `calls` times under `jax.profiler`; the
-  device time per call and its GDN part (`split_device_time`)."""
-  instructions = {m.group(1) for m in map(_INSTRUCTION.match, hlo_text.splitlines()) if m}
-  gdn = gdn_instructions(hlo_text)
+  """`call()` once untimed, then `calls` times under `jax.profiler`: the
+  device time per call, its GDN part and the attributed share
+  (`training.step_split.device_split`); None off a TPU."""
   jax.block_until_ready(call())
   with tempfile.TemporaryDirectory() as d:
     jax.profiler.start_trace(d, create_perfetto_trace=True)
@@ -217,7 +128,11 @@ def _profile_split(call: Callable[[], Any], hlo_text: str, calls: int = PROFILE_
     finally:
       jax.profiler.stop_trace()
     events = profile.trace_events(d)
-  return split_device_time(events, instructions, gdn, calls)
+  split = step_split.device_split(events, hlo_text, calls=calls)
+  if split is None:
+    return None
+  return dict(device_ms=split["device"] * 1e3, gdn_ms=split[step_split.GDN] * 1e3,
+              matched=split["attributed"])
 
 
 # ---------------------------------------------------------------------------

@@ -37,14 +37,18 @@ BUCKETS = (GDN, GMM, ATTENTION, REST)
 LABELS = {GDN: "GDN (gated delta rule + conv)", GMM: "gmm/tgmm", ATTENTION: "attention core",
           REST: "rest"}
 
+# The serving op (conv + recurrence, `causal_conv1d_gated_delta_rule`) is GDN
+# too: `benchmarks.generation` splits a model's serving steps with these.
 _OP_PREFIXES = {
-    GDN: ("tokamax_gdn.ops.gated_delta_rule.", "tokamax_gdn.ops.causal_conv1d."),
+    GDN: ("tokamax_gdn.ops.gated_delta_rule.", "tokamax_gdn.ops.causal_conv1d.",
+          "tokamax_gdn.ops.causal_conv1d_gated_delta_rule."),
     GMM: ("tokamax_gdn.ops.gmm.", "tokamax_gdn.ops.tgmm."),
 }
 # Source files of the ops (an instruction without the Op's metadata stamp,
 # e.g. a fusion whose root XLA took from inside the Op's jnp code).
 _OP_DIRS = {
-    GDN: ("tokamax_gdn/ops/gated_delta_rule/", "tokamax_gdn/ops/causal_conv1d/"),
+    GDN: ("tokamax_gdn/ops/gated_delta_rule/", "tokamax_gdn/ops/causal_conv1d/",
+          "tokamax_gdn/ops/causal_conv1d_gated_delta_rule/"),
     GMM: ("tokamax_gdn/ops/gmm/", "tokamax_gdn/ops/tgmm/"),
 }
 _ATTENTION_FRAME = ("tokamax_gdn/models/blocks.py", "attention")
@@ -150,33 +154,45 @@ def classify_instruction(ins: Instruction) -> str:
   return REST
 
 
-def classify_name(name: str, instructions: dict[str, Instruction] | None = None) -> str:
-  """The bucket of a device event named `name`: its instruction's, when the
-  module has one by that name; else by kernel name (`gdn_fwd`,
-  `tokamax_gdn_tgmm`, with or without the `.N` suffix)."""
-  if instructions:
-    ins = instructions.get(name)
-    if ins is None and name.startswith("%"):
-      ins = instructions.get(name[1:])
-    if ins is not None:
-      return classify_instruction(ins)
+def _kernel_bucket(name: str) -> str | None:
+  """The bucket of a Pallas kernel's event by its name (`gdn_fwd`,
+  `tokamax_gdn_tgmm`, with or without the `.N` suffix), or None."""
   base = _SUFFIX.sub("", name.lstrip("%"))
   for bucket, pattern in _KERNEL_PATTERNS:
     if pattern.search(base):
       return bucket
-  return REST
+  return None
+
+
+def classify_name(name: str, instructions: dict[str, Instruction] | None = None) -> str:
+  """The bucket of a device event named `name`: its instruction's, when the
+  module has one by that name; else by kernel name."""
+  if instructions:
+    ins = instructions.get(name.lstrip("%"))
+    if ins is not None:
+      return classify_instruction(ins)
+  return _kernel_bucket(name) or REST
+
+
+def resolve_event(e: dict[str, Any], instructions: dict[str, Instruction]) -> tuple[str, bool]:
+  """(the bucket of a trace event, whether it was attributed): by the
+  instruction of the module that its `hlo_op` or `long_name` argument
+  (`%fusion.3 = ...`) or its name names, else by kernel name; not attributed
+  when neither finds it (it is then `rest`)."""
+  name = str(e.get("name", ""))
+  args = e.get("args") or {}
+  long_name = args.get("long_name", "")
+  m = re.match(r"^\s*%?([\w.\-]+)\s*=", long_name) if isinstance(long_name, str) else None
+  for candidate in (args.get("hlo_op"), m.group(1) if m else None, name):
+    if isinstance(candidate, str) and candidate.lstrip("%") in instructions:
+      return classify_instruction(instructions[candidate.lstrip("%")]), True
+  bucket = _kernel_bucket(name)
+  return (bucket, True) if bucket else (REST, False)
 
 
 def classify_event(e: dict[str, Any], instructions: dict[str, Instruction]) -> str:
-  """The bucket of a trace event: by the instruction its `long_name` argument
-  (`%fusion.3 = ...`) or its name names in the module, else by its name."""
-  name = str(e.get("name", ""))
-  long_name = (e.get("args") or {}).get("long_name", "")
-  m = re.match(r"^\s*%?([\w.\-]+)\s*=", long_name) if isinstance(long_name, str) else None
-  for candidate in ((m.group(1),) if m else ()) + (name,):
-    if candidate.lstrip("%") in instructions:
-      return classify_name(candidate, instructions)
-  return classify_name(name, instructions)
+  """The bucket of a trace event (`resolve_event`)."""
+  return resolve_event(e, instructions)[0]
 
 
 def self_times(events: Iterable[dict[str, Any]]) -> list[tuple[dict[str, Any], float]]:
@@ -227,15 +243,22 @@ def device_split(events: list[dict[str, Any]], hlo_text: str | None = None, *, c
   of `calls` calls of the compiled module whose text is `hlo_text`; None
   when the trace has no device op track (not on a TPU).
 
-  The dict has every `BUCKETS` key and "device" (their sum)."""
+  The dict has every `BUCKETS` key, "device" (their sum) and "attributed":
+  the share of the device time whose events were traced to an instruction
+  of the module or a known kernel (low: this trace names its events in a
+  way the split does not read, and most of it fell into `rest`)."""
   ops = device_op_events(events, device_substring)
   if not ops:
     return None
   instructions = parse_hlo(hlo_text) if hlo_text else {}
   split = dict.fromkeys(BUCKETS, 0.0)
+  attributed = 0.0
   for e, us in self_times(ops):
-    split[classify_event(e, instructions)] += us * 1e-6 / calls
+    bucket, found = resolve_event(e, instructions)
+    split[bucket] += us * 1e-6 / calls
+    attributed += us * 1e-6 / calls if found else 0.0
   split["device"] = sum(split[b] for b in BUCKETS)
+  split["attributed"] = attributed / split["device"] if split["device"] else 0.0
   return split
 
 
