@@ -40,7 +40,6 @@ Off a TPU the profile has no device track: device time and share are None.
 
 from collections.abc import Callable, Sequence
 import math
-import tempfile
 import time
 from typing import Any
 
@@ -120,14 +119,7 @@ def _profile_split(call: Callable[[], Any], hlo_text: str, calls: int = PROFILE_
   device time per call, its GDN part and the attributed share
   (`training.step_split.device_split`); None off a TPU."""
   jax.block_until_ready(call())
-  with tempfile.TemporaryDirectory() as d:
-    jax.profiler.start_trace(d, create_perfetto_trace=True)
-    try:
-      for _ in range(calls):
-        jax.block_until_ready(call())
-    finally:
-      jax.profiler.stop_trace()
-    events = profile.trace_events(d)
+  events = profile.trace_calls(call, calls)
   split = step_split.device_split(events, hlo_text, calls=calls)
   if split is None:
     return None

@@ -15,7 +15,6 @@ What every on-chip table of `tokamax-gdn bench` is built from:
 import collections
 import dataclasses
 import statistics
-import tempfile
 import time
 from typing import Any, Callable
 
@@ -121,14 +120,7 @@ def device_op_times(fn: Callable[..., Any], *args, calls: int = 3,
   `gdn_fwd`), an XLA op under its fusion's name.
   """
   jax.block_until_ready(fn(*args))
-  with tempfile.TemporaryDirectory() as d:
-    jax.profiler.start_trace(d, create_perfetto_trace=True)
-    try:
-      for _ in range(calls):
-        jax.block_until_ready(fn(*args))
-    finally:
-      jax.profiler.stop_trace()
-    events = profile.trace_events(d)
+  events = profile.trace_calls(lambda: fn(*args), calls)
   process, thread = {}, {}
   for e in events:
     if e.get("ph") == "M" and e.get("name") == "process_name":

@@ -16,7 +16,6 @@ other implementations' rows still come.
 """
 
 import dataclasses
-import tempfile
 import time
 from typing import Any
 
@@ -89,18 +88,6 @@ def _error(e: BaseException) -> str:
   return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
-def trace(fn, calls: int) -> list[dict[str, Any]]:
-  """The trace events of `calls` calls of `fn()` under `jax.profiler`, each waited for."""
-  with tempfile.TemporaryDirectory() as d:
-    jax.profiler.start_trace(d, create_perfetto_trace=True)
-    try:
-      for _ in range(calls):
-        jax.block_until_ready(fn())
-    finally:
-      jax.profiler.stop_trace()
-    return profile.trace_events(d)
-
-
 def measure_step(cfg: ModelConfig, task: RecallTask, implementation: Any, *, batch_size: int,
                  steps: int = 10, warmup: int = 2, dtype: Any = None, seed: int = 0,
                  learning_rate: float = 1e-3, profile_calls: int = 1,
@@ -140,7 +127,7 @@ def measure_step(cfg: ModelConfig, task: RecallTask, implementation: Any, *, bat
     jax.block_until_ready((state, metrics))
     m.step_seconds = (time.perf_counter() - t0) / steps
     if profile_calls:
-      events = trace(call, profile_calls)
+      events = profile.trace_calls(call, profile_calls)
       m.split = step_split.device_split(events, compiled.as_text(), calls=profile_calls)
   except Exception as e:  # pylint: disable=broad-except
     m.error = _error(e)

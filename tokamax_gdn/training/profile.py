@@ -85,6 +85,19 @@ def trace_events(trace_dir: str) -> list[dict[str, Any]]:
   return data["traceEvents"] if isinstance(data, dict) else data
 
 
+def trace_calls(fn, calls: int) -> list[dict[str, Any]]:
+  """The trace events of `calls` calls of `fn()` under `jax.profiler`, each
+  waited for (a caller warms `fn` up first: its compile is not traced)."""
+  with tempfile.TemporaryDirectory() as d:
+    jax.profiler.start_trace(d, create_perfetto_trace=True)
+    try:
+      for _ in range(calls):
+        jax.block_until_ready(fn())
+    finally:
+      jax.profiler.stop_trace()
+    return trace_events(d)
+
+
 def traced_call(compiled, *args, trace_dir: str | None = None):
   """Runs `compiled(*args)` once under the profiler: (outputs, wall seconds of
   the call, the trace's events). Donated arguments are consumed as usual."""
