@@ -77,3 +77,25 @@ def test_gmm_floor_counts_every_groups_weights():
     assert r["floor_ms"] == pytest.approx(FLOORS.floor_ms(2 * m * k * n, hbm))
   ours = {r["impl"]: r for r in rows if r["op"] == "gmm"}
   assert ours["ours xla"]["ms"] > 0 and ours["ours pallas_mosaic_tpu"]["error"]
+
+
+def test_mixed_call_against_its_parts():
+  # A CPU-scaled stand-in: a decode batch "made of" two separate calls.
+  parts = {"tiny_decode_8_ctx": ("tiny_prefill_37", "tiny_decode_8_ctx")}
+  rows = on_chip.serving_rows(FLOORS, ["tiny_decode_8_ctx"], ("xla",), tokamax=False, n=2)
+  [m] = on_chip.mixed_vs_parts(FLOORS, rows, parts, n=2)
+  assert m["spec"] == "tiny_decode_8_ctx" and m["impl"] == "xla" and m["ms"] == rows[0]["ms"]
+  assert m["parts_ms"] > m["ms"] > 0     # the sum includes a second call of the same spec
+  assert m["over_parts"] == pytest.approx(m["ms"] / m["parts_ms"])
+  assert m["parts"] == "tiny_prefill_37 + tiny_decode_8_ctx"
+  assert on_chip.mixed_vs_parts(FLOORS, rows, {}, n=2) == []   # nothing mixed: no rows
+
+
+def test_every_listed_part_is_a_spec():
+  from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs  # pylint: disable=g-import-not-at-top
+  for mixed, parts in arg_specs.PARTS.items():
+    whole = arg_specs.layout_of(mixed)
+    pieces = [arg_specs.layout_of(p) for p in parts]
+    n = lambda lay: int(lay["query_start_loc"][int(lay["distribution"][2])])
+    # The parts hold the mixed call's tokens between them.
+    assert sum(n(p) for p in pieces) == n(whole), mixed

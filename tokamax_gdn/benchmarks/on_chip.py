@@ -252,6 +252,29 @@ def serving_rows(floors: timing.Floors, spec_names: Sequence[str],
   return rows
 
 
+def mixed_vs_parts(floors: timing.Floors, rows: Sequence[dict[str, Any]],
+                   parts: dict[str, Sequence[str]], n: int = 20,
+                   log: Callable[[str], None] = _quiet) -> list[dict[str, Any]]:
+  """For each mixed workload among `rows` (`serving_rows`' output) that
+  `parts` lists: the mixed call's time against the sum of its parts run as
+  separate calls (`serving_rows` of the parts, same implementation), per
+  implementation. A ratio at or below 1 means mixing costs nothing."""
+  out = []
+  for mixed in dict.fromkeys(r["spec"] for r in rows if r["spec"] in parts):
+    impls = [r["impl"] for r in rows if r["spec"] == mixed]
+    part_rows = serving_rows(floors, list(dict.fromkeys(parts[mixed])), impls, tokamax=False,
+                             n=n, log=log)
+    for impl in impls:
+      [m] = [r for r in rows if r["spec"] == mixed and r["impl"] == impl]
+      ms = {r["spec"]: r.get("ms") for r in part_rows if r["impl"] == impl}
+      total = (sum(ms[p] for p in parts[mixed])
+               if all(ms.get(p) is not None for p in parts[mixed]) else None)
+      out.append(dict(table="mixed", spec=mixed, impl=impl, ms=m.get("ms"),
+                      parts=" + ".join(parts[mixed]), parts_ms=total,
+                      over_parts=m["ms"] / total if total and m.get("ms") else None))
+  return out
+
+
 # ---------------------------------------------------------------------------
 # Grouped matmuls
 

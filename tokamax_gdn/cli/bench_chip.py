@@ -24,6 +24,8 @@ _SERVING_COLUMNS = dict(spec="workload", shape="shape", impl="impl", ms="ms",
                         device_ms="device ms", floor_ms="HBM floor ms", over_floor="x floor",
                         device_over_floor="device x floor", compile_s="compile s",
                         error="error")
+_MIXED_COLUMNS = dict(spec="mixed workload", impl="impl", ms="ms", parts="parts",
+                      parts_ms="parts ms (sum)", over_parts="x parts")
 _GMM_COLUMNS = dict(op="op", shape="shape", impl="impl", ms="ms", floor_ms="floor ms",
                     over_floor="x floor", pct_of_dense="% of dense", error="error")
 _GENERATION_COLUMNS = dict(impl="impl", batch="B", phase="phase", tokens="tokens / call",
@@ -110,11 +112,16 @@ def run(args, specs) -> int:
     impls = [s for s in (args.impls or f"{on_chip.PALLAS},xla").split(",") if s]
     rows = on_chip.serving_rows(floors, [s.name for s in specs], impls, n=args.reps,
                                    log=_log)
+    from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs  # pylint: disable=g-import-not-at-top
+    mixed = on_chip.mixed_vs_parts(floors, rows, arg_specs.PARTS, n=args.reps, log=_log)
     if args.json:
-      common.print_json(report | dict(rows=rows))
+      common.print_json(report | dict(rows=rows, mixed=mixed))
       return 0
     _emit(args, "chip-serving", f"causal_conv1d_gated_delta_rule on {floors.device_kind}",
           rows, _SERVING_COLUMNS, floors_line)
+    if mixed:
+      _emit(args, "chip-serving-mixed", "mixed serving calls against their parts run as"
+            f" separate calls on {floors.device_kind}", mixed, _MIXED_COLUMNS, floors_line)
     return 0
   rows = on_chip.gmm_rows(floors, n=args.reps, log=_log)
   if args.json:

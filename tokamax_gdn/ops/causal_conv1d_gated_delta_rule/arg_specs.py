@@ -187,6 +187,14 @@ ARG_SPECS: list[ArgSpec] = [
 ]
 
 
+# Each mixed AOT workload and the separate calls it is made of (the 'aot_parts'
+# specs above), for the mixed call's time against its parts' sum.
+PARTS = {
+    "tp8_mixed_64_t8192": ("tp8_mixed_64_t8192_decode_part", "tp8_mixed_64_t8192_prefill_part"),
+    "tp8_mixed_3x512": ("tp8_prefill_256", "tp8_prefill_128", "tp8_prefill_128"),
+}
+
+
 def layout_of(name: str) -> dict[str, Any]:
   """The layout a spec draws from: ShapeDtypeStructs, concrete index arrays, sizes."""
   by_name(name)
