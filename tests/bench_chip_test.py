@@ -79,15 +79,29 @@ def test_gmm_floor_counts_every_groups_weights():
   assert ours["ours xla"]["ms"] > 0 and ours["ours pallas_mosaic_tpu"]["error"]
 
 
-def test_mixed_call_against_its_parts():
-  # A CPU-scaled stand-in: a decode batch "made of" two separate calls.
-  parts = {"tiny_decode_8_ctx": ("tiny_prefill_37", "tiny_decode_8_ctx")}
-  rows = on_chip.serving_rows(FLOORS, ["tiny_decode_8_ctx"], ("xla",), tokamax=False, n=2)
-  [m] = on_chip.mixed_vs_parts(FLOORS, rows, parts, n=2)
-  assert m["spec"] == "tiny_decode_8_ctx" and m["impl"] == "xla" and m["ms"] == rows[0]["ms"]
-  assert m["parts_ms"] > m["ms"] > 0     # the sum includes a second call of the same spec
-  assert m["over_parts"] == pytest.approx(m["ms"] / m["parts_ms"])
-  assert m["parts"] == "tiny_prefill_37 + tiny_decode_8_ctx"
+def test_mixed_call_against_its_parts(monkeypatch):
+  parts = {"mixed": ("a", "b", "b")}
+  times = dict(a=1.0, b=0.5)
+  asked = []
+
+  def fake_rows(floors, names, impls, tokamax, n, log):
+    del floors, tokamax, n, log
+    asked.append((list(names), list(impls)))
+    return [dict(spec=s, impl=i, ms=times.get(s)) for s in names for i in impls]
+
+  monkeypatch.setattr(on_chip, "serving_rows", fake_rows)
+  rows = [dict(spec="mixed", impl="xla", ms=1.8), dict(spec="mixed", impl="ours", ms=2.2),
+          dict(spec="other", impl="xla", ms=9.0)]
+  out = on_chip.mixed_vs_parts(FLOORS, rows, parts, n=2)
+  assert asked == [(["a", "b"], ["xla", "ours"])]      # each part once, every impl of the mixed
+  by_impl = {r["impl"]: r for r in out}
+  assert by_impl["xla"]["parts_ms"] == pytest.approx(2.0)   # a + b + b
+  assert by_impl["xla"]["over_parts"] == pytest.approx(0.9)
+  assert by_impl["ours"]["over_parts"] == pytest.approx(1.1)
+  assert by_impl["xla"]["parts"] == "a + b + b"
+  times["b"] = None                                     # a part that failed: no ratio
+  [r, _] = on_chip.mixed_vs_parts(FLOORS, rows, parts, n=2)
+  assert r["parts_ms"] is None and r["over_parts"] is None
   assert on_chip.mixed_vs_parts(FLOORS, rows, {}, n=2) == []   # nothing mixed: no rows
 
 
