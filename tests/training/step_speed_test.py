@@ -11,27 +11,7 @@ from tokamax_gdn.models.config import ModelConfig
 from tokamax_gdn.training import flops
 from tokamax_gdn.training import step_split as ss
 
-# One GDN block then one attention block, routed MoE (top 1 of 2 experts).
-_TOY = """\
-name: toy
-variant: qwen3_5
-hidden_size: 32
-num_k_heads: 1
-num_v_heads: 2
-head_k_dim: 16
-head_v_dim: 16
-conv_kernel_size: 4
-model:
-  num_layers: 2
-  full_attention_interval: 2
-  num_attention_heads: 2
-  num_key_value_heads: 1
-  head_dim: 16
-  num_experts: 2
-  num_experts_per_tok: 1
-  moe_intermediate_size: 16
-  vocab_size: 8
-"""
+from tests.cli.train_test import _TOY   # one GDN block, one attention block, MoE top 1 of 2
 
 
 @pytest.fixture(scope="module")

@@ -35,11 +35,11 @@ GROUPS = {
     "gmm/tgmm": ("tokamax_gdn.ops.gmm.", "tokamax_gdn.ops.tgmm."),
 }
 _CONTROL_FLOW = {"while", "conditional", "call", "async-start", "async-done"}
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
-_OP_TYPE = re.compile(r'tokamax:\{\\?"op\\?":\{\\?"__type\\?":\\?"([\w.]+)')
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+OP_TYPE = re.compile(r'tokamax:\{\\?"op\\?":\{\\?"__type\\?":\\?"([\w.]+)')
 
 
-def _opcode(rhs: str) -> str:
+def opcode(rhs: str) -> str:
   """The opcode of an HLO instruction's right-hand side (`shape opcode(...)`)."""
   i = 0
   if rhs.startswith("("):           # tuple shape: skip to its closing parenthesis
@@ -58,14 +58,14 @@ def instruction_groups(hlo_text: str) -> dict[str, str | None]:
   instruction of a compiled HLO module except control flow."""
   out = {}
   for line in hlo_text.splitlines():
-    m = _INSTRUCTION.match(line)
+    m = INSTRUCTION.match(line)
     if not m:
       continue
     name, rhs = m.groups()
-    if _opcode(rhs) in _CONTROL_FLOW:
+    if opcode(rhs) in _CONTROL_FLOW:
       continue
     group = None
-    t = _OP_TYPE.search(line)
+    t = OP_TYPE.search(line)
     if t:
       group = next((g for g, prefixes in GROUPS.items() if t.group(1).startswith(prefixes)), None)
     out[name] = group

@@ -32,6 +32,8 @@ import dataclasses
 import re
 from typing import Any, Iterable
 
+from tokamax_gdn.training import profile
+
 GDN, GMM, ATTENTION, REST = "gdn", "gmm/tgmm", "attention", "rest"
 BUCKETS = (GDN, GMM, ATTENTION, REST)
 LABELS = {GDN: "GDN (gated delta rule + conv)", GMM: "gmm/tgmm", ATTENTION: "attention core",
@@ -57,8 +59,6 @@ _KERNEL_PATTERNS = (
     (GMM, re.compile(r"^(tokamax_gdn_)?t?gmm\b|ragged[-_]dot")),
 )
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
-_OP_TYPE = re.compile(r'tokamax:\{\\?"op\\?":\{\\?"__type\\?":\\?"([\w.]+)')
 _FRAME_ID = re.compile(r"\bstack_frame_id=(\d+)")
 _TABLE_ROW = re.compile(r"^(\d+)\s+(.*)$")
 _FIELDS = re.compile(r"(\w+)=(\d+)")
@@ -73,21 +73,6 @@ class Instruction:
   op_type: str | None          # the tokamax Op class that emitted it
   file: str | None             # innermost source frame
   function: str | None
-
-
-def _opcode(rhs: str) -> str:
-  """The opcode of an instruction's right-hand side (`shape opcode(...)`)."""
-  if rhs.startswith("("):         # tuple shape: skip to its closing parenthesis
-    depth = 0
-    for i, ch in enumerate(rhs):
-      depth += ch == "("
-      depth -= ch == ")"
-      if depth == 0:
-        rhs = rhs[i + 1:]
-        break
-  else:
-    rhs = rhs.split(" ", 1)[-1]
-  return rhs.strip().split("(", 1)[0].strip()
 
 
 def _frames(lines: list[str]) -> dict[int, tuple[str, str]]:
@@ -125,14 +110,14 @@ def parse_hlo(hlo_text: str) -> dict[str, Instruction]:
   frames = _frames(lines)
   out = {}
   for line in lines:
-    m = _INSTRUCTION.match(line)
+    m = profile.INSTRUCTION.match(line)
     if not m:
       continue
     name, rhs = m.groups()
-    t = _OP_TYPE.search(line)
+    t = profile.OP_TYPE.search(line)
     f = _FRAME_ID.search(line)
     file, function = frames.get(int(f.group(1)), (None, None)) if f else (None, None)
-    out[name] = Instruction(opcode=_opcode(rhs), op_type=t.group(1) if t else None,
+    out[name] = Instruction(opcode=profile.opcode(rhs), op_type=t.group(1) if t else None,
                             file=file, function=function)
   return out
 
