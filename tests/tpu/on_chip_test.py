@@ -186,8 +186,28 @@ class _ServingOnChip(serving_base.ServingTestBase):
     self._check_against_ours_and_tokamax(name, lay, *serving_base.tokamax_oracle(lay))
 
 
+# On a chip the serving Pallas kernels need d_k, d_v multiples of 128: the
+# shared cases at those sizes (the CPU-scaled ones at 16 and 32 lanes, lifted).
+_LANES = dict(n_kq=1, n_v=2, d_k=128, d_v=128)
+
+
+def _lifted(cases):
+  return [(f"{cid}_dk128", {**lay, "d_k": 128, "d_v": 128}) for cid, lay in cases]
+
+
 class TestServingPallasOnChip(_ServingOnChip):
   IMPL = "pallas_mosaic_tpu"
+  DIMS = _LANES
+
+  @pytest.mark.parametrize("case_id,lay", _lifted(serving_base.CASES),
+                           ids=[c[0] for c in _lifted(serving_base.CASES)])
+  def test_against_tokamax_reference(self, case_id, lay):
+    super().test_against_tokamax_reference(case_id, lay)
+
+  @pytest.mark.parametrize("case_id,lay", _lifted(serving_base.SPEC_CASES),
+                           ids=[c[0] for c in _lifted(serving_base.SPEC_CASES)])
+  def test_spec_windows_against_tokamax(self, case_id, lay):
+    super().test_spec_windows_against_tokamax(case_id, lay)
 
 
 class TestServingXlaOnChip(_ServingOnChip):

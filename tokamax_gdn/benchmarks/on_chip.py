@@ -43,7 +43,10 @@ def _quiet(line: str) -> None:
 
 def _done(row: dict[str, Any]) -> str:
   what = " ".join(str(row[k]) for k in ("op", "spec", "t", "impl", "pass_") if k in row)
-  return f"{what}: {row['ms']:.3f} ms" if row.get("ms") else f"{what}: {row.get('error')}"
+  if not row.get("ms"):
+    return f"{what}: {row.get('error')}"
+  device = f" (device {row['device_ms']:.3f} ms)" if row.get("device_ms") is not None else ""
+  return f"{what}: {row['ms']:.3f} ms{device}"
 
 
 def _error(e: BaseException) -> str:

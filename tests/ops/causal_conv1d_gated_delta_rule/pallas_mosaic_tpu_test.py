@@ -3,11 +3,14 @@ interpret mode, the routing between its decode kernel and chunked path, and
 AOT compiles for v5e / v6e / tpu7x at a realistic decode shape whose kernels
 the static cycle estimator must accept."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import tokamax_gdn
 from tokamax_gdn import aot
 from tokamax_gdn import config
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs
@@ -252,3 +255,68 @@ def test_one_request_prefill_is_estimable_on_v6e():
   assert res.report is not None, res.error
   cycles = {aot.kernel_name(k): v for k, v in res.report.kernel_cycles.items()}
   assert cycles.get("gdn_fwd_requests", 0) > 0, cycles
+
+
+@pytest.mark.parametrize("tile,spec_tokens", [(2, 3), (4, 1)], ids=["tile2_window4", "tile4_window2"])
+def test_small_tiles_for_windows(tile, spec_tokens):
+  """Tiles under 8 requests (the heuristics' choice where 8 requests' states
+  and checkpoints do not fit VMEM): tile x window = 8 token rows per block,
+  padded requests and a fresh one among them, against the reference."""
+  lay = arg_specs.layout(lengths=[spec_tokens + 1, 2, 1, spec_tokens + 1, 1],
+                         context_lens=[9, 4, 0, 3, 6], num_spec_tokens=spec_tokens,
+                         max_reqs=6, **TINY, **F32)
+  args, kwargs = make(lay, seed=23)
+  static = {k: v for k, v in kwargs.items() if k in STATIC}
+  arrays = {k: v for k, v in kwargs.items() if k not in STATIC}
+  cfg = pallas_mosaic_tpu.Config(decode_tile=tile, chunk_size=64, min_chunked_tokens=128)
+  run = lambda impl: jax.jit(lambda a, kw: impl(*a, **kw, **static))(tuple(args), arrays)
+  with config.interpret_mode():
+    (conv, rec), out = run(pallas_mosaic_tpu.IMPLEMENTATION.replace(config=cfg))
+  (r_conv, r_rec), r_out = run(functools.partial(
+      tokamax_gdn.causal_conv1d_gated_delta_rule, implementation="reference"))
+  assert_close(out, r_out, jnp.float32, "out")
+  assert_close(rec, r_rec, jnp.float32, "recurrent")
+  assert_close(conv, r_conv, jnp.float32, "conv")
+
+
+def test_decode_tile_must_make_whole_blocks():
+  with pytest.raises(ValueError, match="multiple of 8"):
+    pallas_mosaic_tpu.Config(decode_tile=3)
+  assert pallas_mosaic_tpu._row_tile(1, 1) == 8  # pylint: disable=protected-access
+  assert pallas_mosaic_tpu._row_tile(2, 4) == 2  # pylint: disable=protected-access
+  assert pallas_mosaic_tpu._row_tile(2, 3) == 8  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("gen", ["v5e", "v6e"])
+def test_heuristic_decode_tile_fits_vmem_at_every_named_spec(gen):
+  """At every tokamax workload the heuristics' decode tile is under the VMEM
+  cap (on v5e a tile of 8 requests of 64 value heads with a verify window of
+  4 needed 96 MiB: the chip refused the call)."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import api  # pylint: disable=g-import-not-at-top
+  sig = inspect.signature(api.causal_conv1d_gated_delta_rule)
+  config.set_target_chip(gen)
+  try:
+    cap = pallas_mosaic_tpu._vmem_cap()  # pylint: disable=protected-access
+    over = []
+    for spec in arg_specs.ARG_SPECS:
+      if "tokamax" not in spec.tags:
+        continue
+      static = {}
+
+      def shapes(key, spec=spec, static=static):
+        args, kwargs = spec.make(key)
+        static.update({k: v for k, v in kwargs.items() if k in STATIC})
+        return args, {k: v for k, v in kwargs.items() if k not in STATIC}
+
+      args, kwargs = jax.eval_shape(shapes, jax.random.key(0))
+      ba = sig.bind_partial(*args, **kwargs, **static)
+      ba.apply_defaults()
+      cfg = pallas_mosaic_tpu._heuristics(ba)  # pylint: disable=protected-access
+      window = ba.arguments["num_spec_tokens"] + 1
+      need = pallas_mosaic_tpu._decode_vmem(ba.arguments, cfg.decode_tile, window)  # pylint: disable=protected-access
+      if need > cap:
+        over.append((spec.name, cfg.decode_tile, need / 2**20))
+    assert not over, f"over the {cap / 2**20:.0f} MiB cap: {over}"
+  finally:
+    config.set_target_chip(None)

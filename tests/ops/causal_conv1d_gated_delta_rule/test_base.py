@@ -124,6 +124,9 @@ class ServingTestBase:
   """Subclasses set IMPL and may override `context`."""
 
   IMPL = "reference"
+  # Head counts and sizes of the property tests' layouts (on a chip the
+  # Pallas kernels need d_k, d_v multiples of 128).
+  DIMS = TINY
   # The reference is the oracle of the property tests below; its own test
   # checks it against tokamax only.
   PROPERTIES = True
@@ -182,11 +185,11 @@ class ServingTestBase:
     program of the implementation would double its interpret-mode compile)."""
     if not self.PROPERTIES:
       pytest.skip("property tests run for the implementations, not the oracle")
-    lay = arg_specs.layout(lengths=[3], context_lens=5, num_spec_tokens=2, **TINY, **F32)
+    lay = arg_specs.layout(lengths=[3], context_lens=5, num_spec_tokens=2, **self.DIMS, **F32)
     args, kwargs = make(lay, seed=3)
     kwargs["read_offsets"] = jnp.array([1], jnp.int32)
     (conv, rec), out = self.call(args, kwargs)
-    one = arg_specs.layout(lengths=[1], context_lens=5, **TINY, **F32)
+    one = arg_specs.layout(lengths=[1], context_lens=5, **self.DIMS, **F32)
     pools = (args[3].at[1].set(args[3][2]), args[4].at[1].set(args[4][2]))   # read slot 1 + 1
     for j in range(3):
       step_args = (args[0][j:j + 1], args[1][j:j + 1], args[2][j:j + 1], *pools, *args[5:9],
@@ -205,7 +208,7 @@ class ServingTestBase:
     compile for the three calls."""
     if not self.PROPERTIES:
       pytest.skip("property tests run for the implementations, not the oracle")
-    lay = arg_specs.layout(lengths=[26], **TINY, **F32)
+    lay = arg_specs.layout(lengths=[26], **self.DIMS, **F32)
     args, kwargs = make(lay, seed=5)
     (conv, rec), out = self.call(args, kwargs)
     pools = args[3:5]
@@ -229,7 +232,7 @@ class ServingTestBase:
     if not self.PROPERTIES:
       pytest.skip("property tests run for the implementations, not the oracle")
     lay = arg_specs.layout(lengths=[1, 1, 1, 9, 14, 5], context_lens=[3, 3, 3, 0, 4, 0],
-                           **TINY, **F32)
+                           **self.DIMS, **F32)
     args, kwargs = make(lay, seed=7)
     clean = self.call(args, kwargs)
     qsl = lay["query_start_loc"]
@@ -256,7 +259,7 @@ class ServingTestBase:
     count starts from zeros, reading nothing (a NaN in its slot stays out)."""
     if not self.PROPERTIES:
       pytest.skip("property tests run for the implementations, not the oracle")
-    lay = arg_specs.layout(lengths=[1, 9, 6], context_lens=[3, 0, 0], **TINY, **F32)
+    lay = arg_specs.layout(lengths=[1, 9, 6], context_lens=[3, 0, 0], **self.DIMS, **F32)
     args, kwargs = make(lay, seed=13)
     fresh = self.call(args, kwargs)
     bad = list(args)
@@ -278,10 +281,10 @@ class ServingTestBase:
       pytest.skip("property tests run for the implementations, not the oracle")
     if windows:
       lay = arg_specs.layout(lengths=[4, 3, 1, 2], context_lens=9, num_spec_tokens=3,
-                             max_reqs=5, **TINY)
+                             max_reqs=5, **self.DIMS)
     else:
       lay = arg_specs.layout(lengths=[1, 1, 1, 9, 14, 5], context_lens=[3, 3, 3, 0, 4, 0],
-                             **TINY, **F32)
+                             **self.DIMS, **F32)
     args, kwargs = make(lay, seed=11)
     (c_conv, c_rec), c_out = self.call(args, kwargs)
     n_slots = args[4].shape[0]
@@ -313,8 +316,8 @@ class ServingTestBase:
     if not self.PROPERTIES:
       pytest.skip("property tests run for the implementations, not the oracle")
     first = arg_specs.layout(lengths=[1, 1, 1, 9, 14, 5], context_lens=[3, 3, 3, 0, 4, 0],
-                             **TINY, **F32)
-    other = arg_specs.layout(lengths=[31], max_reqs=6, **TINY, **F32)
+                             **self.DIMS, **F32)
+    other = arg_specs.layout(lengths=[31], max_reqs=6, **self.DIMS, **F32)
     self.call(*make(first))
     fn = _JITTED[(self.IMPL, config.target_generation().name,
                   tuple(sorted((n, first[n]) for n in STATIC if n in first)))]
@@ -333,7 +336,7 @@ class ServingTestBase:
   ], ids=["qsl_decreasing", "qsl_past_tokens", "decode_too_long", "duplicate_slot",
           "slot_outside_pool", "read_outside_pool", "distribution_decreasing"])
   def test_bad_concrete_metadata_is_a_clear_error(self, change, argname):
-    lay = arg_specs.layout(lengths=[1, 1, 10], context_lens=[2, 2, 0], **TINY, **F32)
+    lay = arg_specs.layout(lengths=[1, 1, 10], context_lens=[2, 2, 0], **self.DIMS, **F32)
     args, kwargs = make(lay)
     names = arg_specs.POSITIONAL
     full = dict(zip(names, args)) | kwargs
@@ -344,7 +347,7 @@ class ServingTestBase:
 
   def test_list_index_array_is_a_clear_error(self):
     """A Python list where an array goes names the argument (no AttributeError)."""
-    lay = arg_specs.layout(lengths=[1, 1, 10], context_lens=[2, 2, 0], **TINY, **F32)
+    lay = arg_specs.layout(lengths=[1, 1, 10], context_lens=[2, 2, 0], **self.DIMS, **F32)
     args, kwargs = make(lay)
     full = dict(zip(arg_specs.POSITIONAL, args)) | kwargs
     full["query_start_loc"] = [0, 1, 2, 12]

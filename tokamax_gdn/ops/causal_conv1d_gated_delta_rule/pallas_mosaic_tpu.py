@@ -110,7 +110,9 @@ class Config:
   """Tiling of the two paths.
 
   decode_tile: requests per grid step of the decode kernel (their states are
-    in VMEM together: in and `window` checkpoints each).
+    in VMEM together: in and `window` checkpoints each). A multiple of 8, or
+    1, 2 or 4 for speculative windows (the kernel's blocks are tile x window
+    token rows, a multiple of 8): a smaller tile is doubled until they are.
   chunk_size: C of the chunked GDN kernel.
   min_chunked_tokens: requests at least this long take the chunked path (see
     the module doc); shorter ones the decode kernel.
@@ -120,15 +122,37 @@ class Config:
     `pallas_mosaic_tpu_decode.DecodeStatic.rolled`.
   """
 
-  decode_tile: Annotated[int, pydantic.Field(gt=0, multiple_of=8)] = 16
+  decode_tile: Annotated[int, pydantic.Field(gt=0)] = 16
   chunk_size: Literal[64, 128] = 128
   min_chunked_tokens: Annotated[int, pydantic.Field(ge=2)] = 128
   decode_rolled: Literal[0, 1, 2, 4, 8] = 2
 
+  def __post_init__(self):
+    if self.decode_tile % 8 and self.decode_tile not in _SMALL_TILES:
+      raise ValueError(f"decode_tile must be a multiple of 8 or one of {_SMALL_TILES};"
+                       f" got {self.decode_tile}")
+
+
+# Tiles below 8 requests: for windows whose states do not fit 8 at a time.
+_SMALL_TILES = (1, 2, 4)
+
+
+def _row_tile(tile: int, window: int) -> int:
+  """The tile the kernel runs: `tile`, doubled until tile x window token rows
+  are a multiple of 8 (its blocks' sublanes)."""
+  while (tile * window) % 8:
+    tile *= 2
+  return tile
+
 
 def _heuristics(ba: op.BoundArguments) -> Config:
   """Decode tiles of 8 requests, stepped 2 at a time in a loop, C = 128,
-  and the chunked path from C tokens on.
+  and the chunked path from C tokens on. Where 8 requests' states and window
+  checkpoints take more than 3/4 of the VMEM cap (32 or 64 value heads with
+  a speculative window), the largest smaller tile under it that keeps the
+  kernel's blocks whole (tile x window a multiple of 8): the estimate's
+  margins were fitted at small states, and with 2 MiB states a grid step's
+  fixed cost is nothing beside its DMAs.
 
   On the v5e chip a tile of 8 was faster than one of 32 at every TP8 decode
   spec (measured with the unrolled kernel, `decode_rolled=0`, whose compile
@@ -136,16 +160,22 @@ def _heuristics(ba: op.BoundArguments) -> Config:
   on a TPU re-measures it, and autotuning explores 16 to 64 (libtpu's v6e
   estimate favoured the larger tiles).
   """
-  del ba
-  return Config(decode_tile=8, chunk_size=128, min_chunked_tokens=128, decode_rolled=2)
+  args = ba.arguments
+  window = args["num_spec_tokens"] + 1
+  tiles = [t for t in (8, 4, 2, 1) if _row_tile(t, window) == t]
+  need = {t: _decode_vmem(args, t, window) for t in tiles}
+  cap = _vmem_cap()
+  tile = next((t for t in tiles if need[t] <= cap * 3 // 4),
+              next((t for t in tiles if need[t] <= cap), 8))
+  return Config(decode_tile=tile, chunk_size=128, min_chunked_tokens=128, decode_rolled=2)
 
 
 def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
   args = ba.arguments
   window = args["num_spec_tokens"] + 1
   out = {_heuristics(ba)}
-  for tile in (8, 16, 32, 64):
-    if _decode_vmem(args, tile, window) > _vmem_cap():
+  for tile in (*_SMALL_TILES, 8, 16, 32, 64):
+    if _row_tile(tile, window) != tile or _decode_vmem(args, tile, window) > _vmem_cap():
       continue
     for chunk in (64, 128):
       for min_tokens in (chunk, 4 * chunk):
@@ -167,7 +197,7 @@ def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool, *, num_re
                    rolled: int = 0) -> decode_kernel.DecodeStatic:
   direct = mid and window == 1
   blk = decode_kernel.BLOCK_ROWS
-  tile = min(tile, round_up(num_requests, 8))
+  tile = min(_row_tile(tile, window), round_up(num_requests, 8))
   r_pad = round_up(num_requests, tile)
   rows = max(round_up(num_tokens, blk), r_pad)
   resident = (direct and rows * dims.n_v * dims.d_v * act_itemsize <= _RESIDENT_OUT_BYTES

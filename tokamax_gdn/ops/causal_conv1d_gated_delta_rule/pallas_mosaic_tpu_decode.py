@@ -725,7 +725,7 @@ def _kernel(*refs, st: DecodeStatic):
 
             mid_tokens(j, store)
             conv_obuf[j, 0] = win_scr[...].astype(conv_obuf.dtype)
-            rec_obuf[j, 0] = s_scr[...].astype(rec_obuf.dtype)
+            _store_state(s_scr, rec_obuf.at[j, 0])
 
         if st.direct and not st.all_run:
           # Its first token's output row goes where the token is.
@@ -802,7 +802,7 @@ def _kernel(*refs, st: DecodeStatic):
         @when(True if st.all_run else c >= 0)
         def _():
           conv_obuf[j, c] = win_scr[...].astype(conv_obuf.dtype)
-          rec_obuf[j, c] = s_scr[...].astype(rec_obuf.dtype)
+          _store_state(s_scr, rec_obuf.at[j, c])
 
       for t in range(n_w):
         @when(True if st.all_run else t < length)
@@ -980,6 +980,16 @@ def decode(index, xs, bs, as_, taps, bias, a_log, dt_bias, conv_pool, rec_pool, 
   return out, out_mid, conv_pool, rec_pool
 
 
+def _store_state(src, dst) -> None:
+  """dst[...] = src[...] (f32 [Hv, K, V] to the pool's dtype), one head at a
+  time: a whole-state cast would make Mosaic hold an f32 state-sized
+  temporary (4 MiB at 64 heads), which `vmem_bytes` then has to count."""
+  def body(h, carry):
+    dst[h] = src[h].astype(dst.dtype)
+    return carry
+  lax.fori_loop(0, src.shape[0], body, 0)
+
+
 def _bcast_slots(st: DecodeStatic) -> int:
   """Lane-broadcast buffers (`_heads`): one per request whose steps are
   traced together."""
@@ -1016,4 +1026,6 @@ def vmem_bytes(st: DecodeStatic, pool_itemsize: int, act_itemsize: int) -> int:
     outs = _fill_rows(-(-st.num_tokens // _BLOCK) * _BLOCK) * out_row
   else:
     outs = 0
-  return bufs + acts + scratch + outs + 2 * 4 * state + (4 << 20)
+  # Mosaic's temporaries: two f32 heads (the kernel touches a state one head
+  # at a time, its copies included: `_store_state`).
+  return bufs + acts + scratch + outs + 2 * 4 * st.d_k * st.d_v + (4 << 20)
