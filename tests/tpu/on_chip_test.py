@@ -31,7 +31,6 @@ import pytest
 
 import tokamax_gdn as tg
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs as serving_specs
-from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu as serving_pallas
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu as gdn_pallas
 from tokamax_gdn.ops.gmm import arg_specs as gmm_specs
 from tokamax_gdn.testing import specs as specs_lib
@@ -182,10 +181,7 @@ class _ServingOnChip(serving_base.ServingTestBase):
   test_base.py) on the chip, plus every named workload."""
 
   @pytest.mark.parametrize("name", _NAMED)
-  def test_named_workload(self, name, monkeypatch):
-    # The kernel itself, also where the op declines it on a chip
-    # (`known_wrong_on_chip`): this is the test that must pass to lift that.
-    monkeypatch.setenv(serving_pallas.UNVERIFIED_ENV, "1")
+  def test_named_workload(self, name):
     lay = serving_specs.layout_of(name)
     self._check_against_ours_and_tokamax(name, lay, *serving_base.tokamax_oracle(lay))
 
@@ -216,24 +212,6 @@ class TestServingPallasOnChip(_ServingOnChip):
 
 class TestServingXlaOnChip(_ServingOnChip):
   IMPL = "xla"
-
-
-def test_known_wrong_decode_batches_are_declined_and_fall_back():
-  """Where the decode kernel is known wrong on a chip the Pallas op raises
-  NotImplementedError, and a sequence ending in `xla` gives xla's result."""
-  name = "tp8_decode_512"
-  lay = serving_specs.layout_of(name)
-  args, kwargs = serving_base.make(lay)
-  static = {k: v for k, v in kwargs.items() if k in serving_base.STATIC}
-  arrays = {k: v for k, v in kwargs.items() if k not in serving_base.STATIC}
-  run = lambda impl: jax.jit(lambda a, kw: tg.causal_conv1d_gated_delta_rule(
-      *a, **kw, **static, implementation=impl))(args, arrays)
-  with pytest.raises(NotImplementedError, match="one-token decodes"):
-    run("pallas_mosaic_tpu")
-  (conv, rec), out = run(("pallas_mosaic_tpu", "xla"))
-  (x_conv, x_rec), x_out = run("xla")
-  for ours, theirs in ((out, x_out), (rec, x_rec), (conv, x_conv)):
-    np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(theirs, np.float32))
 
 
 # --- Grouped matmuls ------------------------------------------------------------------------

@@ -320,27 +320,3 @@ def test_heuristic_decode_tile_fits_vmem_at_every_named_spec(gen):
     assert not over, f"over the {cap / 2**20:.0f} MiB cap: {over}"
   finally:
     config.set_target_chip(None)
-
-
-def test_known_wrong_on_chip_covers_the_failing_workloads_only():
-  """The chip's failing workloads are declined there; those it matched are not."""
-  def of(name):
-    lay = arg_specs.layout_of(name)
-    return (lay["qkv"].shape[0], lay["state_indices"].shape[0],
-            int(lay.get("num_spec_tokens") or 0) + 1)
-  for name in ("tp8_decode_512", "dp8_ep8_decode_64"):
-    assert pallas_mosaic_tpu.known_wrong_on_chip(*of(name)), name
-  for name in ("tp8_mixed_64_t8192", "tp8_prefill_4096", "dp8_ep8_prefill_512"):
-    assert not pallas_mosaic_tpu.known_wrong_on_chip(*of(name)), name
-  assert not pallas_mosaic_tpu.known_wrong_on_chip(8, 8, 1)
-
-
-def test_not_declined_off_chip():
-  """Interpret mode and AOT targets run the kernel (the guard is for a chip)."""
-  lay = arg_specs.layout(lengths=[1] * 12, context_lens=2, max_reqs=12, **TINY, **F32)
-  args, kwargs = make(lay, seed=3)
-  static = {k: v for k, v in kwargs.items() if k in STATIC}
-  with config.interpret_mode():
-    (conv, rec), out = jax.jit(lambda a: pallas_mosaic_tpu.IMPLEMENTATION(*a, **static))(
-        tuple(args))
-  _assert_matches_reference(tuple(args), static, conv, rec, out)

@@ -38,7 +38,6 @@ chunked path is not compiled at all.
 
 import contextlib
 import dataclasses
-import os
 from typing import Annotated, ClassVar, Literal
 
 import jax
@@ -434,30 +433,7 @@ def _put_slot(pool, slot, value, write):
   return jax.lax.dynamic_update_slice(pool, value[None], (slot,) + (0,) * value.ndim)
 
 
-# Set to 1 to run the decode kernel where it is known wrong on a chip
-# (`known_wrong_on_chip`): the on-chip tier does, to show the failure.
-UNVERIFIED_ENV = "TOKAMAX_GDN_UNVERIFIED_DECODE"
-
-
-def known_wrong_on_chip(num_tokens: int, num_requests: int, window: int) -> bool:
-  """Batches of one-token decodes only (no token past one per request) with
-  more than 8 requests: on a TPU v5e the decode kernel's outputs did not
-  match tokamax's oracle at tokamax's tp8_decode_512 and dp8_ep8_decode_64
-  (rel-RMS 1.03 and 1.02), while interpret mode matches at both and the chip
-  matched at 8 requests or fewer and at tp8_mixed_64_t8192 (63 decodes and a
-  prefill over the same grid of tiles). Not yet root-caused: declined there
-  until the on-chip tier passes."""
-  return window == 1 and num_tokens <= num_requests and num_requests > 8
-
-
-def _on_real_chip() -> bool:
-  """A TPU backend that runs what is traced (not an AOT target's abstract mesh)."""
-  if getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None) is not None:
-    return False
-  return jax.devices()[0].platform == "tpu"
-
-
-def _check_supported(qkv: jax.Array, dims: base.Dims, num_requests: int, window: int) -> bool:
+def _check_supported(qkv: jax.Array, dims: base.Dims) -> bool:
   """Returns interpret mode; raises NotImplementedError where the kernels can't run."""
   interpret = gdn_config.require_pallas_tpu("causal_conv1d_gated_delta_rule pallas_mosaic_tpu")
   if qkv.dtype not in (jnp.float32, jnp.bfloat16):
@@ -466,12 +442,6 @@ def _check_supported(qkv: jax.Array, dims: base.Dims, num_requests: int, window:
     raise NotImplementedError(
         f"pallas_mosaic_tpu needs d_k and d_v multiples of 128 (lanes); got {dims.d_k},"
         f" {dims.d_v}.")
-  if (not interpret and known_wrong_on_chip(qkv.shape[0], num_requests, window)
-      and _on_real_chip() and os.environ.get(UNVERIFIED_ENV) != "1"):
-    raise NotImplementedError(
-        f"pallas_mosaic_tpu: a batch of {num_requests} one-token decodes gave wrong outputs"
-        " on a TPU chip (see `known_wrong_on_chip`); declined until fixed: use"
-        " implementation='xla' (or a sequence ending in it).")
   return interpret
 
 
@@ -487,9 +457,9 @@ class PallasMosaicTpuCausalConv1dGatedDeltaRule(config_hooks.PallasTpuHooks,
 
   def _serve(self, qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log,
              dt_bias, reqs, *, dims, config: Config):
-    window = reqs.window
-    interpret = _check_supported(qkv, dims, reqs.start.shape[0], window)
+    interpret = _check_supported(qkv, dims)
     t_len = qkv.shape[0]
+    window = reqs.window
     min_chunked = max(config.min_chunked_tokens, window + 1)
     n_chunked = min(reqs.start.shape[0], t_len // min_chunked)     # static bound
     chunked = (reqs.valid & ~reqs.decode & (reqs.length >= min_chunked)
