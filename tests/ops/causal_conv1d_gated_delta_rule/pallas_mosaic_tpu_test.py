@@ -289,9 +289,10 @@ def test_decode_tile_must_make_whole_blocks():
 
 @pytest.mark.parametrize("gen", ["v5e", "v6e"])
 def test_heuristic_decode_tile_fits_vmem_at_every_named_spec(gen):
-  """At every tokamax workload the heuristics' decode tile is under the VMEM
-  cap (on v5e a tile of 8 requests of 64 value heads with a verify window of
-  4 needed 96 MiB: the chip refused the call)."""
+  """At every tokamax workload the heuristics' decode tile is within what the
+  op accepts (the VMEM cap and an eighth, `check_vmem`'s slack; on v5e a
+  tile of 8 requests of 64 value heads with a verify window of 4 needed
+  104 MiB: the op refused the call)."""
   import inspect  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import api  # pylint: disable=g-import-not-at-top
   sig = inspect.signature(api.causal_conv1d_gated_delta_rule)
@@ -315,7 +316,7 @@ def test_heuristic_decode_tile_fits_vmem_at_every_named_spec(gen):
       cfg = pallas_mosaic_tpu._heuristics(ba)  # pylint: disable=protected-access
       window = ba.arguments["num_spec_tokens"] + 1
       need = pallas_mosaic_tpu._decode_vmem(ba.arguments, cfg.decode_tile, window)  # pylint: disable=protected-access
-      if need > cap:
+      if need > cap + cap // 8:
         over.append((spec.name, cfg.decode_tile, need / 2**20))
     assert not over, f"over the {cap / 2**20:.0f} MiB cap: {over}"
   finally:

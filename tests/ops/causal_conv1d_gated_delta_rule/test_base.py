@@ -102,7 +102,8 @@ def tokamax_oracle(lay):
   if not lay.get("num_spec_tokens"):
     def plain(args, kwargs):
       kwargs = {k: v for k, v in kwargs.items() if k != "num_spec_tokens"}
-      return tokamax_reference.run_jax_gdn_attention_local_ref(*args, **kwargs)
+      return tokamax_reference.run_jax_gdn_attention_local_ref(*_fresh_conv_zeroed(args),
+                                                                 **kwargs)
     return plain, True
 
   def windows(args, kwargs):
@@ -113,6 +114,25 @@ def tokamax_oracle(lay):
         num_spec_seqs=int(lay["distribution"][0]), seq_lens=full["seq_lens"],
         **{n: full[n] for n in STATIC if n != "num_spec_tokens"})
   return windows, False
+
+
+def _fresh_conv_zeroed(args):
+  """args with the conv slots of fresh requests zeroed in a decode-only batch.
+
+  tokamax's jitted reference departs from its kernel and oracles there: its
+  decode-only branch (decode_end = mixed_end) reads the conv slot of a fresh
+  request (seq_lens <= its tokens) as if it had context. With that slot zero
+  it computes what a fresh request is (the slot is written, never read, so
+  ours see the pools as drawn). At tokamax's tp8_decode_* workloads (fresh
+  one-token decodes, random pools) the unadjusted oracle is ~100 % off."""
+  args = list(args)
+  qsl, slots, dist, seq_lens = args[9:13]
+  n = slots.shape[0]
+  tokens = qsl[1:n + 1] - qsl[:n]
+  fresh = (jnp.arange(n) < dist[2]) & (seq_lens <= tokens) & (dist[0] == dist[2])
+  conv = args[3]
+  args[3] = conv.at[jnp.where(fresh, slots, conv.shape[0])].set(0, mode="drop")
+  return tuple(args)
 
 
 def _bits(x):

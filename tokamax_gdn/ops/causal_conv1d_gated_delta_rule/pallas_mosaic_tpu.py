@@ -250,10 +250,13 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, 
                       rolled=cfg.decode_rolled)
   need = decode_kernel.vmem_bytes(st, jnp.dtype(rec_pool.dtype).itemsize,
                                   jnp.dtype(qkv.dtype).itemsize)
+  # The estimate is an upper bound (its margins); a need up to an eighth past
+  # the cap runs with the limit there (64 value heads: tile 8 estimates
+  # 53.2 MiB and compiled under a 53 MiB limit on the chip).
   gdn_vmem.check_vmem(
       "causal_conv1d_gated_delta_rule", need, _vmem_cap(),
       f"a decode tile of {st.tile} requests (window {window}, {dims.n_v} value heads,"
-      f" {rec_pool.dtype} pool {rec_pool.shape})", slack=False)
+      f" {rec_pool.dtype} pool {rec_pool.shape})")
   r_pad = decode_kernel.padded_requests(st)
   # [dim, 1, W] -> [W, dim]: XLA's TPU layout of the weight is already W-major
   # (a bitcast, no copy).
@@ -272,7 +275,7 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, 
   out_rows, out_mid, conv_pool, rec_pool = decode_kernel.decode(
       index, *rows, taps, bias, a_log[None], dt_bias[None], conv_pool, rec_pool,
       *((qkv, b, a) if mid else ()), st=st, interpret=interpret,
-      vmem_limit_bytes=min(_vmem_cap(), need * 5 // 4))
+      vmem_limit_bytes=min(_vmem_cap() * 9 // 8, need * 5 // 4))
   if st.resident_rows:
     out = out_rows if out_rows.shape[0] == t_len else out_rows[:t_len]
     return out, conv_pool, rec_pool
