@@ -198,6 +198,24 @@ def aot_cases(mesh, full=False, spec_name=_AOT_SPEC, chunk_cost=None):
   return [(f"{spec_name} full={full}", fn, abstract)]
 
 
+def aot_cases_of(mesh, spec_names):
+  """`aot_cases` of several of tokamax's layouts, one child for all."""
+  return [case for name in spec_names for case in aot_cases(mesh, spec_name=name)]
+
+
+@pytest.mark.aot
+def test_64_head_workloads_compile_for_v5e():
+  """tokamax's DP8 layouts (64 value heads, 2 MiB states): a prefill of 512
+  (its decode kernel needed 55.1 MiB of scoped VMEM on the chip: a 53 MiB
+  limit failed there and in this compile alike), a decode of 64 (tile 8 at
+  the cap) and verify windows of 4 (a tile of 2 requests)."""
+  names = ["dp8_ep8_prefill_512", "dp8_ep8_decode_64", "dp8_ep8_spec3_decode_8_ctx1024"]
+  res = aot.compile_in_child(
+      "v5e", "tests.ops.causal_conv1d_gated_delta_rule.pallas_mosaic_tpu_test:aot_cases_of",
+      dict(spec_names=names), cycles=False, timeout=900)
+  assert [r.error for r in res] == [None] * len(names), [r.error for r in res]
+
+
 @pytest.mark.aot
 @pytest.mark.parametrize("target", ["v6e", "tpu7x"])
 def test_decode_compiles_and_is_estimable(target):
