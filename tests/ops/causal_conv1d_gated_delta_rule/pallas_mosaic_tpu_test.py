@@ -339,3 +339,30 @@ def test_heuristic_decode_tile_fits_vmem_at_every_named_spec(gen):
     assert not over, f"over the {cap / 2**20:.0f} MiB cap: {over}"
   finally:
     config.set_target_chip(None)
+
+
+def test_decode_kernel_under_the_race_detector(monkeypatch):
+  """The decode kernel over several grid steps (one-token decodes, fresh and
+  continuing, 128 lanes) in Pallas's TPU interpreter with its race detector
+  on and uninitialised memory NaN: no DMA race, no read of memory nothing
+  wrote, and the reference's results."""
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  pallas_call, seen = pl.pallas_call, []
+
+  def strict(*args, **kwargs):
+    if kwargs.get("name") == "gdn_serve_decode" and kwargs.get("interpret") is True:
+      kwargs["interpret"] = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+      seen.append(True)
+    return pallas_call(*args, **kwargs)
+
+  monkeypatch.setattr(pl, "pallas_call", strict)
+  lay = arg_specs.layout(lengths=[1] * 20, context_lens=[0] * 10 + [4] * 10, max_reqs=24,
+                         n_kq=1, n_v=2, d_k=128, d_v=128, **F32)
+  args, kwargs = make(lay, seed=29)
+  static = {k: v for k, v in kwargs.items() if k in STATIC}
+  with config.interpret_mode():
+    (conv, rec), out = jax.jit(lambda a: pallas_mosaic_tpu.IMPLEMENTATION(*a, **static))(
+        tuple(args))
+  assert seen, "the decode kernel did not run"
+  _assert_matches_reference(tuple(args), static, conv, rec, out)
