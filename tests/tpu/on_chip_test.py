@@ -195,17 +195,20 @@ def _lifted(cases):
   return [(f"{cid}_dk128", {**lay, "d_k": 128, "d_v": 128}) for cid, lay in cases]
 
 
+_LIFTED_CASES = _lifted(serving_base.CASES)
+_LIFTED_SPEC_CASES = _lifted(serving_base.SPEC_CASES)
+
+
 class TestServingPallasOnChip(_ServingOnChip):
   IMPL = "pallas_mosaic_tpu"
   DIMS = _LANES
 
-  @pytest.mark.parametrize("case_id,lay", _lifted(serving_base.CASES),
-                           ids=[c[0] for c in _lifted(serving_base.CASES)])
+  @pytest.mark.parametrize("case_id,lay", _LIFTED_CASES, ids=[c[0] for c in _LIFTED_CASES])
   def test_against_tokamax_reference(self, case_id, lay):
     super().test_against_tokamax_reference(case_id, lay)
 
-  @pytest.mark.parametrize("case_id,lay", _lifted(serving_base.SPEC_CASES),
-                           ids=[c[0] for c in _lifted(serving_base.SPEC_CASES)])
+  @pytest.mark.parametrize("case_id,lay", _LIFTED_SPEC_CASES,
+                           ids=[c[0] for c in _LIFTED_SPEC_CASES])
   def test_spec_windows_against_tokamax(self, case_id, lay):
     super().test_spec_windows_against_tokamax(case_id, lay)
 

@@ -145,6 +145,11 @@ def _row_tile(tile: int, window: int) -> int:
   return tile
 
 
+def _whole_tiles(tiles, window: int) -> list[int]:
+  """Those of `tiles` the kernel runs as they are (`_row_tile`)."""
+  return [t for t in tiles if _row_tile(t, window) == t]
+
+
 def _heuristics(ba: op.BoundArguments) -> Config:
   """Decode tiles of 8 requests, stepped 2 at a time in a loop, C = 128,
   and the chunked path from C tokens on. Where 8 requests' states and window
@@ -162,7 +167,7 @@ def _heuristics(ba: op.BoundArguments) -> Config:
   """
   args = ba.arguments
   window = args["num_spec_tokens"] + 1
-  tiles = [t for t in (8, 4, 2, 1) if _row_tile(t, window) == t]
+  tiles = _whole_tiles((8, 4, 2, 1), window)
   need = {t: _decode_vmem(args, t, window) for t in tiles}
   cap = _vmem_cap()
   tile = next((t for t in tiles if need[t] <= cap * 3 // 4),
@@ -174,8 +179,8 @@ def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
   args = ba.arguments
   window = args["num_spec_tokens"] + 1
   out = {_heuristics(ba)}
-  for tile in (*_SMALL_TILES, 8, 16, 32, 64):
-    if _row_tile(tile, window) != tile or _decode_vmem(args, tile, window) > _vmem_cap():
+  for tile in _whole_tiles((*_SMALL_TILES, 8, 16, 32, 64), window):
+    if _decode_vmem(args, tile, window) > _vmem_cap():
       continue
     for chunk in (64, 128):
       for min_tokens in (chunk, 4 * chunk):
@@ -250,9 +255,10 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, 
                       rolled=cfg.decode_rolled)
   need = decode_kernel.vmem_bytes(st, jnp.dtype(rec_pool.dtype).itemsize,
                                   jnp.dtype(qkv.dtype).itemsize)
-  # The estimate is an upper bound (its margins); a need up to an eighth past
-  # the cap runs with the limit there (64 value heads: tile 8 estimates
-  # 53.2 MiB and compiled under a 53 MiB limit on the chip).
+  # The estimate is an upper bound (its margins); a need past the cap that
+  # `check_vmem` accepts runs with the limit at what it accepts (64 value
+  # heads: tile 8 estimates 53.2 MiB and compiled under a 53 MiB limit on the
+  # chip).
   gdn_vmem.check_vmem(
       "causal_conv1d_gated_delta_rule", need, _vmem_cap(),
       f"a decode tile of {st.tile} requests (window {window}, {dims.n_v} value heads,"
@@ -275,7 +281,7 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, 
   out_rows, out_mid, conv_pool, rec_pool = decode_kernel.decode(
       index, *rows, taps, bias, a_log[None], dt_bias[None], conv_pool, rec_pool,
       *((qkv, b, a) if mid else ()), st=st, interpret=interpret,
-      vmem_limit_bytes=min(_vmem_cap() * 9 // 8, need * 5 // 4))
+      vmem_limit_bytes=min(gdn_vmem.accepted_need(_vmem_cap()), need * 5 // 4))
   if st.resident_rows:
     out = out_rows if out_rows.shape[0] == t_len else out_rows[:t_len]
     return out, conv_pool, rec_pool

@@ -982,8 +982,9 @@ def decode(index, xs, bs, as_, taps, bias, a_log, dt_bias, conv_pool, rec_pool, 
 
 def _store_state(src, dst) -> None:
   """dst[...] = src[...] (f32 [Hv, K, V] to the pool's dtype), one head at a
-  time: a whole-state cast would make Mosaic hold an f32 state-sized
-  temporary (4 MiB at 64 heads), which `vmem_bytes` then has to count."""
+  time, so the cast needs no f32 state-sized temporary (4 MiB at 64 heads).
+  `vmem_bytes` still counts two f32 states of margin: the chip needed them
+  (dp8_ep8_prefill_512)."""
   def body(h, carry):
     dst[h] = src[h].astype(dst.dtype)
     return carry

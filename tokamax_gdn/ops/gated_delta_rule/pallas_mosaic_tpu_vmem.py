@@ -98,16 +98,20 @@ def vmem_cap(gen: gdn_config.TpuGeneration) -> int:
   return (gen.vmem_bytes - 22 * _MIB) // 2
 
 
-def check_vmem(op_name: str, need: int, cap: int, what: str, *, slack: bool = True) -> None:
+def accepted_need(cap: int) -> int:
+  """The largest VMEM estimate `check_vmem` lets through: the cap and an
+  eighth (the estimates round up: they are fitted above Mosaic's reports)."""
+  return cap + cap // 8
+
+
+def check_vmem(op_name: str, need: int, cap: int, what: str) -> None:
   """Raises before anything is compiled where a kernel's VMEM estimate is past
   the cap: Mosaic's own failure comes only at compile time, as a
-  `CompileTimeScopedVmemOom` that names neither the op nor the config. The
-  estimates round up (they are fitted above Mosaic's reports), so only a need
-  past the cap by more than an eighth is refused: the heuristics' last resort
-  (one GVA group at C = 64) may sit just above the cap and compiles. Without
-  `slack` the cap itself is the limit (a kernel whose limit is its estimate).
+  `CompileTimeScopedVmemOom` that names neither the op nor the config. Only a
+  need past `accepted_need(cap)` is refused: the heuristics' last resort (one
+  GVA group at C = 64) may sit just above the cap and compiles.
   """
-  if need > cap + (cap // 8 if slack else 0):
+  if need > accepted_need(cap):
     gen = gdn_config.target_generation()
     raise ValueError(
         f"{op_name} pallas_mosaic_tpu: {what} needs about {need / _MIB:.1f} MiB of VMEM,"
