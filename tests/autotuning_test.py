@@ -219,6 +219,31 @@ def test_cli_out_and_install(tmp_path, extra_dir, capsys):
   assert "give --model or all of --hk --hv --k --v" in capsys.readouterr().err
 
 
+def test_cli_only_restricts_the_configs_timed(capsys):
+  rc = cli.main(["autotune", "--hk", "1", "--hv", "2", "--k", "16", "--v", "16", "-T", "16",
+                 "--dtype", "float32", "--forward-only", "--no-progress", "--json",
+                 "--only", "chunk_size=16,32"])
+  assert rc == 0
+  (row,) = json.loads(capsys.readouterr().out)["rows"]
+  shape = workload.LayerShape(b=1, t=16, hk=1, hv=2, k=16, v=16, dtype=jnp.float32)
+  ((_, ba),) = tune.bound_args("gated_delta_rule", "xla", shape, backward=False)
+  timed = {c for c in ba.autotuning_configs
+           if c.chunk_size in (16, 32) or c == ba.heuristics_config}
+  assert len(timed) < len(ba.autotuning_configs)
+  assert set(row["all_ms"]) == {tune.config_str(c) for c in timed}
+
+
+def test_config_filter_rejects_bad_terms():
+  cfg = _xla_config(16)
+  assert tune.config_filter([]) is None
+  assert tune.config_filter(["chunk_size=16, 64"])(cfg)
+  assert not tune.config_filter(["chunk_size=64"])(cfg)
+  with pytest.raises(ValueError, match="FIELD=V1,V2"):
+    tune.config_filter(["chunk_size"])
+  with pytest.raises(ValueError, match="no field 'chunk'"):
+    tune.config_filter(["chunk=16"])(cfg)
+
+
 def test_cli_shapes_from_model_preset(tmp_path):
   parser = argparse.ArgumentParser()
   common.add_gdn_shape_args(parser, model_default=None, seq_len_default=None)

@@ -62,6 +62,10 @@ class _PlainLines:
   def set_postfix_str(self, text: str) -> None:
     self.postfix = text
 
+  def write(self, text: str, file: TextIO | None = None) -> None:
+    """A line of its own (tqdm's `write`)."""
+    print(text, file=file or self.file, flush=True)
+
   def close(self) -> None:
     if not self.closed:
       self.closed = True

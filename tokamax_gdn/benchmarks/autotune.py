@@ -13,7 +13,7 @@ config of each, one config at a time, into a `tokamax.AutotuningResult`
 `table_rows` summarises it.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import dataclasses
 import sys
 from typing import Any
@@ -68,14 +68,42 @@ def config_str(cfg) -> str:
   return str(cfg)
 
 
+def config_filter(only: Sequence[str]) -> Callable[[Any], bool] | None:
+  """A predicate from `--only FIELD=V1,V2` terms: a config passes when each
+  FIELD's value, printed, is one of its values. Unknown fields are errors."""
+  terms = []
+  for term in only:
+    field, sep, values = term.partition("=")
+    if not sep or not field or not values:
+      raise ValueError(f"--only takes FIELD=V1,V2; got {term!r}")
+    terms.append((field.strip(), {v.strip() for v in values.split(",")}))
+  if not terms:
+    return None
+
+  def keep(cfg) -> bool:
+    for field, values in terms:
+      if not hasattr(cfg, field):
+        names = [f.name for f in dataclasses.fields(cfg)] if dataclasses.is_dataclass(cfg) else []
+        raise ValueError(f"--only {field}=...: {type(cfg).__name__} has no field {field!r};"
+                         f" its fields: {', '.join(names)}")
+      if str(getattr(cfg, field)) not in values:
+        return False
+    return True
+
+  return keep
+
+
 def tune(
     items: Sequence[tuple[str, op_lib.BoundArguments]],
     *,
     timeout: float | None = 600.0,
     progress: bool = True,
+    keep: Callable[[Any], bool] | None = None,
 ) -> autotuning_api.AutotuningResult:
-  """Benchmarks every autotuning config of every bound op, one config at a time."""
-  jobs = [(i, cfg) for i, (_, ba) in enumerate(items) for cfg in ba.autotuning_configs]
+  """Benchmarks the autotuning configs of every bound op, one config at a time:
+  all of them, or those `keep` accepts plus the heuristics' config."""
+  jobs = [(i, cfg) for i, (_, ba) in enumerate(items) for cfg in ba.autotuning_configs
+          if keep is None or keep(cfg) or cfg == ba.heuristics_config]
   per_item: list[dict] = [{} for _ in items]
   # One compile at a time: compiles compete for the cores timings run on.
   tuner = autotuner_lib.Autotuner(compile_executor_fn=None)
@@ -86,6 +114,12 @@ def tune(
     bar.set_postfix_str(f"{type(ba.op).__name__} {label} {config_str(cfg)}")
     data = ba.autotune({cfg}, autotuner=tuner, cache_results=False, timeout=timeout)
     per_item[i].update(data)
+    if progress:  # each timing as it lands: a run cut short still says what it found
+      for c, bench in data.items():
+        got = (f"{bench.median_evaluation_time_ms:.4f} ms"
+               if isinstance(bench, benchmarking.BenchmarkData) else repr(bench)[:200])
+        bar.write(f"[autotune] {type(ba.op).__name__} {label} {config_str(c)}: {got}",
+                  file=sys.stderr)
   kind = backend.get_default_device().device_kind
   data = tuple((ba, autotuner_lib.AutotuningData(d)) for (_, ba), d in zip(items, per_item))
   return autotuning_api.AutotuningResult(kind, data)

@@ -2,6 +2,7 @@
 
   tokamax-gdn autotune --model qwen3.5-tiny --seq-len 8192 [--op gated_delta_rule]
       [--impl xla] [--batch 1] [--dtype bfloat16] [--hk 2 --hv 4 --k 128 --v 128]
+      [--only chunk_size=64,128 --only save_states=False]
       [--out result.json] [--install] [--json]
 
 The inputs are those `GatedDeltaNet` passes the op (q, k, v, raw gate, beta in
@@ -34,6 +35,9 @@ def add_arguments(parser) -> None:
   parser.add_argument("--impl", action="append",
                       help="implementation (repeatable; default: the backend's tunable ones)")
   parser.add_argument("--forward-only", action="store_true", help="skip the VJP ops")
+  parser.add_argument("--only", action="append", metavar="FIELD=V1,V2",
+                      help="explore only configs whose FIELD is one of the values (repeatable;"
+                      " the heuristics' config is always timed, for the speedup)")
   parser.add_argument("--timeout", type=float, default=600.0,
                       help="compile timeout per config (s)")
   parser.add_argument("--out", help="write the AutotuningResult JSON here")
@@ -59,7 +63,8 @@ def run(args) -> int:
       if not items:
         print(f"{op_name}/{impl}: nothing tunable (no Config)", file=sys.stderr)
         continue
-      result = tune.tune(items, timeout=args.timeout, progress=not args.no_progress)
+      result = tune.tune(items, timeout=args.timeout, progress=not args.no_progress,
+                         keep=tune.config_filter(args.only or ()))
       results.append(result)
       rows += tune.table_rows(items, result, op_name, impl, shape)
   if not results:
