@@ -275,6 +275,27 @@ def test_pallas_interpret_autotune_mechanism(monkeypatch):
   assert data.fastest_config in configs
 
 
+def test_shipped_v5e_data_matches_the_qwen3_next_layer(monkeypatch):
+  """The Pallas GDN's data tuned on a TPU v5e (`tokamax-gdn autotune --model
+  qwen3-next-80b-a3b --seq-len 4096 --impl pallas_mosaic_tpu`, on the chip)
+  holds the keys the layer looks up there, forward and VJP."""
+  monkeypatch.setenv("TOKAMAX_GDN_INTERPRET", "1")
+  monkeypatch.setenv("TOKAMAX_GDN_TARGET_CHIP", "v5e")
+  autotuning.reload()
+  kind = "TPU v5 lite"
+  names = {p.name for p in autotuning.shipped_files(kind)}
+  assert {"pallas_mosaic_tpu_gated_delta_rule.json",
+          "pallas_mosaic_tpu_gated_delta_rule_vjp.json"} <= names
+  shapes = workload.LayerShape(b=1, t=4096, hk=16, hv=32, k=128, v=128, dtype=jnp.bfloat16)
+  items = tune.bound_args("gated_delta_rule", "pallas_mosaic_tpu", shapes)
+  assert [label for label, _ in items] == ["fwd", "fwd (in grad)", "vjp"]
+  for label, ba in items:
+    data = ba.op.get_autotuning_cache(kind).get(ba.autotuning_cache_key)
+    assert data is not None, label
+    assert data.fastest_config.chunk_size == 128, (label, data.fastest_config)
+    assert data.fastest_config in ba.autotuning_configs, label
+
+
 _CHECK_INSTALLED = textwrap.dedent("""
     import json, pathlib, sys
     import jax.numpy as jnp
