@@ -68,6 +68,20 @@ def test_serving_rows_report_device_time():
   assert r["ms"] > 0 and r["device_ms"] == 0.0 and r["device_over_floor"] == 0.0
 
 
+def test_busy_time_counts_nested_events_once():
+  # A while loop's op encloses its body's ops on the same track; a second
+  # track's events add; tracks the predicate refuses do not.
+  events = [("XLA Ops", "while", 0.0, 100.0), ("XLA Ops", "body.1", 10.0, 30.0),
+            ("XLA Ops", "body.2", 50.0, 60.0), ("XLA Ops", "after", 120.0, 10.0),
+            ("XLA Ops", "overlap", 125.0, 15.0),
+            ("Other Ops", "dma", 0.0, 40.0), ("XLA Modules", "jit_step", 0.0, 200.0)]
+  ops_only = lambda t: t.endswith("Ops")
+  # XLA Ops: [0, 110) ∪ [120, 140) = 130 us; Other Ops: 40 us; per call of 2.
+  assert timing.busy_ms(events, 2, ops_only) == pytest.approx((130 + 40) / 2 / 1e3)
+  table = timing.op_table(events, 2)
+  assert table[0]["name"] == "jit_step" and table[0]["us"] == 100.0
+
+
 def test_gmm_floor_counts_every_groups_weights():
   m, k, n, g = 64, 32, 16, 8
   rows = on_chip.gmm_rows(FLOORS, shapes=((m, k, n, g),), n=2)

@@ -32,6 +32,8 @@ from tokamax_gdn.benchmarks import timing
 from tokamax_gdn.benchmarks import workload
 
 PALLAS = "pallas_mosaic_tpu"
+# Calls traced per profile (their events averaged).
+PROFILE_CALLS = 3
 KDA_XLA = "tokamax kda xla_chunked"
 KDA_MOSAIC = "tokamax kda mosaic_tpu"
 FLOPS_CHUNK = 64
@@ -192,15 +194,15 @@ def gdn_profile(shape: workload.LayerShape, t: int, impl: str = PALLAS,
   for name, fn in (("fwd", fwd), ("step" if policy is None else f"step {policy}", step)):
     compiled, _ = _compiled(fn, *xs)
     wall = timing.wall_ms(compiled, *xs)
-    ops = timing.device_op_times(compiled, *xs)
-    out[name] = dict(wall_ms=wall, device_ms=sum(o["us"] for o in ops if _is_op(o)) / 1e3,
-                     ops=ops[:top])
+    events = timing.device_events(compiled, *xs, calls=PROFILE_CALLS)
+    out[name] = dict(wall_ms=wall, device_ms=timing.busy_ms(events, PROFILE_CALLS, _is_ops_track),
+                     ops=timing.op_table(events, PROFILE_CALLS)[:top])
   return out
 
 
-def _is_op(o: dict[str, Any]) -> bool:
-  """Device-track events that are ops, not the whole module or step markers."""
-  return "XLA Ops" in o["thread"] or o["thread"].endswith("Ops")
+def _is_ops_track(track: str) -> bool:
+  """Device tracks of ops, not of the whole module or step markers."""
+  return "XLA Ops" in track or track.endswith("Ops")
 
 
 # ---------------------------------------------------------------------------
@@ -245,8 +247,8 @@ def serving_rows(floors: timing.Floors, spec_names: Sequence[str],
         row["over_floor"] = row["ms"] / floor
         # A small decode's steady state can be the host's dispatch of the
         # call, not the chip: the profile's device time says which.
-        ops = timing.device_op_times(call)
-        row["device_ms"] = sum(o["us"] for o in ops if _is_op(o)) / 1e3
+        events = timing.device_events(call, calls=PROFILE_CALLS)
+        row["device_ms"] = timing.busy_ms(events, PROFILE_CALLS, _is_ops_track)
         row["device_over_floor"] = row["device_ms"] / floor
       except Exception as e:  # pylint: disable=broad-except
         row.update(ms=None, error=_error(e))

@@ -9,7 +9,8 @@ What every on-chip table of `tokamax-gdn bench` is built from:
   published peaks of its generation (`PEAKS`). A row's floor is its essential
   FLOPs or its minimal HBM bytes at those rates, whichever takes longer.
 - `device_op_times`: where one call's device time goes, per kernel and per
-  XLA op, from a `jax.profiler` trace of the call (the device's op events).
+  XLA op, from a `jax.profiler` trace of the call (the device's op events);
+  `busy_ms`: the device's busy time from the same events, nested ones once.
 """
 
 import collections
@@ -109,15 +110,15 @@ def measure_floors(matmul_n: int = 8192, stream_bytes: int = 1 << 31, n: int = 1
                 peak_flops=peak[0] if peak else None, peak_hbm=peak[1] if peak else None)
 
 
-def device_op_times(fn: Callable[..., Any], *args, calls: int = 3,
-                    device_substring: str = "TPU") -> list[dict[str, Any]]:
-  """Per-op device time of `fn(*args)`: [{name, thread, us, count}], the
-  largest first, averaged over `calls` traced calls after one untimed call.
+def device_events(fn: Callable[..., Any], *args, calls: int = 3,
+                  device_substring: str = "TPU") -> list[tuple[str, str, float, float]]:
+  """The device's duration events of `calls` traced calls of `fn(*args)`
+  (after one untimed call): [(track, name, start us, duration us)].
 
-  Reads the perfetto trace `jax.profiler` writes: the duration events on the
-  device's tracks (process names containing `device_substring`), summed per
-  (track, name). A kernel shows under its `pallas_call` name (e.g.
-  `gdn_fwd`), an XLA op under its fusion's name.
+  Reads the perfetto trace `jax.profiler` writes: the "X" events of the
+  processes whose names contain `device_substring`. A kernel shows under its
+  `pallas_call` name (e.g. `gdn_fwd`), an XLA op under its fusion's name; a
+  loop's op event encloses its body's events on the same track.
   """
   jax.block_until_ready(fn(*args))
   events = profile.trace_calls(lambda: fn(*args), calls)
@@ -127,14 +128,49 @@ def device_op_times(fn: Callable[..., Any], *args, calls: int = 3,
       process[e["pid"]] = e["args"]["name"]
     elif e.get("ph") == "M" and e.get("name") == "thread_name":
       thread[(e["pid"], e["tid"])] = e["args"]["name"]
+  return [(thread.get((e["pid"], e["tid"]), str(e["tid"])), e["name"],
+           float(e.get("ts", 0.0)), float(e.get("dur", 0.0)))
+          for e in events
+          if e.get("ph") == "X" and device_substring in process.get(e["pid"], "")]
+
+
+def op_table(events, calls: int) -> list[dict[str, Any]]:
+  """[{name, thread, us, count}] per (track, name), per call, the largest first.
+  Nested events each count in their own row (a loop and its body's ops)."""
   total = collections.defaultdict(float)
   count = collections.Counter()
-  for e in events:
-    if e.get("ph") != "X" or device_substring not in process.get(e["pid"], ""):
-      continue
-    key = (thread.get((e["pid"], e["tid"]), str(e["tid"])), e["name"])
-    total[key] += float(e.get("dur", 0.0)) / calls
-    count[key] += 1
+  for track, name, _, dur in events:
+    total[(track, name)] += dur / calls
+    count[(track, name)] += 1
   rows = [dict(thread=k[0], name=k[1], us=us, count=count[k] // calls)
           for k, us in total.items()]
   return sorted(rows, key=lambda r: -r["us"])
+
+
+def busy_ms(events, calls: int, track: Callable[[str], bool]) -> float:
+  """Per call, the time the tracks that `track` accepts are busy: the union of
+  their events' intervals per track, summed over tracks, so that an op
+  enclosing others (a while loop and its body) counts once."""
+  by_track = collections.defaultdict(list)
+  for t, _, ts, dur in events:
+    if track(t):
+      by_track[t].append((ts, ts + dur))
+  total = 0.0
+  for spans in by_track.values():
+    spans.sort()
+    end = -float("inf")
+    for a, b in spans:
+      if a >= end:
+        total += b - a
+        end = b
+      elif b > end:
+        total += b - end
+        end = b
+  return total / calls / 1e3
+
+
+def device_op_times(fn: Callable[..., Any], *args, calls: int = 3,
+                    device_substring: str = "TPU") -> list[dict[str, Any]]:
+  """Per-op device time of `fn(*args)`: `op_table` of its `device_events`."""
+  return op_table(device_events(fn, *args, calls=calls, device_substring=device_substring),
+                  calls)

@@ -11,6 +11,7 @@ its figures are then the CPU's, said so, and never recorded.
 """
 
 import sys
+import time
 from typing import Any
 
 from tokamax_gdn.cli import common
@@ -36,9 +37,14 @@ _GENERATION_COLUMNS = dict(impl="impl", batch="B", phase="phase", tokens="tokens
 _PERCENT = ("mfu", "gdn_share", "matched")
 
 
+_START = time.monotonic()
+
+
 def _log(line: str) -> None:
-  """Progress on stderr: a row's compile on the chip can take a minute."""
-  print(f"[bench] {line}", file=sys.stderr, flush=True)
+  """Progress on stderr, stamped with the seconds since the command began: a
+  row's compile on the chip can take a minute, and a run cut short by a time
+  limit then shows whether its last row was slow or stuck."""
+  print(f"[bench] {line} (+{time.monotonic() - _START:.0f} s)", file=sys.stderr, flush=True)
 
 
 def _fmt(rows, columns) -> list[dict[str, Any]]:
