@@ -6,6 +6,10 @@ process stalls or dies, and what every finished one gave.
 Lines: {"event": "start", "id": ...} when a test begins; {"event": "end",
 "id", "outcome" (passed / failed / skipped), "seconds", "message"} when its
 result is known (a failing setup or teardown counts as the test's failure).
+
+`$TOKAMAX_GDN_TIER_FIRST` (substrings joined by newlines) runs the tests whose
+ids contain one of them first, in that order, the rest after in collection
+order: a short device session reaches what matters most.
 """
 
 import json
@@ -13,6 +17,19 @@ import os
 import time
 
 ENV = "TOKAMAX_GDN_TIER_LOG"
+FIRST_ENV = "TOKAMAX_GDN_TIER_FIRST"
+
+
+def first_rank(test_id: str, first: list[str]) -> int:
+  """The index of the first of `first` that `test_id` contains; len(first) if none."""
+  return next((n for n, sub in enumerate(first) if sub in test_id), len(first))
+
+
+def pytest_collection_modifyitems(session, config, items):
+  del session, config
+  first = [s for s in os.environ.get(FIRST_ENV, "").split("\n") if s]
+  if first:
+    items.sort(key=lambda item: first_rank(item.nodeid, first))  # stable: collection order within
 
 
 def _write(line: dict) -> None:

@@ -2,7 +2,7 @@
 and so that a run cut short can go on where it stopped.
 
     python -m tests.tpu.runner --out DIR [--budget-s S] [--test-timeout-s S]
-                               [--rerun-failed] [-- PYTEST ARGS]
+                               [--rerun-failed] [--first SUBSTRING ...] [-- PYTEST ARGS]
 
 PYTEST ARGS default to the tier (`-m tpu -p no:xdist tests/tpu`); add `-k` to
 pick a part. The runner collects the test ids, then runs one pytest process
@@ -120,19 +120,22 @@ def _watch(proc, results_path: str, offset: int, test_timeout_s: float, deadline
 
 
 def run(out_dir: str, pytest_args, *, budget_s: float = 540.0, test_timeout_s: float = 300.0,
-        rerun_failed: bool = False, poll_s: float = 0.5, log=print) -> dict:
-  """Runs the selected tests (see the module docstring); returns the summary."""
+        rerun_failed: bool = False, first: list[str] | None = None, poll_s: float = 0.5,
+        log=print) -> dict:
+  """Runs the selected tests (see the module docstring); returns the summary.
+  `first`: substrings of test ids to run before the others, in that order."""
   start = time.time()
   os.makedirs(out_dir, exist_ok=True)
   results_path = os.path.join(out_dir, "results.jsonl")
   log_path = os.path.join(out_dir, "pytest.log")
-  ids = collect(pytest_args)
+  first = list(first or [])
+  ids = sorted(collect(pytest_args), key=lambda i: progress.first_rank(i, first))
   if rerun_failed:
     kept = [r for r in read_results(results_path).values() if r["outcome"] not in _BAD]
     with open(results_path, "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in kept)
   open(results_path, "a").close()
-  env = dict(os.environ, **{progress.ENV: results_path})
+  env = dict(os.environ, **{progress.ENV: results_path, progress.FIRST_ENV: "\n".join(first)})
   while True:
     done = read_results(results_path)
     todo = [i for i in ids if i not in done]
@@ -197,9 +200,13 @@ def main(argv=None) -> int:
                       help="a test running longer is killed and recorded as a timeout")
   parser.add_argument("--rerun-failed", action="store_true",
                       help="run the failed, timed-out and crashed tests of DIR again")
+  parser.add_argument("--first", action="append", metavar="SUBSTRING",
+                      help="run the tests whose ids contain it before the others (repeatable,"
+                      " in the order given)")
   args = parser.parse_args(argv)
   summary = run(args.out, pytest_args, budget_s=args.budget_s,
-                test_timeout_s=args.test_timeout_s, rerun_failed=args.rerun_failed)
+                test_timeout_s=args.test_timeout_s, rerun_failed=args.rerun_failed,
+                first=args.first)
   bad = sum(summary["counts"].get(k, 0) for k in _BAD)
   return 0 if not bad and not summary["not_run"] else 1
 

@@ -69,3 +69,15 @@ def test_a_spent_budget_leaves_tests_for_the_next_call(tmp_path):
   third = runner.run(str(out), _args(tmp_path), budget_s=120, test_timeout_s=3, poll_s=0.1,
                      rerun_failed=True, log=lambda _: None)
   assert third["counts"] == dict(passed=3, failed=1, timeout=1, crashed=1)
+
+
+def test_first_runs_the_named_tests_before_the_rest(tmp_path):
+  (tmp_path / "test_fake.py").write_text(_FAKE)
+  out = tmp_path / "out"
+  summary = runner.run(str(out), [*_args(tmp_path), "-k", "not c_stall and not e_crash"],
+                       budget_s=120, test_timeout_s=30, poll_s=0.1,
+                       first=["f_after", "d_after"], log=lambda _: None)
+  assert summary["counts"] == dict(passed=3, failed=1)
+  starts = [json.loads(line)["id"].split("::")[-1] for line in open(out / "results.jsonl")
+            if json.loads(line)["event"] == "start"]
+  assert starts == ["test_f_after_crash", "test_d_after_stall", "test_a_pass", "test_b_fail"]
