@@ -12,6 +12,12 @@ through each implementation) is lowered from the inputs' shapes alone
 (XLA compiles outside the GIL); the random inputs, whose eager ops are small
 compiles of their own, are made in the same pool. The main thread then runs
 the compiled programs and compares them in row order.
+
+The random cotangents of the gradient checks are arguments too, drawn with
+the inputs (in numpy: no compile): drawn inside a program, as
+`conformance.loss_and_grads` does from a key, they cost the TPU compiler
+seconds per program (its code generation for the RNG and the backward it
+feeds), for each implementation of the op again.
 """
 
 import concurrent.futures
@@ -147,8 +153,11 @@ class _Group:
   make: Callable[[jax.Array], Any]        # key -> the inputs (eager)
   program: Callable[[str], Callable]      # implementation -> fn(input arrays)
   compare: Callable[..., dict]            # (impl, result, expected) -> row
-  abstract: list                          # a ShapeDtypeStruct per input array
-  structure: Any                          # from `_split`
+  abstract: list                          # a ShapeDtypeStruct per program argument
+  structure: Any                          # of the inputs' arrays, from `_split`
+  # A ShapeDtypeStruct per output leaf whose random float32 cotangent is a
+  # program argument: `abstract` is the inputs' arrays, then these.
+  cotangents: list = dataclasses.field(default_factory=list)
 
 
 def _op_group(op_name, make_case, cfg, batch, seq_len, key) -> _Group:
@@ -165,16 +174,25 @@ def _op_group(op_name, make_case, cfg, batch, seq_len, key) -> _Group:
   diff_names, shape = static["diff_names"], static["shape"]
   dtype = conformance.lowest_float_dtype(*_join(abstract, structure))
   ref = registry.get(op_name, "reference")
+  n_inputs = len(abstract)
+
+  def outputs(arrays):
+    args, kwargs = _join(arrays, structure)
+    return _leaves(ref(*args, **kwargs))
+
+  # The reference's output leaves (tracing only), a cotangent each.
+  cotangents = [jax.ShapeDtypeStruct(x.shape, jnp.float32)
+                for x in jax.eval_shape(outputs, abstract)]
 
   def program(impl_name):
     impl = registry.get(op_name, impl_name)
 
     def loss_and_grads(arrays):
-      args, kwargs = _join(arrays, structure)
+      args, kwargs = _join(arrays[:n_inputs], structure)
       spec = autotuning.ArgSpec(name=op_name, make=lambda _: (args, kwargs),
                                diff_argnames=diff_names)
       diff, call = conformance.split_diff(spec, ref, args, kwargs)
-      return conformance.loss_and_grads(impl, call, diff, key)
+      return conformance.loss_and_grads(impl, call, diff, cotangents=arrays[n_inputs:])
     return loss_and_grads
 
   def compare(impl_name, result, expected):
@@ -188,7 +206,7 @@ def _op_group(op_name, make_case, cfg, batch, seq_len, key) -> _Group:
                 fwd_rel_rms=f"{fwd_err:.2e}", grad_rel_rms=f"{grad_err:.2e}",
                 fwd_bwd_ms=f"{ms:.1f}", status="PASS" if ok else "FAIL")
 
-  return _Group(op_name, make, program, compare, abstract, structure)
+  return _Group(op_name, make, program, compare, abstract + cotangents, structure, cotangents)
 
 
 def _layer_group(cfg, batch, seq_len, key) -> _Group:
@@ -220,13 +238,21 @@ def _layer_group(cfg, batch, seq_len, key) -> _Group:
   return _Group(LAYER, make, program, compare, abstract, structure)
 
 
+def _random_cotangents(shapes, seed: int = 0) -> list:
+  """Standard normal float32 arrays of these shapes, drawn in numpy (an eager
+  `jax.random.normal` would be one more compile per shape)."""
+  rng = np.random.default_rng(seed)
+  return [jnp.asarray(rng.standard_normal(s.shape, np.float32)) for s in shapes]
+
+
 def _make_inputs(group: _Group, key) -> list:
-  """The group's input arrays, computed (in a worker thread)."""
+  """The group's program arguments, computed (in a worker thread): its input
+  arrays, then its cotangents."""
   arrays, structure = _split(group.make(key))
   if structure[0] != group.structure[0]:
     raise ValueError(f"{group.name}: inputs {structure[0]} do not match their shapes "
                      f"{group.structure[0]}")
-  return jax.block_until_ready(arrays)
+  return jax.block_until_ready(arrays + _random_cotangents(group.cotangents))
 
 
 def _compile(group: _Group, impl_name: str):

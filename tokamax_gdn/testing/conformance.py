@@ -90,17 +90,30 @@ def split_diff(spec: autotuning.ArgSpec, op: op_lib.Op, args, kwargs):
   return diff, call
 
 
-def loss_and_grads(impl, call, diff, cotangent_key):
+def loss_and_grads(impl, call, diff, cotangent_key=None, *, cotangents=None):
   """Forward output and grads of <out, random cotangent> w.r.t. `diff`.
+
+  The cotangents are drawn from `cotangent_key` in the program, or given:
+  `cotangents`, one float32 array per output leaf (not None), as arguments of
+  a compiled program. Drawn in the program, a large one costs the TPU
+  compiler seconds (libtpu's code generation for the RNG with the backward
+  it feeds: 8 s of tgmm's 8.3 s, 18 s of the xla GDN's 38 s at `validate`'s
+  shapes, measured AOT for v5e), where an argument costs nothing.
 
   Jitted: one compile per case rather than op-by-op dispatch (several times
   cheaper at conformance shapes), and the way the ops run in models."""
   def loss(d):
     out = call(impl, d)
     leaves = _leaves(out)
-    keys = jax.random.split(cotangent_key, len(leaves))
-    return sum(jnp.sum(leaf.astype(jnp.float32) * jax.random.normal(k, leaf.shape))
-               for k, leaf in zip(keys, leaves)), out
+    if cotangents is None:
+      keys = jax.random.split(cotangent_key, len(leaves))
+      cts = [jax.random.normal(k, leaf.shape) for k, leaf in zip(keys, leaves)]
+    else:
+      cts = list(cotangents)
+      if [c.shape for c in cts] != [leaf.shape for leaf in leaves]:
+        raise ValueError(f"cotangents {[c.shape for c in cts]} do not match the outputs "
+                         f"{[leaf.shape for leaf in leaves]}")
+    return sum(jnp.sum(leaf.astype(jnp.float32) * ct) for ct, leaf in zip(cts, leaves)), out
   (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(diff)
   return out, grads
 
