@@ -78,9 +78,9 @@ def test_a_long_compile_is_named_while_it_runs(cfg, monkeypatch, capsys):
       lambda op: registry.implementations(op) if op == "gmm" else {}))
   compile_ = validate._compile  # pylint: disable=protected-access
 
-  def slow_compile(group, impl_name):
+  def slow_compile(*args):
     time.sleep(0.3)
-    return compile_(group, impl_name)
+    return compile_(*args)
 
   monkeypatch.setattr(validate, "_compile", slow_compile)
   rows = validate.run(cfg, seq_len=8, progress=True, workers=1)

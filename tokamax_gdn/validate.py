@@ -6,8 +6,9 @@ an MoE-like [tokens, hidden] x [8 experts, hidden, hidden // 4] problem.
 
 Each row runs in milliseconds: nearly all of the command's time is compiling,
 so `run` builds everything first and concurrently, then runs. Every program
-(each op's reference and each implementation's loss-and-grads, the layer
-through each implementation) is lowered from the inputs' shapes alone
+(each op's reference loss-and-grads, each implementation's forward and its
+gradients as two programs, the layer through each implementation) is lowered
+from the inputs' shapes alone
 (`jax.eval_shape` of the case) and compiled ahead of time in a thread pool
 (XLA compiles outside the GIL); the random inputs, whose eager ops are small
 compiles of their own, are made in the same pool. The main thread then runs
@@ -18,6 +19,13 @@ the inputs (in numpy: no compile): drawn inside a program, as
 `conformance.loss_and_grads` does from a key, they cost the TPU compiler
 seconds per program (its code generation for the RNG and the backward it
 feeds), for each implementation of the op again.
+
+An implementation's forward and gradients are separate programs, compiled
+side by side: one program compiles its kernels one after another, and the
+Pallas GDN's three (forward, states pass, backward) were the longest compile
+of the command. The gradients' program keeps what of the forward its
+backward needs (the Pallas GDN's backward needs none of its forward kernel);
+its row's time is both programs', one after the other.
 """
 
 import concurrent.futures
@@ -42,6 +50,9 @@ from tokamax_gdn.testing import conformance
 from tokamax_gdn.testing import specs as specs_lib
 
 LAYER = "layer:gated_deltanet"
+# The programs of an op implementation other than the reference, by the
+# suffix of their task labels (`_Group.parts`).
+FORWARD, GRADIENTS = " forward", " gradients"
 # With progress on, how often the compile phase names what is still compiling,
 # so one long compile does not look like a hang.
 STALL_REPORT_S = 15.0
@@ -151,19 +162,25 @@ class _Group:
   runs on them. Everything here is known without computing anything."""
   name: str
   make: Callable[[jax.Array], Any]        # key -> the inputs (eager)
-  program: Callable[[str], Callable]      # implementation -> fn(input arrays)
+  program: Callable[[str, str], Callable]  # (implementation, part) -> fn(arguments)
   compare: Callable[..., dict]            # (impl, result, expected) -> row
   abstract: list                          # a ShapeDtypeStruct per program argument
   structure: Any                          # of the inputs' arrays, from `_split`
   # A ShapeDtypeStruct per output leaf whose random float32 cotangent is a
   # program argument: `abstract` is the inputs' arrays, then these.
   cotangents: list = dataclasses.field(default_factory=list)
+  # An implementation's programs, by the suffixes of their task labels ("":
+  # its only one), and how their {part: (output, ms)} make the (result, ms)
+  # that `compare` takes.
+  parts: Callable[[str], tuple[str, ...]] = lambda impl_name: ("",)
+  combine: Callable[[dict], Any] = lambda results: results[""]
 
 
 def _op_group(op_name, make_case, cfg, batch, seq_len, key) -> _Group:
-  """Traces the case (no compute) for its shapes and the call's structure; each
-  implementation's program is its loss and gradients, as in the conformance
-  suite."""
+  """Traces the case (no compute) for its shapes and the call's structure. The
+  reference's program is its loss and gradients, as in the conformance suite;
+  another implementation's are its forward (the plain call) and the
+  gradients of that loss, apart (module docstring)."""
   static = {}
 
   def make(k):
@@ -184,7 +201,7 @@ def _op_group(op_name, make_case, cfg, batch, seq_len, key) -> _Group:
   cotangents = [jax.ShapeDtypeStruct(x.shape, jnp.float32)
                 for x in jax.eval_shape(outputs, abstract)]
 
-  def program(impl_name):
+  def program(impl_name, part=""):
     impl = registry.get(op_name, impl_name)
 
     def loss_and_grads(arrays):
@@ -192,8 +209,20 @@ def _op_group(op_name, make_case, cfg, batch, seq_len, key) -> _Group:
       spec = autotuning.ArgSpec(name=op_name, make=lambda _: (args, kwargs),
                                diff_argnames=diff_names)
       diff, call = conformance.split_diff(spec, ref, args, kwargs)
-      return conformance.loss_and_grads(impl, call, diff, cotangents=arrays[n_inputs:])
+      if part == FORWARD:
+        return call(impl, diff)
+      out, grads = conformance.loss_and_grads(impl, call, diff, cotangents=arrays[n_inputs:])
+      return grads if part == GRADIENTS else (out, grads)
     return loss_and_grads
+
+  def parts(impl_name):
+    return ("",) if impl_name == "reference" else (GRADIENTS, FORWARD)
+
+  def combine(results):
+    if "" in results:
+      return results[""]
+    (out, fwd_ms), (grads, grad_ms) = results[FORWARD], results[GRADIENTS]
+    return (out, grads), fwd_ms + grad_ms
 
   def compare(impl_name, result, expected):
     ((out, grads), ms), ((want, want_grads), _) = result, expected
@@ -206,7 +235,8 @@ def _op_group(op_name, make_case, cfg, batch, seq_len, key) -> _Group:
                 fwd_rel_rms=f"{fwd_err:.2e}", grad_rel_rms=f"{grad_err:.2e}",
                 fwd_bwd_ms=f"{ms:.1f}", status="PASS" if ok else "FAIL")
 
-  return _Group(op_name, make, program, compare, abstract + cotangents, structure, cotangents)
+  return _Group(op_name, make, program, compare, abstract + cotangents, structure, cotangents,
+                parts, combine)
 
 
 def _layer_group(cfg, batch, seq_len, key) -> _Group:
@@ -220,7 +250,9 @@ def _layer_group(cfg, batch, seq_len, key) -> _Group:
 
   abstract, structure = _shapes(make, key)
 
-  def program(impl_name):
+  def program(impl_name, part=""):
+    del part   # one program: the forward
+
     def forward(arrays):
       params, x = _join(arrays, structure)
       return layer.gated_deltanet(params, x, cfg, implementation=impl_name)
@@ -255,12 +287,12 @@ def _make_inputs(group: _Group, key) -> list:
   return jax.block_until_ready(arrays + _random_cotangents(group.cotangents))
 
 
-def _compile(group: _Group, impl_name: str):
-  """One implementation's program, lowered from shapes and compiled. In the
+def _compile(group: _Group, impl_name: str, part: str = ""):
+  """One program of an implementation, lowered from shapes and compiled. In the
   implementation's execution context: interpret mode is a per-thread flag read
   while tracing, so it is set in the thread that lowers."""
   with conformance.execution_context(impl_name):
-    return jax.jit(group.program(impl_name)).lower(group.abstract).compile()
+    return jax.jit(group.program(impl_name, part)).lower(group.abstract).compile()
 
 
 def _run_timed(compiled, arrays, impl_name: str):
@@ -343,16 +375,19 @@ def run(cfg, *, seq_len: int = 64, batch: int = 1, interpret: bool = False,
 
   # Likely longest first, so that no long task starts last: the groups whose programs
   # hold a GatedDeltaNet (the op's chunked scans, and the layer) before the rest;
-  # in each group the implementations, its reference (every row of the group
-  # needs it), then its inputs. The `reference` row runs the program its group
-  # is checked against, so that is compiled once.
+  # in each group the implementations' gradients (the backward kernels), their
+  # forwards, its reference (every row of the group needs it), then its inputs.
+  # The `reference` row runs the program its group is checked against, so that
+  # is compiled once.
   impls = {n: [i for g, i in runnable if g == n and i != "reference"] for n in groups}
   tasks = {}
   for name in sorted(groups, key=lambda n: n not in ("gated_delta_rule", LAYER)):
     group = groups[name]
     if isinstance(group, _Group):
-      tasks |= {f"{name}/{i}": functools.partial(_compile, group, i) for i in impls[name]}
-      tasks[f"{name}/reference"] = functools.partial(_compile, group, "reference")
+      programs = sorted(((i, p) for i in impls[name] for p in group.parts(i)),
+                        key=lambda program: program[1] != GRADIENTS)
+      programs += [("reference", p) for p in group.parts("reference")]
+      tasks |= {f"{name}/{i}{p}": functools.partial(_compile, group, i, p) for i, p in programs}
       tasks[f"{name} inputs"] = functools.partial(_make_inputs, group, key)
   workers = max(1, min(workers or _available_cpus(), len(tasks)))
   built = _build_all(tasks, workers, progress)
@@ -371,16 +406,17 @@ def run(cfg, *, seq_len: int = 64, batch: int = 1, interpret: bool = False,
       if isinstance(group, Exception):
         raise group
       arrays = built[f"{group_name} inputs"].result()
+      run_ = lambda impl: group.combine({  # pylint: disable=cell-var-from-loop
+          p: _run_timed(built[f"{group_name}/{impl}{p}"].result(), arrays, impl)
+          for p in group.parts(impl)})
       if group_name not in expected:
         try:
-          expected[group_name] = _run_timed(built[f"{group_name}/reference"].result(), arrays,
-                                            "reference")
+          expected[group_name] = run_("reference")
         except Exception as e:  # pylint: disable=broad-except
           expected[group_name] = e
       if isinstance(expected[group_name], Exception):
         raise expected[group_name]
-      result = (expected[group_name] if impl_name == "reference" else
-                _run_timed(built[f"{group_name}/{impl_name}"].result(), arrays, impl_name))
+      result = expected[group_name] if impl_name == "reference" else run_(impl_name)
       rows.append(group.compare(impl_name, result, expected[group_name]))
     except Exception as e:  # pylint: disable=broad-except
       rows.append(_fail_row(group_name, impl_name, e))
