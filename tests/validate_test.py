@@ -2,6 +2,7 @@
 compile raises is one FAIL row among passing ones, and a long compile is named
 while it runs. A micro layer keeps each run to a few small compiles."""
 
+import threading
 import time
 import types
 
@@ -87,3 +88,25 @@ def test_a_long_compile_is_named_while_it_runs(cfg, monkeypatch, capsys):
   assert {r["status"] for r in rows} <= {"PASS", _SKIPPED} and len(rows) > 1, rows
   err = capsys.readouterr().err
   assert "validate: still compiling after " in err and "gmm/" in err, err
+
+
+def test_turns_are_held_in_the_order_handed_out_even_past_a_raise():
+  turns = validate._Turns()  # pylint: disable=protected-access
+  handed = [turns.next() for _ in range(4)]
+  held = []
+
+  def hold(i):
+    try:
+      with handed[i]:
+        held.append(i)
+        if i == 1:
+          raise RuntimeError("lowering failed")
+    except RuntimeError:
+      pass
+
+  threads = [threading.Thread(target=hold, args=(i,)) for i in reversed(range(4))]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=10)
+  assert held == [0, 1, 2, 3]

@@ -26,13 +26,21 @@ Pallas GDN's three (forward, states pass, backward) were the longest compile
 of the command. The gradients' program keeps what of the forward its
 backward needs (the Pallas GDN's backward needs none of its forward kernel);
 its row's time is both programs', one after the other.
+
+The lowerings take turns (`_Turns`), in the order the tasks start (likely
+longest compile first): lowering is Python and holds the GIL, so lowerings
+that run at once share it, and the longest one (the Pallas GDN gradients',
+tracing three kernels) would end about when all of them have, delaying the
+longest compile by the others' lowering time.
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import os
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -287,12 +295,48 @@ def _make_inputs(group: _Group, key) -> list:
   return jax.block_until_ready(arrays + _random_cotangents(group.cotangents))
 
 
-def _compile(group: _Group, impl_name: str, part: str = ""):
-  """One program of an implementation, lowered from shapes and compiled. In the
-  implementation's execution context: interpret mode is a per-thread flag read
-  while tracing, so it is set in the thread that lowers."""
+class _Turns:
+  """Turns to hold, one at a time, in the order `next` hands them out.
+
+  For the lowerings of `run`'s tasks, handed out in the order the pool starts
+  the tasks (a thread pool starts them first in, first out, so every earlier
+  turn's task has started and will end its turn). A lowering holds the GIL
+  nearly throughout: in turns, each compile starts as soon as its own
+  lowering is done, the first tasks' (the longest compiles) first, where
+  lowerings at once would share the GIL and the longest would end last.
+  """
+
+  def __init__(self):
+    self._cond = threading.Condition()
+    self._now = 0      # the turn being held or next to be
+    self._issued = 0
+
+  @contextlib.contextmanager
+  def _turn(self, number: int):
+    with self._cond:
+      self._cond.wait_for(lambda: self._now == number)
+    try:
+      yield
+    finally:   # also when the lowering raises: the next turn is not held up
+      with self._cond:
+        self._now += 1
+        self._cond.notify_all()
+
+  def next(self):
+    """The next turn, a context manager to hold it."""
+    self._issued += 1
+    return self._turn(self._issued - 1)
+
+
+def _compile(group: _Group, impl_name: str, part: str = "", turn=None):
+  """One program of an implementation, lowered from shapes (in `turn`, a
+  context manager, if given) and compiled. In the implementation's execution
+  context: interpret mode is a per-thread flag read while tracing, so it is
+  set in the thread that lowers."""
   with conformance.execution_context(impl_name):
-    return jax.jit(group.program(impl_name, part)).lower(group.abstract).compile()
+    with turn if turn is not None else contextlib.nullcontext():
+      lowered = jax.jit(group.program(impl_name, part)).lower(group.abstract)
+    return lowered.compile()
 
 
 def _run_timed(compiled, arrays, impl_name: str):
@@ -378,16 +422,18 @@ def run(cfg, *, seq_len: int = 64, batch: int = 1, interpret: bool = False,
   # in each group the implementations' gradients (the backward kernels), their
   # forwards, its reference (every row of the group needs it), then its inputs.
   # The `reference` row runs the program its group is checked against, so that
-  # is compiled once.
+  # is compiled once. The lowerings take turns in this order (`_Turns`).
   impls = {n: [i for g, i in runnable if g == n and i != "reference"] for n in groups}
   tasks = {}
+  turns = _Turns()
   for name in sorted(groups, key=lambda n: n not in ("gated_delta_rule", LAYER)):
     group = groups[name]
     if isinstance(group, _Group):
       programs = sorted(((i, p) for i in impls[name] for p in group.parts(i)),
                         key=lambda program: program[1] != GRADIENTS)
       programs += [("reference", p) for p in group.parts("reference")]
-      tasks |= {f"{name}/{i}{p}": functools.partial(_compile, group, i, p) for i, p in programs}
+      tasks |= {f"{name}/{i}{p}": functools.partial(_compile, group, i, p, turns.next())
+                for i, p in programs}
       tasks[f"{name} inputs"] = functools.partial(_make_inputs, group, key)
   workers = max(1, min(workers or _available_cpus(), len(tasks)))
   built = _build_all(tasks, workers, progress)
