@@ -110,3 +110,21 @@ def test_turns_are_held_in_the_order_handed_out_even_past_a_raise():
   for t in threads:
     t.join(timeout=10)
   assert held == [0, 1, 2, 3]
+
+
+def test_closed_turns_release_tasks_waiting_on_ones_that_never_run():
+  turns = validate._Turns()  # pylint: disable=protected-access
+  never, later = turns.next(), turns.next()   # turn 0's task is cancelled
+  held = threading.Event()
+
+  def hold():
+    with later:
+      held.set()
+
+  t = threading.Thread(target=hold)
+  t.start()
+  assert not held.wait(0.5)   # waits for turn 0
+  turns.close()
+  assert held.wait(10)
+  t.join(timeout=10)
+  del never

@@ -310,11 +310,20 @@ class _Turns:
     self._cond = threading.Condition()
     self._now = 0      # the turn being held or next to be
     self._issued = 0
+    self._closed = False
+
+  def close(self) -> None:
+    """Ends the order: every turn waiting or to come is held at once. For
+    when tasks that hold earlier turns will never run (cancelled on Ctrl-C),
+    so that no worker waits for them forever."""
+    with self._cond:
+      self._closed = True
+      self._cond.notify_all()
 
   @contextlib.contextmanager
   def _turn(self, number: int):
     with self._cond:
-      self._cond.wait_for(lambda: self._now == number)
+      self._cond.wait_for(lambda: self._closed or self._now == number)
     try:
       yield
     finally:   # also when the lowering raises: the next turn is not held up
@@ -333,9 +342,11 @@ def _compile(group: _Group, impl_name: str, part: str = "", turn=None):
   context manager, if given) and compiled. In the implementation's execution
   context: interpret mode is a per-thread flag read while tracing, so it is
   set in the thread that lowers."""
-  with conformance.execution_context(impl_name):
-    with turn if turn is not None else contextlib.nullcontext():
+  # The turn outermost: whatever raises, it passes on.
+  with turn if turn is not None else contextlib.nullcontext():
+    with conformance.execution_context(impl_name):
       lowered = jax.jit(group.program(impl_name, part)).lower(group.abstract)
+  with conformance.execution_context(impl_name):
     return lowered.compile()
 
 
@@ -436,7 +447,10 @@ def run(cfg, *, seq_len: int = 64, batch: int = 1, interpret: bool = False,
                 for i, p in programs}
       tasks[f"{name} inputs"] = functools.partial(_make_inputs, group, key)
   workers = max(1, min(workers or _available_cpus(), len(tasks)))
-  built = _build_all(tasks, workers, progress)
+  try:
+    built = _build_all(tasks, workers, progress)
+  finally:
+    turns.close()   # a task cancelled on Ctrl-C never takes its turn
 
   rows = []
   expected: dict[str, Any] = {}   # per group: the reference's (output, ms), or its exception
