@@ -8,9 +8,10 @@ What every on-chip table of `tokamax-gdn bench` is built from:
   matmul's FLOP/s and an HBM stream's bytes/s (read + write), next to the
   published peaks of its generation (`PEAKS`). A row's floor is its essential
   FLOPs or its minimal HBM bytes at those rates, whichever takes longer.
-- `device_op_times`: where one call's device time goes, per kernel and per
-  XLA op, from a `jax.profiler` trace of the call (the device's op events);
-  `busy_ms`: the device's busy time from the same events, nested ones once.
+- `device_events`: a `jax.profiler` trace of a few calls, the device's op
+  events; `op_table`: where one call's device time goes, per kernel and per
+  XLA op; `busy_ms`: the device's busy time from the same events, nested
+  ones once.
 """
 
 import collections
@@ -167,10 +168,3 @@ def busy_ms(events, calls: int, track: Callable[[str], bool]) -> float:
         total += b - end
         end = b
   return total / calls / 1e3
-
-
-def device_op_times(fn: Callable[..., Any], *args, calls: int = 3,
-                    device_substring: str = "TPU") -> list[dict[str, Any]]:
-  """Per-op device time of `fn(*args)`: `op_table` of its `device_events`."""
-  return op_table(device_events(fn, *args, calls=calls, device_substring=device_substring),
-                  calls)

@@ -250,7 +250,7 @@ def device_split(events: list[dict[str, Any]], hlo_text: str | None = None, *, c
 def bucket_totals(ops: Iterable[tuple[str, float]],
                   instructions: dict[str, Instruction] | None = None) -> dict[str, float]:
   """Sum of (name, time) pairs per bucket: the classifier on a plain op list
-  (a `benchmarks.timing.device_op_times` table's names and times)."""
+  (a `benchmarks.timing.op_table`'s names and times)."""
   out = dict.fromkeys(BUCKETS, 0.0)
   for name, t in ops:
     out[classify_name(name, instructions)] += t
