@@ -339,15 +339,14 @@ class _Turns:
 
 def _compile(group: _Group, impl_name: str, part: str = "", turn=None):
   """One program of an implementation, lowered from shapes (in `turn`, a
-  context manager, if given) and compiled. In the implementation's execution
-  context: interpret mode is a per-thread flag read while tracing, so it is
-  set in the thread that lowers."""
+  context manager, if given) and compiled. Lowered in the implementation's
+  execution context: interpret mode is a per-thread flag read while tracing,
+  so it is set in the thread that lowers (compiling reads it no more)."""
   # The turn outermost: whatever raises, it passes on.
   with turn if turn is not None else contextlib.nullcontext():
     with conformance.execution_context(impl_name):
       lowered = jax.jit(group.program(impl_name, part)).lower(group.abstract)
-  with conformance.execution_context(impl_name):
-    return lowered.compile()
+  return lowered.compile()
 
 
 def _run_timed(compiled, arrays, impl_name: str):

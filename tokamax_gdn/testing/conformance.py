@@ -97,8 +97,7 @@ def loss_and_grads(impl, call, diff, cotangent_key=None, *, cotangents=None):
   `cotangents`, one float32 array per output leaf (not None), as arguments of
   a compiled program. Drawn in the program, a large one costs the TPU
   compiler seconds (libtpu's code generation for the RNG with the backward
-  it feeds: 8 s of tgmm's 8.3 s, 18 s of the xla GDN's 38 s at `validate`'s
-  shapes, measured AOT for v5e), where an argument costs nothing.
+  it feeds), where an argument costs nothing.
 
   Jitted: one compile per case rather than op-by-op dispatch (several times
   cheaper at conformance shapes), and the way the ops run in models."""
