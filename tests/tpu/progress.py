@@ -5,19 +5,41 @@ process stalls or dies, and what every finished one gave.
 
 Lines: {"event": "start", "id": ...} when a test begins; {"event": "end",
 "id", "outcome" (passed / failed / skipped), "seconds", "message"} when its
-result is known (a failing setup or teardown counts as the test's failure).
+result is known (a failing setup or teardown counts as the test's failure),
+with "compile_s" / "lower_s" / "compiles": the seconds the test spent in XLA
+compiles and in tracing and lowering, and how many compiles (jax's monitoring
+events), to tell compile time from run time on the chip.
 
 `$TOKAMAX_GDN_TIER_FIRST` (substrings joined by newlines) runs the tests whose
 ids contain one of them first, in that order, the rest after in collection
 order: a short device session reaches what matters most.
 """
 
+import collections
 import json
 import os
 import time
 
+from jax import monitoring
+from jax._src import dispatch
+
 ENV = "TOKAMAX_GDN_TIER_LOG"
 FIRST_ENV = "TOKAMAX_GDN_TIER_FIRST"
+
+
+_SPENT = collections.Counter()
+
+
+def _on_duration(event: str, seconds: float, **kwargs) -> None:
+  del kwargs
+  if event == dispatch.BACKEND_COMPILE_EVENT:
+    _SPENT["compile_s"] += seconds
+    _SPENT["compiles"] += 1
+  elif event in (dispatch.JAXPR_TRACE_EVENT, dispatch.JAXPR_TO_MLIR_MODULE_EVENT):
+    _SPENT["lower_s"] += seconds
+
+
+monitoring.register_event_duration_secs_listener(_on_duration)
 
 
 def first_rank(test_id: str, first: list[str]) -> int:
@@ -43,6 +65,7 @@ def _write(line: dict) -> None:
 
 def pytest_runtest_logstart(nodeid, location):
   del location
+  _SPENT.clear()
   _write(dict(event="start", id=nodeid, time=time.time()))
 
 
@@ -55,4 +78,6 @@ def pytest_runtest_logreport(report):
     if report.outcome != "passed":
       message = str(report.longrepr)[-2000:]
     _write(dict(event="end", id=report.nodeid, outcome=report.outcome,
-                seconds=round(report.duration, 2), when=report.when, message=message))
+                seconds=round(report.duration, 2), when=report.when, message=message,
+                compile_s=round(_SPENT["compile_s"], 2), lower_s=round(_SPENT["lower_s"], 2),
+                compiles=_SPENT["compiles"]))

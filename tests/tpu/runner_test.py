@@ -10,7 +10,8 @@ _FAKE = textwrap.dedent("""
     import os, time
 
     def test_a_pass():
-      pass
+      import jax, jax.numpy as jnp
+      jax.jit(lambda x: x * 3)(jnp.ones(7)).block_until_ready()
 
     def test_b_fail():
       assert 1 == 2, "wrong"
@@ -50,6 +51,10 @@ def test_stalls_and_crashes_are_contained_and_the_rest_runs(tmp_path):
   assert "wrong" in results[next(i for i in results if "b_fail" in i)]["message"]
   assert json.load(open(out / "summary.json"))["collected"] == 6
   assert any("timeout" in line and "c_stall" in line for line in lines)
+  # Each result carries the test's compile count and seconds.
+  a_pass = results[next(i for i in results if "a_pass" in i)]
+  assert a_pass["compiles"] >= 1 and a_pass["compile_s"] > 0
+  assert results[next(i for i in results if "d_after" in i)]["compiles"] == 0
 
 
 def test_a_spent_budget_leaves_tests_for_the_next_call(tmp_path):
