@@ -43,6 +43,26 @@ AOT_NAMES = ("tp8_decode_64", "tp8_decode_512", "tp8_decode_cached_64_ctx8192",
              "tp8_prefill_4096", "tp8_mixed_3x512", "tp8_mixed_64_t8192")
 
 
+@jax.jit(static_argnums=1)
+def _draw(key: jax.Array, shapes: tuple[tuple[str, tuple[int, ...], str], ...]
+          ) -> dict[str, jax.Array]:
+  """The random arrays of `random_call`, in one program (drawn eagerly, each
+  array's draw, scale and cast would be compiles of their own, per layout,
+  each a fixed cost on a TPU)."""
+  ks = iter(jax.random.split(key, 16))
+  out = {}
+  for name, shape, dtype in shapes:
+    k = next(ks)
+    if name == "conv_weight":
+      bound = shape[-1] ** -0.5
+      x = jax.random.uniform(k, shape, jnp.float32, -bound, bound)
+    else:
+      scale = {"recurrent_state": 0.1, "conv_bias": 0.1, "a_log": 0.5}.get(name, 1.0)
+      x = scale * jax.random.normal(k, shape, jnp.float32)
+    out[name] = x.astype(dtype)
+  return out
+
+
 def random_call(key: jax.Array, layout: dict[str, Any]) -> tuple[tuple, dict]:
   """(args, kwargs) for one call: random arrays where `layout` has
   ShapeDtypeStructs, its concrete index arrays and sizes as they are.
@@ -51,17 +71,13 @@ def random_call(key: jax.Array, layout: dict[str, Any]) -> tuple[tuple, dict]:
   U(-1/sqrt(W), 1/sqrt(W)) (PyTorch's init), unit-normal activations and
   gates, pools of unit-normal conv inputs and 0.1-normal states.
   """
-  ks = iter(jax.random.split(key, 16))
+  drawn = {n: x for n in POSITIONAL if isinstance(x := layout.get(n), jax.ShapeDtypeStruct)}
+  arrays = _draw(key, tuple((n, x.shape, jnp.dtype(x.dtype).name) for n, x in drawn.items()))
 
   def draw(name, x):
-    if not isinstance(x, jax.ShapeDtypeStruct):
-      return None if x is None else (jnp.asarray(x) if isinstance(x, np.ndarray) else x)
-    k = next(ks)
-    if name == "conv_weight":
-      bound = x.shape[-1] ** -0.5
-      return jax.random.uniform(k, x.shape, jnp.float32, -bound, bound).astype(x.dtype)
-    scale = {"recurrent_state": 0.1, "conv_bias": 0.1, "a_log": 0.5}.get(name, 1.0)
-    return (scale * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+    if name in arrays:
+      return arrays[name]
+    return None if x is None else (jnp.asarray(x) if isinstance(x, np.ndarray) else x)
 
   values = {n: draw(n, layout.get(n)) for n in POSITIONAL}
   args = tuple(values[n] for n in POSITIONAL[:13])
