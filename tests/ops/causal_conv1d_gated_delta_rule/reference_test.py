@@ -1,5 +1,7 @@
 """The reference serving op against tokamax's references (test_base)."""
 
+import pytest
+
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs
 from tokamax_gdn.testing.specs import rel_rms
 
@@ -24,3 +26,16 @@ def test_oracle_of_fresh_decode_only_batches():
   kwargs = {k: v for k, v in lay.items() if k in arg_specs.STATIC and k != "num_spec_tokens"}
   (_, _), raw = tokamax_reference.run_jax_gdn_attention_local_ref(*args, **kwargs)
   assert rel_rms(r_out[:5], raw[:5]) > 0.1, "the departure this works around is gone"
+
+
+class _ReferenceAsImplementation(ServingTestBase):
+  IMPL = "reference"
+
+
+@pytest.mark.parametrize("windows", [False, True], ids=["slots", "spec_windows"])
+def test_slots_outside_the_pool_under_jit(windows):
+  """The reference, too, leaves the pool alone and gives NaN rows for a
+  request whose slots lie outside it (the property the implementations'
+  shared test checks; the reference is not among them, being their oracle
+  elsewhere)."""
+  _ReferenceAsImplementation().test_slots_outside_the_pool_under_jit(windows)
