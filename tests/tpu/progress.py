@@ -8,7 +8,8 @@ Lines: {"event": "start", "id": ...} when a test begins; {"event": "end",
 result is known (a failing setup or teardown counts as the test's failure),
 with "compile_s" / "lower_s" / "compiles": the seconds the test spent in XLA
 compiles and in tracing and lowering, and how many compiles (jax's monitoring
-events), to tell compile time from run time on the chip.
+events), to tell compile time from run time on the chip; "slowest": its
+three longest compiles, [function name, seconds].
 
 `$TOKAMAX_GDN_TIER_FIRST` (substrings joined by newlines) runs the tests whose
 ids contain one of them first, in that order, the rest after in collection
@@ -28,13 +29,14 @@ FIRST_ENV = "TOKAMAX_GDN_TIER_FIRST"
 
 
 _SPENT = collections.Counter()
+_COMPILES: list[tuple[float, str]] = []
 
 
 def _on_duration(event: str, seconds: float, **kwargs) -> None:
-  del kwargs
   if event == dispatch.BACKEND_COMPILE_EVENT:
     _SPENT["compile_s"] += seconds
     _SPENT["compiles"] += 1
+    _COMPILES.append((seconds, str(kwargs.get("fun_name", "?"))))
   elif event in (dispatch.JAXPR_TRACE_EVENT, dispatch.JAXPR_TO_MLIR_MODULE_EVENT):
     _SPENT["lower_s"] += seconds
 
@@ -66,6 +68,7 @@ def _write(line: dict) -> None:
 def pytest_runtest_logstart(nodeid, location):
   del location
   _SPENT.clear()
+  _COMPILES.clear()
   _write(dict(event="start", id=nodeid, time=time.time()))
 
 
@@ -80,4 +83,5 @@ def pytest_runtest_logreport(report):
     _write(dict(event="end", id=report.nodeid, outcome=report.outcome,
                 seconds=round(report.duration, 2), when=report.when, message=message,
                 compile_s=round(_SPENT["compile_s"], 2), lower_s=round(_SPENT["lower_s"], 2),
-                compiles=_SPENT["compiles"]))
+                compiles=_SPENT["compiles"],
+                slowest=[[name, round(sec, 2)] for sec, name in sorted(_COMPILES)[::-1][:3]]))

@@ -106,8 +106,9 @@ def _watch(proc, results_path: str, offset: int, test_timeout_s: float, deadline
       if r["event"] == "start":
         current, since, started = r["id"], time.time(), True
       elif r["event"] == "end" and r["id"] == current:
+        slowest = ", ".join(f"{name} {sec:.1f}" for name, sec in r.get("slowest", []))
         spent = (f" (compiles {r['compile_s']:.1f} s / {r['compiles']}, lowering"
-                 f" {r['lower_s']:.1f} s)" if "compile_s" in r else "")
+                 f" {r['lower_s']:.1f} s; slowest: {slowest or '-'})" if "compile_s" in r else "")
         log(f"[tier] {r['outcome']:8s} {r['seconds']:7.1f} s  {r['id']}{spent}")
         current = None
     if code is not None:

@@ -54,6 +54,7 @@ def test_stalls_and_crashes_are_contained_and_the_rest_runs(tmp_path):
   # Each result carries the test's compile count and seconds.
   a_pass = results[next(i for i in results if "a_pass" in i)]
   assert a_pass["compiles"] >= 1 and a_pass["compile_s"] > 0
+  assert any("lambda" in name for name, _ in a_pass["slowest"]), a_pass["slowest"]
   assert results[next(i for i in results if "d_after" in i)]["compiles"] == 0
 
 
