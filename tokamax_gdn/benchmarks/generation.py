@@ -71,7 +71,15 @@ def _done(row: dict[str, Any]) -> str:
   what = f"generation {row['impl']} B={row['batch']} {row['phase']}"
   if row.get("ms") is None:
     return f"{what}: {row.get('error')}"
-  return f"{what}: {row['ms']:.3f} ms, {row['tokens_per_s']:.1f} tokens/s"
+  line = f"{what}: {row['ms']:.3f} ms, {row['tokens_per_s']:.1f} tokens/s"
+  # The whole row on its line: a run stopped at a time limit keeps what it measured.
+  if row.get("over_floor") is not None:
+    line += f", {row['over_floor']:.2f}x its HBM floor ({row['floor_ms']:.3f} ms)"
+  if row.get("device_ms") is not None:
+    line += f", device {row['device_ms']:.3f} ms"
+    if row.get("gdn_share") is not None:
+      line += f" (GDN {100 * row['gdn_share']:.0f} %)"
+  return line + f", compiled in {row['compile_s']:.1f} s"
 
 
 # ---------------------------------------------------------------------------
