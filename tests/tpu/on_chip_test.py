@@ -23,6 +23,7 @@ Without a TPU every test here skips (tests/conftest.py). What it covers:
 """
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,7 @@ from tokamax_gdn.ops.gmm import arg_specs as gmm_specs
 from tokamax_gdn.testing import specs as specs_lib
 from tests import conformance_test
 from tests.ops.causal_conv1d_gated_delta_rule import test_base as serving_base
+from tests.tpu import progress as tier_progress
 
 pytestmark = pytest.mark.tpu
 
@@ -174,6 +176,26 @@ def test_conv_layer_forward_and_gradients(impl, t):
 # --- Serving --------------------------------------------------------------------------------
 
 _NAMED = [s.name for s in serving_specs.ARG_SPECS if "tokamax" in s.tags]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _oracles_ahead(request):
+  """Computes the selected named workloads' oracles (tokamax's reference and
+  ours) in threads, in test order, while the tests run the implementations:
+  on the chip the oracles were most of a named workload's compile time, and
+  the chip host's cores sat idle. A test waits for its own oracle; an
+  oracle's failure fails its tests. `progress.AHEAD_ENV`=0 turns it off."""
+  names = list(dict.fromkeys(
+      item.callspec.params["name"] for item in request.session.items
+      if getattr(item, "originalname", "") == "test_named_workload"))
+  workers = (0 if os.environ.get(tier_progress.AHEAD_ENV) == "0"
+             else min(8, (os.cpu_count() or 1) - 2))
+  if not names or workers < 1 or jax.devices()[0].platform != "tpu":
+    yield
+    return
+  pool = serving_base.compute_ahead([(n, serving_specs.layout_of(n)) for n in names], workers)
+  yield
+  serving_base.stop_ahead(pool)
 
 
 class _ServingOnChip(serving_base.ServingTestBase):

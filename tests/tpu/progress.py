@@ -26,6 +26,9 @@ from jax._src import dispatch
 
 ENV = "TOKAMAX_GDN_TIER_LOG"
 FIRST_ENV = "TOKAMAX_GDN_TIER_FIRST"
+# "0": on_chip_test computes no oracles ahead in threads (the runner sets it
+# after a crash, so that a crash is charged to the test that caused it).
+AHEAD_ENV = "TOKAMAX_GDN_TIER_AHEAD"
 
 
 _SPENT = collections.Counter()

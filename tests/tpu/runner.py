@@ -13,7 +13,9 @@ watching each test as it starts and ends (`tests/tpu/progress.py`):
   as `timeout`, its process is killed, and a new process goes on with the
   next test;
 - a process that dies in a test (a crash in the runtime) records that test
-  as `crashed`, with the process's last output, and the next process goes on;
+  as `crashed`, with the process's last output, and the next process goes on
+  (without the oracles computed ahead in threads: a crash there would be
+  charged to another test);
 - at --budget-s the run stops, the test in progress killed: it and the rest
   are listed as not run, and the same command with the same DIR runs them
   later (a TPU session's device time is short, one call's shorter still,
@@ -172,6 +174,11 @@ def run(out_dir: str, pytest_args, *, budget_s: float = 540.0, test_timeout_s: f
     _append(results_path, dict(event="end", id=current, outcome=outcome,
                                seconds=round(seconds, 1), when="call", message=message))
     log(f"[tier] {outcome:8s} {seconds:7.1f} s  {current}")
+    if outcome == "crashed":
+      # The oracles computed ahead run in threads beside the test: a crash in
+      # one of them would be charged to whichever test ran. From here on each
+      # test computes its own, so a crash names its test.
+      env[progress.AHEAD_ENV] = "0"
   done = read_results(results_path)
   counts = collections.Counter(done[i]["outcome"] for i in ids if i in done)
   not_run = [i for i in ids if i not in done]

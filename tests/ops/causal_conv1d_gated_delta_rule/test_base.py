@@ -14,7 +14,9 @@ inputs and random (non-zero) pools:
 Shapes are tokamax's layouts (`arg_specs.layout`) scaled down for CPU.
 """
 
+import concurrent.futures
 import contextlib
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -53,22 +55,62 @@ SPEC_CASES = [
                                max_reqs=5, **TINY)),
 ]
 _EXPECTED = {}
+_AHEAD: dict[str, concurrent.futures.Future] = {}
+_AHEAD_LOCK = threading.Lock()
 _JITTED = {}
 
 
 def expected(case_id, lay, tokamax_fn, tokamax_jit=True):
   """(inputs, tokamax's result, our reference's result) of a case, computed
-  once per process (shared by every implementation's tests)."""
+  once per process (shared by every implementation's tests), or by
+  `compute_ahead`'s threads (waited for here; an exception there is raised
+  here, in the test of that case)."""
+  with _AHEAD_LOCK:
+    ahead = _AHEAD.get(case_id)
+  if ahead is not None:
+    ahead.result()
   if case_id not in _EXPECTED:
-    args, kwargs = make(lay)
-    static = {k: v for k, v in kwargs.items() if k in STATIC}
-    arrays = {k: v for k, v in kwargs.items() if k not in STATIC}
-    theirs = (jax.jit(lambda a, kw: tokamax_fn(a, kw | static))(args, arrays) if tokamax_jit
-              else tokamax_fn(args, kwargs))
-    ours = jax.jit(lambda a, kw: api.causal_conv1d_gated_delta_rule(
-        *a, **kw, **static, implementation="reference"))(args, arrays)
-    _EXPECTED[case_id] = (args, kwargs), _host(theirs), _host(ours)
+    _compute_expected(case_id, lay, tokamax_fn, tokamax_jit)
   return _EXPECTED[case_id]
+
+
+def _compute_expected(case_id, lay, tokamax_fn, tokamax_jit):
+  """`expected`'s computation: stores the case in _EXPECTED."""
+  args, kwargs = make(lay)
+  static = {k: v for k, v in kwargs.items() if k in STATIC}
+  arrays = {k: v for k, v in kwargs.items() if k not in STATIC}
+  theirs = (jax.jit(lambda a, kw: tokamax_fn(a, kw | static))(args, arrays) if tokamax_jit
+            else tokamax_fn(args, kwargs))
+  ours = jax.jit(lambda a, kw: api.causal_conv1d_gated_delta_rule(
+      *a, **kw, **static, implementation="reference"))(args, arrays)
+  _EXPECTED[case_id] = (args, kwargs), _host(theirs), _host(ours)
+
+
+def compute_ahead(cases, workers: int) -> concurrent.futures.ThreadPoolExecutor:
+  """Starts computing `expected` for `cases` ([(case_id, layout)], in the
+  order the tests will want them) in `workers` threads; returns the pool
+  (shut it down when the tests are done: what has not started is dropped).
+
+  For the on-chip tier: there the oracles (tokamax's reference and ours)
+  are most of a named workload's compile time, and the chip host has cores
+  to compile them side by side while the tests run the implementations."""
+  pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="oracle")
+  for case_id, lay in cases:
+    with _AHEAD_LOCK:
+      if case_id in _AHEAD or case_id in _EXPECTED:
+        continue
+      _AHEAD[case_id] = pool.submit(_compute_expected, case_id, lay, *tokamax_oracle(lay))
+  return pool
+
+
+def stop_ahead(pool: concurrent.futures.ThreadPoolExecutor) -> None:
+  """Drops what `compute_ahead` has not started (a later `expected` computes
+  it itself) and waits for what is running."""
+  with _AHEAD_LOCK:
+    for case_id, future in list(_AHEAD.items()):
+      if future.cancel():
+        del _AHEAD[case_id]
+  pool.shutdown(wait=True)
 
 
 def _host(tree):
