@@ -21,9 +21,6 @@ import json
 import os
 import time
 
-from jax import monitoring
-from jax._src import dispatch
-
 ENV = "TOKAMAX_GDN_TIER_LOG"
 FIRST_ENV = "TOKAMAX_GDN_TIER_FIRST"
 # "0": on_chip_test computes no oracles ahead in threads (the runner sets it
@@ -35,16 +32,22 @@ _SPENT = collections.Counter()
 _COMPILES: list[tuple[float, str]] = []
 
 
-def _on_duration(event: str, seconds: float, **kwargs) -> None:
-  if event == dispatch.BACKEND_COMPILE_EVENT:
-    _SPENT["compile_s"] += seconds
-    _SPENT["compiles"] += 1
-    _COMPILES.append((seconds, str(kwargs.get("fun_name", "?"))))
-  elif event in (dispatch.JAXPR_TRACE_EVENT, dispatch.JAXPR_TO_MLIR_MODULE_EVENT):
-    _SPENT["lower_s"] += seconds
+def pytest_configure(config):
+  """Listens to jax's compile events, in the pytest process that loads this
+  plugin only (the runner imports this module for its constants, jax-free)."""
+  del config
+  from jax import monitoring  # pylint: disable=g-import-not-at-top
+  from jax._src import dispatch  # pylint: disable=g-import-not-at-top
 
+  def on_duration(event: str, seconds: float, **kwargs) -> None:
+    if event == dispatch.BACKEND_COMPILE_EVENT:
+      _SPENT["compile_s"] += seconds
+      _SPENT["compiles"] += 1
+      _COMPILES.append((seconds, str(kwargs.get("fun_name", "?"))))
+    elif event in (dispatch.JAXPR_TRACE_EVENT, dispatch.JAXPR_TO_MLIR_MODULE_EVENT):
+      _SPENT["lower_s"] += seconds
 
-monitoring.register_event_duration_secs_listener(_on_duration)
+  monitoring.register_event_duration_secs_listener(on_duration)
 
 
 def first_rank(test_id: str, first: list[str]) -> int:
