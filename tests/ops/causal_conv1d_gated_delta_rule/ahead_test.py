@@ -20,7 +20,7 @@ CASES = [
 
 
 def _bits(tree):
-  return [np.asarray(x).view(np.uint8) for x in jax.tree.leaves(tree)]
+  return [test_base._bits(x) for x in jax.tree.leaves(tree)]  # pylint: disable=protected-access
 
 
 def test_oracles_computed_ahead_are_what_expected_returns():
