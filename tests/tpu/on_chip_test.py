@@ -241,26 +241,46 @@ class TestServingXlaOnChip(_ServingOnChip):
 
 # --- Grouped matmuls ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("m,k,n", [(8192, 2048, 512), (8192, 512, 2048)])
+_GMM_REF = {}
+
+
+def _gmm_case(m, k, n):
+  """Inputs and `reference`'s results of one MoE shape (drawn with numpy: on a
+  chip every jax.random draw of a new shape is a compile), computed once for
+  both implementations."""
+  if (m, k, n) not in _GMM_REF:
+    g = 64
+    rng = np.random.default_rng(m + k)
+    sizes = gmm_specs.random_group_sizes(jax.random.key(m + k), g=g, total=m, empty=(2, 40))
+    lhs = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((g, k, n), np.float32) * k ** -0.5, jnp.bfloat16)
+    ct = jnp.asarray(rng.standard_normal((m, n), np.float32))
+    y = jnp.asarray(rng.standard_normal((m, n), np.float32), jnp.bfloat16)
+    ref = _gmm_run("reference", sizes, lhs, rhs, ct, y)
+    _GMM_REF.clear()
+    _GMM_REF[m, k, n] = (sizes, lhs, rhs, ct, y), ref
+  return _GMM_REF[m, k, n]
+
+
+def _gmm_run(impl, sizes, lhs, rhs, ct, y):
+  """gmm's output and gradients, and tgmm's output, on the host."""
+  out, grads = _loss_and_grads(
+      lambda a, b: tg.gmm(a, b, sizes, implementation=impl), (lhs, rhs), ct)
+  tg_out = jax.jit(functools.partial(tg.tgmm, implementation=impl))(lhs, y, sizes)
+  return jax.tree.map(np.asarray, (out, grads, tg_out))
+
+
+# impl varies fastest: the reference runs once per shape.
 @pytest.mark.parametrize("impl", FAST)
+@pytest.mark.parametrize("m,k,n", [(8192, 2048, 512), (8192, 512, 2048)])
 def test_gmm_tgmm_moe_shapes(impl, m, k, n):
-  g = 64
-  ks = jax.random.split(jax.random.key(m + k), 4)
-  sizes = gmm_specs.random_group_sizes(ks[0], g=g, total=m, empty=(2, 40))
-  lhs = jax.random.normal(ks[1], (m, k), jnp.bfloat16)
-  rhs = (jax.random.normal(ks[2], (g, k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
-  ct = jax.random.normal(ks[3], (m, n), jnp.float32)
-  run = lambda name: _loss_and_grads(
-      lambda a, b: tg.gmm(a, b, sizes, implementation=name), (lhs, rhs), ct)
-  (out, grads), (ref_out, ref_grads) = run(impl), run("reference")
+  inputs, (ref_out, ref_grads, tg_ref) = _gmm_case(m, k, n)
+  out, grads, tg_out = _gmm_run(impl, *inputs)
   _assert_close(out, ref_out, jnp.bfloat16, False, f"gmm {impl} out")
   for name, gr, r in zip(("lhs", "rhs"), grads, ref_grads):
     _assert_close(gr, r, jnp.bfloat16, True, f"gmm {impl} d{name}")
   # The empty groups' weight gradients are exactly zero.
   np.testing.assert_array_equal(np.asarray(grads[1][2], np.float32), 0.0)
-  y = jax.random.normal(ks[3], (m, n), jnp.bfloat16)
-  tg_out = jax.jit(functools.partial(tg.tgmm, implementation=impl))(lhs, y, sizes)
-  tg_ref = jax.jit(functools.partial(tg.tgmm, implementation="reference"))(lhs, y, sizes)
   _assert_close(tg_out, tg_ref, jnp.bfloat16, False, f"tgmm {impl}")
 
 

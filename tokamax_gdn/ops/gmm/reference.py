@@ -3,7 +3,9 @@
   out = sum_g  where(row in group g, lhs @ rhs[g], 0)
 
 The oracle for the other implementations: obvious, O(G) times the work,
-differentiated by autodiff.
+differentiated by autodiff. The groups are a `lax.scan`, not a Python loop:
+unrolled, 64 experts' forward and backward at MoE sizes took a minute to
+compile on a TPU.
 """
 
 from typing import Any
@@ -36,10 +38,14 @@ class ReferenceGmm(base.Gmm[Any, Any]):
     # matmuls, so that their NaN / inf reaches neither the output nor (as
     # 0 * NaN in lhs^T @ d_out) the rhs gradient.
     lhs32 = jnp.where(jnp.any(masks, axis=0)[:, None], lhs32, 0.0)
+
+    def add_group(out, xs):
+      rhs_g, mask_g = xs
+      prod = jnp.dot(lhs32, rhs_g, precision=jax.lax.Precision.HIGHEST)
+      return out + jnp.where(mask_g[:, None], prod, 0.0), None
+
     out = jnp.zeros((lhs.shape[0], rhs32.shape[2]), jnp.float32)
-    for g in range(rhs.shape[0]):
-      prod = jnp.dot(lhs32, rhs32[g], precision=jax.lax.Precision.HIGHEST)
-      out = out + jnp.where(masks[g][:, None], prod, 0.0)
+    out, _ = jax.lax.scan(add_group, out, (rhs32, masks))
     return out.astype(out_dtype)
 
 
