@@ -164,6 +164,11 @@ def _heuristics(ba: op.BoundArguments) -> Config:
   time grows with the tile; the rolled one's does not); `tokamax-gdn bench`
   on a TPU re-measures it, and autotuning explores 16 to 64 (libtpu's v6e
   estimate favoured the larger tiles).
+
+  C = 128 where the chunked kernel's VMEM estimate at it is within the cap
+  (every named spec in bf16, 64 value heads included: 42.9 of 53 MiB on
+  v5e / v6e), else 64 (64 value heads with float32 activations: 66.9 MiB
+  at C = 128, 37.8 at 64).
   """
   args = ba.arguments
   window = args["num_spec_tokens"] + 1
@@ -172,7 +177,8 @@ def _heuristics(ba: op.BoundArguments) -> Config:
   cap = _vmem_cap()
   tile = next((t for t in tiles if need[t] <= cap * 3 // 4),
               next((t for t in tiles if need[t] <= cap), 8))
-  return Config(decode_tile=tile, chunk_size=128, min_chunked_tokens=128, decode_rolled=2)
+  chunk = next((c for c in (128, 64) if _chunk_vmem(args, c) <= cap), 128)
+  return Config(decode_tile=tile, chunk_size=chunk, min_chunked_tokens=128, decode_rolled=2)
 
 
 def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
@@ -183,6 +189,8 @@ def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
     if _decode_vmem(args, tile, window) > _vmem_cap():
       continue
     for chunk in (64, 128):
+      if _chunk_vmem(args, chunk) > _vmem_cap():
+        continue
       for min_tokens in (chunk, 4 * chunk):
         out.add(Config(decode_tile=tile, chunk_size=chunk, min_chunked_tokens=min_tokens))
   return out
@@ -190,6 +198,20 @@ def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
 
 def _vmem_cap() -> int:
   return gdn_vmem.vmem_cap(gdn_config.target_generation())
+
+
+def _requests_vmem(dims: base.Dims, chunk: int, act_dtype, pool_dtype) -> int:
+  """The chunked path's GDN kernel (`gdn_fwd_requests`): its scoped VMEM
+  estimate (`pallas_mosaic_tpu_vmem.requests_vmem_estimate`)."""
+  return gdn_vmem.requests_vmem_estimate(
+      chunk=chunk, hv=dims.n_v, hk=dims.n_kq, dim_k=dims.d_k, dim_v=dims.d_v,
+      itemsize=jnp.dtype(act_dtype).itemsize, pool_itemsize=jnp.dtype(pool_dtype).itemsize)
+
+
+def _chunk_vmem(args, chunk: int) -> int:
+  """`_requests_vmem` of a call's bound arguments at chunk size `chunk`."""
+  dims = base.Dims(args["n_kq"], args["n_v"], args["d_k"], args["d_v"], args["kernel_size"])
+  return _requests_vmem(dims, chunk, args["qkv"].dtype, args["recurrent_state"].dtype)
 
 
 # Direct mode keeps the whole output in VMEM up to this size (one buffer).
@@ -408,12 +430,17 @@ def _chunked_path(qkv, b, a, out, conv_pool, rec_pool, conv_weight, conv_bias, a
   g = jnp.maximum(g, gdn_prologue.CHUNKED_LOG_DECAY_FLOOR)
   hv = dims.n_v
   interleave = gdn_common.normalize_interleave(16, hv, hv // dims.n_kq)
-  # The GDN op's own VMEM model for this kernel, with a quarter to spare: a
-  # limit no larger than needed leaves room for XLA's own VMEM (with the
-  # cycle dump on, the full cap overflows at T = 4096).
-  need = gdn_vmem.vmem_estimate(chunk=cfg.chunk_size, hv=hv, hk=dims.n_kq, dim_k=dims.d_k,
-                                dim_v=dims.d_v, itemsize=jnp.dtype(qkv.dtype).itemsize,
-                                interleave=interleave, kernel="fwd")
+  # This kernel's own VMEM model (an upper bound of Mosaic's allocation),
+  # with a quarter to spare up to what `check_vmem` accepts: a limit no
+  # larger than needed leaves room for XLA's own VMEM (with the cycle dump
+  # on, the full cap overflowed at T = 4096). The training forward's model
+  # (`vmem_estimate(kernel="fwd")`), used here before, estimated 29.7 MiB for
+  # 64 value heads where Mosaic allocates 41.1: its limit failed on the chip.
+  need = _requests_vmem(dims, cfg.chunk_size, qkv.dtype, rec_pool.dtype)
+  gdn_vmem.check_vmem(
+      "causal_conv1d_gated_delta_rule", need, _vmem_cap(),
+      f"the chunked path's GDN kernel at C = {cfg.chunk_size} ({hv} value heads,"
+      f" {qkv.dtype} activations, {rec_pool.dtype} pool)")
   # Each request's blocks, from its read slot (straight from the pool), its
   # rows only (other tokens pass its state through, NaN or not); blocks that
   # hold no chunked request are skipped and move nothing.
@@ -424,7 +451,7 @@ def _chunked_path(qkv, b, a, out, conv_pool, rec_pool, conv_weight, conv_bias, a
       out, hk=dims.n_kq, hv=hv, dim_k=dims.d_k, dim_v=dims.d_v, scale=dims.scale,
       chunk=cfg.chunk_size, interleave=interleave, all_run=bool(_chunk_cost),
       static_blocks=_chunk_cost is not None, in_hbm=_in_hbm(qkv), interpret=interpret,
-      vmem_limit_bytes=min(_vmem_cap(), need * 5 // 4))
+      vmem_limit_bytes=min(gdn_vmem.accepted_need(_vmem_cap()), need * 5 // 4))
   if n_max == 1:
     # A dynamic-update-slice (row scatters, with their bounds checks, cost
     # more): without a chunked request, the

@@ -3,8 +3,10 @@
 `vmem_estimate` is the scoped VMEM of one kernel's grid step (its scratch
 exactly, plus a fit of what Mosaic allocates itself); `vmem_cap` is the
 scoped limit the kernels get on a TPU generation. The op wrapper picks
-configs that fit; the serving op sizes its request-packed forward with it.
-The fit's measured points are in README.md, "VMEM model".
+configs that fit. The fit's measured points are in README.md, "VMEM model".
+The serving op's request-packed forward has a model of its own,
+`requests_vmem_estimate` (its measured points: the serving op's
+`pallas_mosaic_tpu_test._REQUESTS_VMEM_V5E`).
 """
 
 from typing import Literal
@@ -83,6 +85,62 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
   written = residuals if save_states else 0
   long = _LONG_FWD_HEADROOM if length > _LONG_BWD_FROM else 0
   return scratch + (2 * key + value) + blocks // 2 + written + interleave * 7 * tile + long
+
+
+# `requests_vmem_estimate`: Mosaic's own scoped VMEM in the request-packed
+# forward, a fixed part and C x V f32 tiles per value head (3 for bf16
+# inputs, 5 for float32 ones: three-pass products), the largest measured on
+# v5e with a quarter to a half tile to spare (the measured points:
+# tests/ops/causal_conv1d_gated_delta_rule/pallas_mosaic_tpu_test.py,
+# `_REQUESTS_VMEM_V5E`).
+_REQUESTS_FIXED = _MIB // 2
+_REQUESTS_TILES_PER_HEAD = {1: 3, 3: 5}
+# Rows of the forward kernels' (N, Hv, C) f32 row scratch
+# (`pallas_mosaic_tpu_prologue.N_ROWS`).
+_N_ROWS = 6
+
+
+def requests_vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int,
+                           itemsize: int, pool_itemsize: int) -> int:
+  """Scoped VMEM one grid step of the serving op's request-packed forward
+  (`pallas_mosaic_tpu_requests.gdn_fwd_requests`) needs, an upper bound on
+  every generation (measured on v5e, whose forms need the most: v6e and
+  tpu7x took 86-94 % of it at 64 value heads).
+
+  Counted exactly: its pipelined blocks, two buffers each (the (C, 2 Hk K +
+  Hv V) qkv chunk, the (C, Hv) log-decay and beta in f32, the (C, Hv V)
+  output and the output base it updates, in the input dtype), and its
+  scratch (the f32 state, the row scratch, q and k head-major, v and the
+  output head-major, the state pool's DMA buffer in the pool's dtype). Plus
+  Mosaic's own: `_REQUESTS_FIXED` and `_REQUESTS_TILES_PER_HEAD` C x V f32
+  tiles per value head (with every head group unrolled it grows with Hv,
+  not with the interleave: 16 or 8 heads interleaved took the same at 64
+  heads, 4 took 3.5 MiB more).
+
+  The training forward's `vmem_estimate(kernel="fwd")` is no model of this
+  kernel: it has no output base or pool buffer and its Mosaic part is per
+  interleaved head, so at 64 value heads, C=128, bf16 it estimated 29.7 MiB
+  where Mosaic allocates 41.1 (v5e; 36.1 on v6e, 35.4 on tpu7x), and the
+  serving op's limit of a quarter more (37.2 MiB) failed on the chip at
+  every 64-head prefill of 1024 tokens or more. Shorter calls kept their
+  token arrays where XLA put them (in VMEM: 28.8 MiB scoped then), so this
+  bounds the case whose arrays are in HBM. Independent of T and of the
+  number of requests (measured: T = 256 to 8192, 1 and 8 requests).
+  """
+  dim_k, dim_v = round_up(dim_k, 128), round_up(dim_v, 128)
+  lanes = lambda n: round_up(n, 128)
+  rows = max(chunk, 8)
+  qkv = rows * lanes(2 * hk * dim_k + hv * dim_v) * itemsize
+  gates = 2 * rows * lanes(hv) * 4
+  out = rows * hv * dim_v * itemsize          # the output and its base, each
+  blocks = 2 * (qkv + gates + 2 * out)
+  tile = rows * dim_v * 4
+  scratch = (hv * dim_k * dim_v * (4 + pool_itemsize)                     # s, h0_buf
+             + _N_ROWS * round_up(hv, 8) * lanes(chunk) * 4               # rows
+             + 2 * hk * rows * dim_k * 4 + 2 * hv * tile)                 # qh, kh, vh, out_heads
+  passes = 1 if itemsize == 2 else 3
+  internal = _REQUESTS_FIXED + _REQUESTS_TILES_PER_HEAD[passes] * hv * tile
+  return blocks + scratch + internal
 
 
 def vmem_cap(gen: gdn_config.TpuGeneration) -> int:
