@@ -106,7 +106,8 @@ def _estimate(cfg: Config, sh: _Shapes, kind: str) -> int:
   return vmem_estimate(chunk=cfg.chunk_size, hv=sh.hv, hk=sh.hk, dim_k=sh.dim_k,
                        dim_v=sh.dim_v, itemsize=sh.itemsize,
                        interleave=_run_interleave(cfg.interleave, sh), kernel=kind,
-                       save_states=cfg.save_states, length=sh.length)
+                       save_states=cfg.save_states, length=sh.length,
+                       v5e_forms=gdn_config.target_generation().name == "v5e")
 
 
 def _fits(cfg: Config, sh: _Shapes, kind: str) -> bool:

@@ -18,9 +18,19 @@ _MIB = 1 << 20
 
 
 # What the backward's scoped VMEM grows by past T = _LONG_BWD_FROM (see
-# `vmem_estimate`): the growth measured up to T = 131072 (README.md, "VMEM
-# model"), with a quarter MiB to spare.
+# `vmem_estimate`), per 16 value heads (at least once): 1.07 MiB measured up
+# to T = 131072 at 16 heads a device (tpu7x), with a quarter MiB to spare;
+# at 64 value heads on v5e (C = 128) 2 MiB more from T = 8192 to 32768, and
+# 55.0 MiB at T = 32768 with 1, 2 or 4 heads interleaved (README.md, "VMEM
+# model").
 _LONG_BWD_FROM, _LONG_BWD_HEADROOM = 4096, 5 * _MIB // 4
+# v5e's forms (`pallas_mosaic_tpu_common.Static.v5e_forms`: f32
+# concatenations and roundings) take more of the backward's VMEM than the
+# fit (made on tpu7x) counts: 53.21 MiB where it said 51.75 (64 value
+# heads, C = 128, 8 interleaved, T = 4096), 41.5 where 40.1 (32 heads, 16
+# interleaved, the kernel alone). The backward's estimate there is this
+# much larger.
+_V5E_BWD_FACTOR = 33 / 32
 # The forward's growth past the same length: 8 heads interleaved, tpu7x,
 # Qwen3-Next heads, 16.68 -- 17.0 MiB at T=4096, 18.68 -- 19.0 MiB at
 # T=32768 with an initial state.
@@ -29,7 +39,7 @@ _LONG_FWD_HEADROOM = 2 * _MIB
 
 def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, itemsize: int,
                   interleave: int, kernel: Literal["fwd", "states", "bwd"],
-                  save_states: bool = False, length: int = 0) -> int:
+                  save_states: bool = False, length: int = 0, v5e_forms: bool = False) -> int:
   """Scoped VMEM one grid step of `kernel` needs ("fwd": outputs, and with
   `save_states` the residual blocks too; "states": the VJP's first pass;
   "bwd").
@@ -47,11 +57,14 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
   Mosaic keeps at long sequences and the estimate adds at every length. Past
   T = 4096 (`length`, 0 if unknown) the backward's scoped allocation grows
   by up to another MiB, so the backward estimate then adds
-  `_LONG_BWD_HEADROOM`, and the forward's by up to 2 MiB
+  `_LONG_BWD_HEADROOM` per 16 value heads, and the forward's by up to 2 MiB
   (`_LONG_FWD_HEADROOM`): so tpu7x's forward interleaves 16 heads up to
   T = 4096 (24 % fewer cycles than 8 at Qwen3-Next heads, T=512) and 8
   past it, where 16 no longer fits. v5e/v6e need more for the backward, which their
   larger `vmem_cap` leaves room for.
+
+  `v5e_forms`: the kernels as traced for v5e, whose backward takes more
+  (`_V5E_BWD_FACTOR`).
 
   The coefficients are fitted to the compiler's own scoped allocation, which
   Mosaic reports when a kernel is compiled (`tokamax_gdn.aot`, as
@@ -68,8 +81,9 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
   if kernel == "bwd":
     scratch = state + 4 * key + 3 * value + rows
     blocks = (4 * key + 3 * value) * itemsize // 4 + residuals
-    long = _LONG_BWD_HEADROOM if length > _LONG_BWD_FROM else 0
-    return scratch + 9 * (2 * key + value) // 4 + blocks + interleave * 12 * tile + long
+    long = _LONG_BWD_HEADROOM * max(1, hv / 16) if length > _LONG_BWD_FROM else 0
+    need = scratch + 9 * (2 * key + value) // 4 + blocks + interleave * 12 * tile + long
+    return int(need * _V5E_BWD_FACTOR) if v5e_forms else int(need)
   values = 2 if kernel == "fwd" else 1
   scratch = state + 2 * key + values * value + rows
   blocks = (2 * key + values * value) * itemsize // 4
