@@ -259,6 +259,28 @@ def test_requests_vmem_estimate_bounds_the_measured_allocation(key):
     assert need <= 1.3 * measured, (need / 2**20, measured / 2**20)
 
 
+def _tokamax_workloads():
+  """(spec, bound arguments) of every tokamax workload in arg_specs.py, as
+  shapes (the heuristics read only shapes and static arguments)."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import api  # pylint: disable=g-import-not-at-top
+  sig = inspect.signature(api.causal_conv1d_gated_delta_rule)
+  for spec in arg_specs.ARG_SPECS:
+    if "tokamax" not in spec.tags:
+      continue
+    static = {}
+
+    def shapes(key, spec=spec, static=static):
+      args, kwargs = spec.make(key)
+      static.update({k: v for k, v in kwargs.items() if k in STATIC})
+      return args, {k: v for k, v in kwargs.items() if k not in STATIC}
+
+    args, kwargs = jax.eval_shape(shapes, jax.random.key(0))
+    ba = sig.bind_partial(*args, **kwargs, **static)
+    ba.apply_defaults()
+    yield spec, ba
+
+
 @pytest.mark.parametrize("gen", ["v5e", "v6e", "tpu7x"])
 def test_heuristic_chunk_fits_vmem_at_every_named_spec(gen):
   """At every tokamax workload the chunked kernel's estimate at the
@@ -268,26 +290,11 @@ def test_heuristic_chunk_fits_vmem_at_every_named_spec(gen):
   (its decode kernel refuses the 32- and 64-head workloads). 64 value heads
   with float32 activations take C = 64 on v5e / v6e (C = 128 estimates
   66.9 MiB)."""
-  import inspect  # pylint: disable=g-import-not-at-top
-  from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import api  # pylint: disable=g-import-not-at-top
-  sig = inspect.signature(api.causal_conv1d_gated_delta_rule)
   config.set_target_chip(gen)
   try:
     cap = pallas_mosaic_tpu._vmem_cap()  # pylint: disable=protected-access
     over = []
-    for spec in arg_specs.ARG_SPECS:
-      if "tokamax" not in spec.tags:
-        continue
-      static = {}
-
-      def shapes(key, spec=spec, static=static):
-        args, kwargs = spec.make(key)
-        static.update({k: v for k, v in kwargs.items() if k in STATIC})
-        return args, {k: v for k, v in kwargs.items() if k not in STATIC}
-
-      args, kwargs = jax.eval_shape(shapes, jax.random.key(0))
-      ba = sig.bind_partial(*args, **kwargs, **static)
-      ba.apply_defaults()
+    for spec, ba in _tokamax_workloads():
       cfg = pallas_mosaic_tpu._heuristics(ba)  # pylint: disable=protected-access
       need = pallas_mosaic_tpu._chunk_vmem(ba.arguments, cfg.chunk_size)  # pylint: disable=protected-access
       if need > cap and (gen != "tpu7x" or ba.arguments["n_v"] <= 16):
@@ -392,26 +399,11 @@ def test_heuristic_decode_tile_fits_vmem_at_every_named_spec(gen):
   """At every tokamax workload the heuristics' decode tile is within what the
   op accepts (`check_vmem`; on v5e a tile of 8 requests of 64 value heads
   with a verify window of 4 needed 104 MiB: the op refused the call)."""
-  import inspect  # pylint: disable=g-import-not-at-top
-  from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import api  # pylint: disable=g-import-not-at-top
-  sig = inspect.signature(api.causal_conv1d_gated_delta_rule)
   config.set_target_chip(gen)
   try:
     cap = pallas_mosaic_tpu._vmem_cap()  # pylint: disable=protected-access
     over = []
-    for spec in arg_specs.ARG_SPECS:
-      if "tokamax" not in spec.tags:
-        continue
-      static = {}
-
-      def shapes(key, spec=spec, static=static):
-        args, kwargs = spec.make(key)
-        static.update({k: v for k, v in kwargs.items() if k in STATIC})
-        return args, {k: v for k, v in kwargs.items() if k not in STATIC}
-
-      args, kwargs = jax.eval_shape(shapes, jax.random.key(0))
-      ba = sig.bind_partial(*args, **kwargs, **static)
-      ba.apply_defaults()
+    for spec, ba in _tokamax_workloads():
       cfg = pallas_mosaic_tpu._heuristics(ba)  # pylint: disable=protected-access
       window = ba.arguments["num_spec_tokens"] + 1
       need = pallas_mosaic_tpu._decode_vmem(ba.arguments, cfg.decode_tile, window)  # pylint: disable=protected-access
