@@ -73,6 +73,15 @@ def test_gdn_training_step_compiles_at_64_value_heads_on_v5e():
 
 
 @pytest.mark.aot
+def test_gdn_training_step_compiles_in_float32_at_the_qwen_shape_on_v5e():
+  """float32 at Qwen3-Next's per-chip shape, T=4096: the backward the
+  heuristics picked needed 56.36 MiB of v5e's 53 (the VMEM model had no
+  float32 term); now it counts float32's per-head blocks."""
+  _check_compiles("v5e", workload.LayerShape(b=1, t=4096, hk=16, hv=32, k=128, v=128,
+                                             dtype=jnp.float32))
+
+
+@pytest.mark.aot
 def test_gdn_training_step_compiles_with_a_partial_last_chunk():
   _check_compiles("v6e", workload.LayerShape(b=1, t=4100, hk=8, hv=8, k=128, v=128))
 

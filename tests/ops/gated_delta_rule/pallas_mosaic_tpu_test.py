@@ -356,3 +356,31 @@ def test_v5e_backward_at_64_value_heads_fits(t, chunk, max_interleave):
   finally:
     tokamax_gdn.config.set_target_chip(None)
   assert cfg.chunk_size == chunk and cfg.interleave <= max_interleave, cfg
+
+
+# Mosaic's scoped VMEM (MiB) where a float32 training step failed to compile
+# ahead of time (Hk=16, K=V=128, T=4096, the whole fwd+bwd program at the
+# generation's limit; the allocation from the error):
+# (chip, Hv, kernel, C, heads interleaved) -> MiB.
+_F32_OVER_THE_CAP = {("v5e", 32, "bwd", 128, 16): 56.36, ("v6e", 32, "bwd", 128, 16): 57.08,
+                     ("v5e", 48, "bwd", 128, 6): 63.46, ("v5e", 64, "fwd", 128, 16): 54.64,
+                     ("v5e", 64, "fwd", 128, 8): 54.71, ("tpu7x", 32, "fwd", 128, 8): 24.5,
+                     ("tpu7x", 32, "fwd", 128, 4): 23.09, ("tpu7x", 32, "bwd", 64, 2): 23.17}
+
+
+@pytest.mark.parametrize("key", list(_F32_OVER_THE_CAP), ids=str)
+def test_float32_estimate_is_above_what_failed(key):
+  """float32's VMEM estimate is above each allocation that overflowed (so
+  the heuristics never pick those configs, and an explicit one is refused
+  with a clear error where it cannot fit)."""
+  chip, hv, kind, chunk, ilv = key
+  q = jax.ShapeDtypeStruct((1, 4096, 16, 128), jnp.float32)
+  v = jax.ShapeDtypeStruct((1, 4096, hv, 128), jnp.float32)
+  g = jax.ShapeDtypeStruct((1, 4096, hv), jnp.float32)
+  tokamax_gdn.config.set_target_chip(chip)
+  try:
+    sh = pallas_mosaic_tpu._shapes(pallas_mosaic_tpu.IMPLEMENTATION.bind(q, q, v, g, g))  # pylint: disable=protected-access
+    est = pallas_mosaic_tpu._estimate(Config(chunk_size=chunk, interleave=ilv), sh, kind)  # pylint: disable=protected-access
+  finally:
+    tokamax_gdn.config.set_target_chip(None)
+  assert est >= _F32_OVER_THE_CAP[key] * 2**20, (key, est / 2**20)

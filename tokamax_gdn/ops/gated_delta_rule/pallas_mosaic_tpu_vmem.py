@@ -37,6 +37,18 @@ _V5E_BWD_FACTOR = 33 / 32
 _LONG_FWD_HEADROOM = 2 * _MIB
 
 
+# float32 inputs (three-pass products: hi / lo pieces of every operand) take
+# this many more C x V f32 blocks per value head (whatever the interleave)
+# than the bf16 fit counts: ahead of time at Qwen3-Next heads (Hk 16, Hv 32),
+# T = 4096, C = 128, the backward needed 56.36 MiB on v5e (8 heads
+# interleaved compiled), 57.08 on v6e, where the fit said 47.12; the forward
+# 24.5 on tpu7x where it said 18.6, and on v5e at 64 value heads 54.64 /
+# 54.71 with 16 / 8 heads interleaved where it said 32.25 / 28.5; the
+# backward at C = 64 on tpu7x 23.17 where it said 20.6 (README.md, "VMEM
+# model"). The states pass is counted as the forward.
+_F32_BLOCKS = {"bwd": 5, "fwd": 7, "states": 7}
+
+
 def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, itemsize: int,
                   interleave: int, kernel: Literal["fwd", "states", "bwd"],
                   save_states: bool = False, length: int = 0, v5e_forms: bool = False) -> int:
@@ -78,18 +90,19 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
   key, value = chunk * hk * dim_k * 4, chunk * hv * dim_v * 4
   tile = max(chunk, 128) * max(chunk, dim_k, dim_v) * 4   # C=64 tiles: as if 128 rows
   residuals = hv * (dim_k * dim_v + chunk * chunk) * itemsize
+  f32 = _F32_BLOCKS[kernel] * value if itemsize == 4 else 0
   if kernel == "bwd":
     scratch = state + 4 * key + 3 * value + rows
     blocks = (4 * key + 3 * value) * itemsize // 4 + residuals
     long = _LONG_BWD_HEADROOM * max(1, hv / 16) if length > _LONG_BWD_FROM else 0
-    need = scratch + 9 * (2 * key + value) // 4 + blocks + interleave * 12 * tile + long
+    need = scratch + 9 * (2 * key + value) // 4 + blocks + interleave * 12 * tile + long + f32
     return int(need * _V5E_BWD_FACTOR) if v5e_forms else int(need)
   values = 2 if kernel == "fwd" else 1
   scratch = state + 2 * key + values * value + rows
   blocks = (2 * key + values * value) * itemsize // 4
   if kernel == "states":
     blocks += residuals
-    return scratch + 2 * (2 * key + value) + blocks // 2 + interleave * 6 * tile
+    return scratch + 2 * (2 * key + value) + blocks // 2 + interleave * 6 * tile + f32
   # The forward, refitted since its blocks are [B, T, H D] (no relayout in
   # the kernel): one copy of the q, k, v chunk in f32 where Mosaic had two,
   # 7 tiles per head where it had 6 (tpu7x, Qwen3-Next heads, T=4096, C=128:
@@ -98,7 +111,7 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
   # refitted.
   written = residuals if save_states else 0
   long = _LONG_FWD_HEADROOM if length > _LONG_BWD_FROM else 0
-  return scratch + (2 * key + value) + blocks // 2 + written + interleave * 7 * tile + long
+  return scratch + (2 * key + value) + blocks // 2 + written + interleave * 7 * tile + long + f32
 
 
 # `requests_vmem_estimate`: Mosaic's own scoped VMEM in the request-packed
