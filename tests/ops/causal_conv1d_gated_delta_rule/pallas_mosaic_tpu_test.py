@@ -259,9 +259,11 @@ def test_requests_vmem_estimate_bounds_the_measured_allocation(key):
     assert need <= 1.3 * measured, (need / 2**20, measured / 2**20)
 
 
-def _tokamax_workloads():
-  """(spec, bound arguments) of every tokamax workload in arg_specs.py, as
-  shapes (the heuristics read only shapes and static arguments)."""
+def _tokamax_workloads(gen):
+  """(spec, bound arguments, heuristics' config, VMEM cap) of every tokamax
+  workload in arg_specs.py with `gen` the target (set while the caller's
+  loop body runs), as shapes: the heuristics read only shapes and static
+  arguments."""
   import inspect  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import api  # pylint: disable=g-import-not-at-top
   sig = inspect.signature(api.causal_conv1d_gated_delta_rule)
@@ -278,7 +280,11 @@ def _tokamax_workloads():
     args, kwargs = jax.eval_shape(shapes, jax.random.key(0))
     ba = sig.bind_partial(*args, **kwargs, **static)
     ba.apply_defaults()
-    yield spec, ba
+    config.set_target_chip(gen)
+    try:
+      yield spec, ba, pallas_mosaic_tpu._heuristics(ba), pallas_mosaic_tpu._vmem_cap()  # pylint: disable=protected-access
+    finally:
+      config.set_target_chip(None)
 
 
 @pytest.mark.parametrize("gen", ["v5e", "v6e", "tpu7x"])
@@ -290,23 +296,17 @@ def test_heuristic_chunk_fits_vmem_at_every_named_spec(gen):
   (its decode kernel refuses the 32- and 64-head workloads). 64 value heads
   with float32 activations take C = 64 on v5e / v6e (C = 128 estimates
   66.9 MiB)."""
-  config.set_target_chip(gen)
-  try:
-    cap = pallas_mosaic_tpu._vmem_cap()  # pylint: disable=protected-access
-    over = []
-    for spec, ba in _tokamax_workloads():
-      cfg = pallas_mosaic_tpu._heuristics(ba)  # pylint: disable=protected-access
-      need = pallas_mosaic_tpu._chunk_vmem(ba.arguments, cfg.chunk_size)  # pylint: disable=protected-access
-      if need > cap and (gen != "tpu7x" or ba.arguments["n_v"] <= 16):
-        over.append((spec.name, cfg.chunk_size, need / 2**20))
-      if ba.arguments["n_v"] <= 8:
-        assert cfg.chunk_size == 128, spec.name
-      if spec.name == "dp8_ep8_prefill_1024" and gen != "tpu7x":
-        ba.arguments["qkv"] = jax.ShapeDtypeStruct(ba.arguments["qkv"].shape, jnp.float32)
-        assert pallas_mosaic_tpu._heuristics(ba).chunk_size == 64  # pylint: disable=protected-access
-    assert not over, f"over the {cap / 2**20:.0f} MiB cap: {over}"
-  finally:
-    config.set_target_chip(None)
+  over = []
+  for spec, ba, cfg, cap in _tokamax_workloads(gen):
+    need = pallas_mosaic_tpu._chunk_vmem(ba.arguments, cfg.chunk_size)  # pylint: disable=protected-access
+    if need > cap and (gen != "tpu7x" or ba.arguments["n_v"] <= 16):
+      over.append((spec.name, cfg.chunk_size, need / 2**20))
+    if ba.arguments["n_v"] <= 8:
+      assert cfg.chunk_size == 128, spec.name
+    if spec.name == "dp8_ep8_prefill_1024" and gen != "tpu7x":
+      ba.arguments["qkv"] = jax.ShapeDtypeStruct(ba.arguments["qkv"].shape, jnp.float32)
+      assert pallas_mosaic_tpu._heuristics(ba).chunk_size == 64  # pylint: disable=protected-access
+  assert not over, f"over the cap: {over}"
 
 
 @pytest.mark.aot
@@ -399,19 +399,13 @@ def test_heuristic_decode_tile_fits_vmem_at_every_named_spec(gen):
   """At every tokamax workload the heuristics' decode tile is within what the
   op accepts (`check_vmem`; on v5e a tile of 8 requests of 64 value heads
   with a verify window of 4 needed 104 MiB: the op refused the call)."""
-  config.set_target_chip(gen)
-  try:
-    cap = pallas_mosaic_tpu._vmem_cap()  # pylint: disable=protected-access
-    over = []
-    for spec, ba in _tokamax_workloads():
-      cfg = pallas_mosaic_tpu._heuristics(ba)  # pylint: disable=protected-access
-      window = ba.arguments["num_spec_tokens"] + 1
-      need = pallas_mosaic_tpu._decode_vmem(ba.arguments, cfg.decode_tile, window)  # pylint: disable=protected-access
-      if need > gdn_vmem.accepted_need(cap):
-        over.append((spec.name, cfg.decode_tile, need / 2**20))
-    assert not over, f"over the {cap / 2**20:.0f} MiB cap: {over}"
-  finally:
-    config.set_target_chip(None)
+  over = []
+  for spec, ba, cfg, cap in _tokamax_workloads(gen):
+    window = ba.arguments["num_spec_tokens"] + 1
+    need = pallas_mosaic_tpu._decode_vmem(ba.arguments, cfg.decode_tile, window)  # pylint: disable=protected-access
+    if need > gdn_vmem.accepted_need(cap):
+      over.append((spec.name, cfg.decode_tile, need / 2**20))
+  assert not over, f"over the cap: {over}"
 
 
 def test_decode_kernel_under_the_race_detector(monkeypatch):
