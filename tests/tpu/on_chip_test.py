@@ -136,24 +136,31 @@ def _loss_and_grads(fn, args, ct):
 _REF_CACHE = {}
 
 
-def _gdn_reference(t):
-  if t not in _REF_CACHE:
-    args, ct = _gdn_inputs(t)
-    _REF_CACHE.clear()
-    _REF_CACHE[t] = _loss_and_grads(_chained_reference, args, ct)
-  return _REF_CACHE[t]
-
-
-# impl varies fastest: the (slow) reference runs once per length.
-@pytest.mark.parametrize("impl", FAST)
-@pytest.mark.parametrize("t", [4096, 32768])
-def test_gdn_layer_forward_and_gradients(impl, t):
+def _gdn_case(t, dtype):
+  """The layer's inputs at T = `t` in `dtype` (bf16 as drawn; float32 the
+  same values widened) and `reference`'s results on them, cached for the
+  implementations that follow."""
   args, ct = _gdn_inputs(t)
+  if dtype == jnp.float32:
+    args = tuple(x.astype(jnp.float32) for x in args)
+  if (t, dtype) not in _REF_CACHE:
+    _REF_CACHE.clear()
+    _REF_CACHE[t, dtype] = _loss_and_grads(_chained_reference, args, ct)
+  return args, ct, _REF_CACHE[t, dtype]
+
+
+# impl varies fastest: the (slow) reference runs once per length and dtype.
+# float32 at T = 4096: its VMEM needs more per value head than bf16's (the
+# step did not compile for any generation until the model counted it).
+@pytest.mark.parametrize("impl", FAST)
+@pytest.mark.parametrize("t,dtype", [(4096, jnp.bfloat16), (32768, jnp.bfloat16),
+                                     (4096, jnp.float32)], ids=["4096", "32768", "4096-f32"])
+def test_gdn_layer_forward_and_gradients(impl, t, dtype):
+  args, ct, (ref_out, ref_grads) = _gdn_case(t, dtype)
   out, grads = _loss_and_grads(lambda *a: _gdn_layer(impl, *a)[0], args, ct)
-  ref_out, ref_grads = _gdn_reference(t)
-  _assert_close(out, ref_out, jnp.bfloat16, False, f"{impl} T={t} out")
+  _assert_close(out, ref_out, dtype, False, f"{impl} T={t} out")
   for name, g, r in zip(("q", "k", "v", "gate", "beta", "a_log", "dt_bias"), grads, ref_grads):
-    _assert_close(g, r, jnp.bfloat16, True, f"{impl} T={t} d{name}")
+    _assert_close(g, r, dtype, True, f"{impl} T={t} d{name}")
 
 
 @pytest.mark.parametrize("t", [4096, 32768])
