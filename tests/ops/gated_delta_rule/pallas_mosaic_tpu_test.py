@@ -315,10 +315,8 @@ def test_autotuning_leaves_a_margin_under_the_vmem_cap():
   try:
     ba = pallas_mosaic_tpu.IMPLEMENTATION.bind(q, q, v, g, g)
     sh = pallas_mosaic_tpu._shapes(ba)  # pylint: disable=protected-access
-    cap = pallas_mosaic_tpu.vmem_cap(tokamax_gdn.config.target_generation())
     big = pallas_mosaic_tpu.Config(chunk_size=128, interleave=32)
     assert pallas_mosaic_tpu._estimate(big, sh, "bwd") >= 53.25 * 2**20  # pylint: disable=protected-access
-    assert cap * pallas_mosaic_tpu.AUTOTUNE_VMEM_FRACTION < cap
     configs = pallas_mosaic_tpu._autotuning_configs(ba, backward=True)  # pylint: disable=protected-access
     assert big not in configs
     assert any(c.interleave == 16 and c.chunk_size == 128 for c in configs)

@@ -53,6 +53,7 @@ from tokamax_gdn.ops import partitioning
 from tokamax_gdn.ops import segments
 from tokamax_gdn.ops.gated_delta_rule import base
 from tokamax_gdn.ops.gated_delta_rule import prologue
+from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_common as common
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as kernel
 from tokamax_gdn.ops.gated_delta_rule.pallas_mosaic_tpu_vmem import check_vmem  # pylint: disable=g-importing-member
 from tokamax_gdn.ops.gated_delta_rule.pallas_mosaic_tpu_vmem import vmem_cap  # pylint: disable=g-importing-member
@@ -107,7 +108,7 @@ def _estimate(cfg: Config, sh: _Shapes, kind: str) -> int:
                        dim_v=sh.dim_v, itemsize=sh.itemsize,
                        interleave=_run_interleave(cfg.interleave, sh), kernel=kind,
                        save_states=cfg.save_states, length=sh.length,
-                       v5e_forms=gdn_config.target_generation().name == "v5e")
+                       v5e_forms=common.v5e_forms())
 
 
 def _fits(cfg: Config, sh: _Shapes, kind: str) -> bool:

@@ -12,6 +12,7 @@ The serving op's request-packed forward has a model of its own,
 from typing import Literal
 
 from tokamax_gdn import config as gdn_config
+from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_prologue as kernel_prologue
 from tokamax_gdn.ops.tiling import round_up
 
 _MIB = 1 << 20
@@ -122,9 +123,6 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
 # `_REQUESTS_VMEM_V5E`).
 _REQUESTS_FIXED = _MIB // 2
 _REQUESTS_TILES_PER_HEAD = {1: 3, 3: 5}
-# Rows of the forward kernels' (N, Hv, C) f32 row scratch
-# (`pallas_mosaic_tpu_prologue.N_ROWS`).
-_N_ROWS = 6
 
 
 def requests_vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int,
@@ -163,7 +161,7 @@ def requests_vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: i
   blocks = 2 * (qkv + gates + 2 * out)
   tile = rows * dim_v * 4
   scratch = (hv * dim_k * dim_v * (4 + pool_itemsize)                     # s, h0_buf
-             + _N_ROWS * round_up(hv, 8) * lanes(chunk) * 4               # rows
+             + kernel_prologue.N_ROWS * round_up(hv, 8) * lanes(chunk) * 4  # rows
              + 2 * hk * rows * dim_k * 4 + 2 * hv * tile)                 # qh, kh, vh, out_heads
   passes = 1 if itemsize == 2 else 3
   internal = _REQUESTS_FIXED + _REQUESTS_TILES_PER_HEAD[passes] * hv * tile
