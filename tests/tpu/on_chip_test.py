@@ -46,20 +46,12 @@ FAST = ("pallas_mosaic_tpu", "xla")
 
 # --- Conformance specs ---------------------------------------------------------------------
 
-def _on_chip(case):
-  """The conformance check, skipped (with the implementation's reason) where an
-  implementation declines the spec on a chip: the serving op's Pallas kernels
-  need d_k, d_v multiples of 128 there, and its conformance specs are
-  CPU-scaled (the 'dk128' specs below and the named workloads cover it)."""
-  try:
-    conformance_test.test_forward_and_vjp_match_reference(case)
-  except NotImplementedError as e:
-    pytest.skip(f"declined on the chip: {e}")
-
-
+# Every spec runs: the serving op's CPU-scaled ones (heads of 16 and 32) run
+# its Pallas kernels padded to 128 lanes on the chip, where they used to be
+# declined (and skipped here).
 @pytest.mark.parametrize("case", conformance_test.AGAINST_REFERENCE, ids=conformance_test._id)  # pylint: disable=protected-access
 def test_conformance_spec(case):
-  _on_chip(case)
+  conformance_test.test_forward_and_vjp_match_reference(case)
 
 
 _LANE_SERVING = [("causal_conv1d_gated_delta_rule", impl, s) for s in serving_specs.ARG_SPECS
@@ -232,8 +224,8 @@ class _ServingOnChip(serving_base.ServingTestBase):
     self._check_against_ours_and_tokamax(name, lay, *serving_base.tokamax_oracle(lay))
 
 
-# On a chip the serving Pallas kernels need d_k, d_v multiples of 128: the
-# shared cases at those sizes (the CPU-scaled ones at 16 and 32 lanes, lifted).
+# The shared cases also at the kernels' own lane size (the CPU-scaled ones at
+# 16 and 32 lanes, lifted to 128: the layouts real models serve, no padding).
 _LANES = dict(n_kq=1, n_v=2, d_k=128, d_v=128)
 
 

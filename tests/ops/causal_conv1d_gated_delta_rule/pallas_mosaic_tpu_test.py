@@ -15,6 +15,7 @@ from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_vmem as gdn_vmem
 
+from . import test_base  # pylint: disable=relative-beyond-top-level
 from .test_base import CASES, F32, SPEC_CASES, STATIC, TINY, ServingTestBase, assert_close, make  # pylint: disable=relative-beyond-top-level
 
 IMPL = "pallas_mosaic_tpu"
@@ -198,6 +199,30 @@ def aot_cases(mesh, full=False, spec_name=_AOT_SPEC, chunk_cost=None):
   return [(f"{spec_name} full={full}", fn, abstract)]
 
 
+def aot_layout_cases(mesh, layouts):
+  """`aot.compile_in_child` builder: the op at `arg_specs.layout(**kw)` for
+  each kw of `layouts` (dtypes by name: the child gets them as JSON), index
+  arrays traced."""
+  from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import api  # pylint: disable=g-import-not-at-top
+
+  cases = []
+  for i, kw in enumerate(layouts):
+    lay = arg_specs.layout(**{k: jnp.dtype(v) if k.endswith("dtype") else v
+                              for k, v in kw.items()})
+    names = [n for n in arg_specs.POSITIONAL if n in lay]
+    abstract = [aot.spec(mesh, lay[n].shape,
+                         jnp.int32 if isinstance(lay[n], np.ndarray) else lay[n].dtype)
+                for n in names]
+    static = {k: lay[k] for k in STATIC if k in lay}
+
+    def fn(*xs, names=names, static=static):
+      return api.causal_conv1d_gated_delta_rule(*xs[:13], **dict(zip(names[13:], xs[13:])),
+                                                **static, implementation=IMPL)
+
+    cases.append((f"layout {i}", fn, abstract))
+  return cases
+
+
 def aot_cases_of(mesh, spec_names):
   """`aot_cases` of several of tokamax's layouts, one child for all."""
   return [case for name in spec_names for case in aot_cases(mesh, spec_name=name)]
@@ -230,6 +255,51 @@ def test_64_head_prefill_with_tokens_in_hbm_compiles_for_v5e():
       dict(spec_names=["dp8_ep8_prefill_1024"]), cycles=False, timeout=600)
   assert [r.error for r in res] == [None], [r.error for r in res]
   assert res[0].report.pallas_calls.get("gdn_fwd_requests") == 1, res[0].report.pallas_calls
+
+
+# Heads of d_k, d_v below 128 lanes: GVA 1:4, decodes beside a prefill long
+# enough for the chunked path, verify windows.
+_SHORT_HEADS = [
+    dict(lengths=[1, 1, 1, 150], context_lens=[3, 3, 0, 2], n_kq=1, n_v=4, d_k=32, d_v=16),
+    dict(lengths=[4, 2, 1], context_lens=9, num_spec_tokens=3, n_kq=1, n_v=2, d_k=16, d_v=64,
+         dtype="float32", state_dtype="float32"),
+]
+
+
+@pytest.mark.aot
+def test_short_heads_compile_for_v5e():
+  """Heads whose d_k or d_v is not a multiple of 128 run padded to 128 lanes
+  on a chip (`pallas_mosaic_tpu._lane_dims`): both paths compile for v5e."""
+  res = aot.compile_in_child(
+      "v5e", "tests.ops.causal_conv1d_gated_delta_rule.pallas_mosaic_tpu_test:aot_layout_cases",
+      dict(layouts=_SHORT_HEADS), cycles=False, timeout=600)
+  assert [r.error for r in res] == [None, None], [r.error for r in res]
+  assert res[0].report.pallas_calls.get("gdn_fwd_requests") == 1, res[0].report.pallas_calls
+  assert res[1].report.pallas_calls.get("gdn_serve_decode") == 1, res[1].report.pallas_calls
+
+
+@pytest.mark.parametrize("case", ["gva_1to4_bf16_pools", "spec3_padded_bf16", "chunked"])
+def test_short_heads_padded_to_lanes(case, monkeypatch):
+  """The padded path a chip takes for heads of d_k, d_v below 128 lanes,
+  forced here in interpret mode: against tokamax and the reference, unused
+  slots bit-identical (the shared check), and the chunked path beside
+  decodes. A pad of anything but zeros, or the query scale taken from the
+  padded d_k, fails these."""
+  monkeypatch.setattr(pallas_mosaic_tpu, "_PAD_OFF_CHIP", True)
+  monkeypatch.setattr(test_base, "_JITTED", {})      # no program traced unpadded
+  pads = []
+  pad = pallas_mosaic_tpu._pad_channels  # pylint: disable=protected-access
+  monkeypatch.setattr(pallas_mosaic_tpu, "_pad_channels",
+                      lambda *a, **k: pads.append(1) or pad(*a, **k))
+  if case == "chunked":
+    test_chunked_requests_after_decodes([1, 1, 70, 5], [3, 0, 4, 2], [2], 64)
+  elif case in _KEEP_SPEC:
+    (spec,) = [c for c in SPEC_CASES if c[0] == case]
+    TestPallasMosaicTpu().test_spec_windows_against_tokamax(*spec)
+  else:
+    (spec,) = [c for c in CASES if c[0] == case]
+    TestPallasMosaicTpu().test_against_tokamax_reference(*spec)
+  assert pads
 
 
 # Mosaic's scoped VMEM for `gdn_fwd_requests` on v5e, with its token arrays in

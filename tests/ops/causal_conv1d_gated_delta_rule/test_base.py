@@ -194,7 +194,7 @@ class ServingTestBase:
 
   IMPL = "reference"
   # Head counts and sizes of the property tests' layouts (on a chip the
-  # Pallas kernels need d_k, d_v multiples of 128).
+  # Pallas kernels pad heads to multiples of 128 lanes).
   DIMS = TINY
   # The reference is the oracle of the property tests below; its own test
   # checks it against tokamax only.

@@ -9,9 +9,9 @@
 - CPU-scaled versions of those layouts (small heads, short prefills) and odd
   cases (GVA 1:4, d_k = d_v = 128 at T = 24, padded batches, context > 0,
   verify windows, f32 and bf16 pools): four tagged 'conformance' (three also
-  'interpret', for Pallas interpret mode), the others 'odd'. The Pallas
-  kernels need d_k, d_v multiples of 128 on a chip: the 'dk128' ones are what
-  the on-chip tier runs of these.
+  'interpret', for Pallas interpret mode), the others 'odd'. On a chip the
+  Pallas kernels run heads of other sizes padded to 128 lanes; the 'dk128'
+  ones run there at the kernels' own size.
 - The decode and prefill parts of the two mixed AOT workloads as separate
   calls ('aot_parts'), to compare the mixed calls with.
 - The benchmark workloads of `tokamax-gdn bench` ('bench'): Hk=2, Hv=8,

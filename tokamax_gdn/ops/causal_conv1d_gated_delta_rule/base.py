@@ -171,13 +171,18 @@ class Index:
 
 @dataclasses.dataclass(frozen=True)
 class Dims:
-  """Static sizes of a call."""
+  """Static sizes of a call.
+
+  scale_d_k: the d_k that sets the query scale, where it is not `d_k` (0):
+  a backend that pads the heads to more lanes keeps the caller's scale.
+  """
 
   n_kq: int
   n_v: int
   d_k: int
   d_v: int
   kernel_size: int
+  scale_d_k: int = 0
 
   @property
   def key_dim(self) -> int:
@@ -189,7 +194,7 @@ class Dims:
 
   @property
   def scale(self) -> float:
-    return self.d_k**-0.5
+    return (self.scale_d_k or self.d_k)**-0.5
 
 
 def split_heads(x: jax.Array, dims: Dims):

@@ -34,10 +34,20 @@ recompiles when the composition changes):
 
 When T < min_chunked_tokens (every decode batch with the heuristic) the
 chunked path is not compiled at all.
+
+On a chip the kernels' head blocks are whole rows of 128 lanes. Heads whose
+d_k or d_v is not a multiple of 128 run zero-padded to the next multiple
+(`_lane_dims`): the call pads the activations, weights and both pools, and
+slices the results back. Zero rows and columns of q, k, v and the state stay
+zero through the conv, the L2 norms and the delta rule, and the query scale
+stays the caller's d_k^-1/2, so the results are the unpadded ones; but both
+pools are copied twice a call, so such heads cost far more than 128-lane
+ones (every Qwen3-Next / Qwen3.5 layout has d_k = d_v = 128).
 """
 
 import contextlib
 import dataclasses
+import functools
 from typing import Annotated, ClassVar, Literal
 
 import jax
@@ -196,6 +206,55 @@ def _autotuning_configs(ba: op.BoundArguments) -> set[Config]:
   return out
 
 
+_LANES = 128
+# Pads short heads off the chip too (interpret mode): tests of the padded path.
+_PAD_OFF_CHIP = False
+
+
+def _lane_dims(dims: base.Dims) -> base.Dims:
+  """The sizes the kernels run: on a chip (or off it with `_PAD_OFF_CHIP`)
+  d_k and d_v rounded up to whole 128-lane rows, the query scale kept."""
+  if not (dims.d_k % _LANES or dims.d_v % _LANES) or not (
+      _PAD_OFF_CHIP or gdn_config.on_tpu()):
+    return dims
+  return dataclasses.replace(dims, d_k=round_up(dims.d_k, _LANES),
+                             d_v=round_up(dims.d_v, _LANES), scale_d_k=dims.d_k)
+
+
+def _args_dims(args) -> base.Dims:
+  """The kernels' sizes (`_lane_dims`) of a call's bound arguments."""
+  return _lane_dims(base.Dims(args["n_kq"], args["n_v"], args["d_k"], args["d_v"],
+                              args["kernel_size"]))
+
+
+def _channel_parts(dims: base.Dims, lanes: base.Dims):
+  """(offset in `dims`' channels, heads, head size, padded head size) of q, k, v."""
+  kd = dims.key_dim
+  return ((0, dims.n_kq, dims.d_k, lanes.d_k), (kd, dims.n_kq, dims.d_k, lanes.d_k),
+          (2 * kd, dims.n_v, dims.d_v, lanes.d_v))
+
+
+def _pad_channels(x: jax.Array, dims: base.Dims, lanes: base.Dims, axis: int = -1):
+  """`x` with its channel axis (q | k | v heads of `dims`) in `lanes`' sizes,
+  each head zero-padded."""
+  x = jnp.moveaxis(x, axis, -1)
+  lead = x.shape[:-1]
+  parts = [jnp.pad(x[..., o:o + n * d].reshape(*lead, n, d),
+                   [(0, 0)] * (len(lead) + 1) + [(0, dp - d)]).reshape(*lead, n * dp)
+           for o, n, d, dp in _channel_parts(dims, lanes)]
+  return jnp.moveaxis(jnp.concatenate(parts, axis=-1), -1, axis)
+
+
+def _unpad_channels(x: jax.Array, dims: base.Dims, lanes: base.Dims):
+  """`_pad_channels`' inverse on the last axis."""
+  lead = x.shape[:-1]
+  parts, at = [], 0
+  for _, n, d, dp in _channel_parts(dims, lanes):
+    parts.append(x[..., at:at + n * dp].reshape(*lead, n, dp)[..., :d].reshape(*lead, n * d))
+    at += n * dp
+  return jnp.concatenate(parts, axis=-1)
+
+
 def _vmem_cap() -> int:
   return gdn_vmem.vmem_cap(gdn_config.target_generation())
 
@@ -210,8 +269,8 @@ def _requests_vmem(dims: base.Dims, chunk: int, act_dtype, pool_dtype) -> int:
 
 def _chunk_vmem(args, chunk: int) -> int:
   """`_requests_vmem` of a call's bound arguments at chunk size `chunk`."""
-  dims = base.Dims(args["n_kq"], args["n_v"], args["d_k"], args["d_v"], args["kernel_size"])
-  return _requests_vmem(dims, chunk, args["qkv"].dtype, args["recurrent_state"].dtype)
+  return _requests_vmem(_args_dims(args), chunk, args["qkv"].dtype,
+                        args["recurrent_state"].dtype)
 
 
 # Direct mode keeps the whole output in VMEM up to this size (one buffer).
@@ -239,12 +298,13 @@ def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool, *, num_re
                                     all_run=_all_run is not None,
                                     all_init=_all_run is not False,
                                     v5e_forms=gdn_common.v5e_forms(),
+                                    scale_d_k=dims.scale_d_k,
                                     rolled=rolled if tile % max(rolled, 1) == 0 else 0)
 
 
 def _decode_vmem(args, tile: int, window: int) -> int:
   rec = args["recurrent_state"]
-  dims = base.Dims(args["n_kq"], args["n_v"], args["d_k"], args["d_v"], args["kernel_size"])
+  dims = _args_dims(args)
   qkv = args["qkv"]
   act = jnp.dtype(qkv.dtype).itemsize
   st = _decode_static(dims, window, tile, True, num_requests=args["state_indices"].shape[0],
@@ -474,10 +534,6 @@ def _check_supported(qkv: jax.Array, dims: base.Dims) -> bool:
   interpret = gdn_config.require_pallas_tpu("causal_conv1d_gated_delta_rule pallas_mosaic_tpu")
   if qkv.dtype not in (jnp.float32, jnp.bfloat16):
     raise NotImplementedError(f"pallas_mosaic_tpu supports float32/bfloat16 qkv; got {qkv.dtype}.")
-  if not interpret and (dims.d_k % 128 or dims.d_v % 128):
-    raise NotImplementedError(
-        f"pallas_mosaic_tpu needs d_k and d_v multiples of 128 (lanes); got {dims.d_k},"
-        f" {dims.d_v}.")
   return interpret
 
 
@@ -494,6 +550,27 @@ class PallasMosaicTpuCausalConv1dGatedDeltaRule(config_hooks.PallasTpuHooks,
   def _serve(self, qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log,
              dt_bias, reqs, *, dims, config: Config):
     interpret = _check_supported(qkv, dims)
+    lanes = _lane_dims(dims)
+    if lanes == dims:
+      return self._serve_lanes(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias,
+                               a_log, dt_bias, reqs, dims=dims, config=config,
+                               interpret=interpret)
+    # Heads padded to whole lanes (module doc), and the results sliced back.
+    pad = functools.partial(_pad_channels, dims=dims, lanes=lanes)
+    rec = jnp.pad(recurrent_state,
+                  ((0, 0), (0, 0), (0, lanes.d_k - dims.d_k), (0, lanes.d_v - dims.d_v)))
+    (conv_pool, rec_pool), out = self._serve_lanes(
+        pad(qkv), b, a, pad(conv_state), rec, pad(conv_weight, axis=0),
+        None if conv_bias is None else pad(conv_bias), a_log, dt_bias, reqs, dims=lanes,
+        config=config, interpret=interpret)
+    t_len = out.shape[0]
+    out = out.reshape(t_len, dims.n_v, lanes.d_v)[..., :dims.d_v].reshape(t_len, -1)
+    return ((_unpad_channels(conv_pool, dims, lanes), rec_pool[..., :dims.d_k, :dims.d_v]),
+            out)
+
+  def _serve_lanes(self, qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log,
+                   dt_bias, reqs, *, dims, config: Config, interpret: bool):
+    """`_serve` at sizes the kernels take as they are (`_lane_dims`)."""
     t_len = qkv.shape[0]
     window = reqs.window
     min_chunked = max(config.min_chunked_tokens, window + 1)

@@ -146,6 +146,8 @@ class DecodeStatic:
   # that of `rolled` requests whatever the tile. 0: every request of the
   # tile traced (Python-unrolled), which compiles in time linear in the tile.
   rolled: int = 0
+  # The d_k of the query scale where the heads are padded (`base.Dims`).
+  scale_d_k: int = 0
 
   @property
   def dim(self) -> int:
@@ -157,7 +159,7 @@ class DecodeStatic:
 
   @property
   def scale(self) -> float:
-    return self.d_k ** -0.5
+    return (self.scale_d_k or self.d_k) ** -0.5
 
 
 # Rows of the per-step int32 metadata (SMEM scratch [_META, tile]), derived

@@ -88,8 +88,9 @@ def gdn_fwd_requests(qkv: Float[Array, "T D"], log_decay: Float[Array, "T Hv"],
   """The chunked GDN forward over the requests of one packed token row (the
   serving op's chunked path).
 
-  q, k, v are lane ranges of qkv [T, 2 Hk K + Hv V] (K, V multiples of 128:
-  heads are aligned lane slices of a block, no relayout); q and k are
+  q, k, v are lane ranges of qkv [T, 2 Hk K + Hv V] (K, V multiples of 128, the
+  serving op pads shorter heads: heads are aligned lane slices of a block, no
+  relayout); q and k are
   L2-normalised in the kernel (`prologue.l2norm`, float32), k and v read as
   0 where beta is 0 (`kernel_prologue.packed_heads`). The grid is a list of work items
   (`_item_table`, scalar-prefetched): one per C-token block and request
