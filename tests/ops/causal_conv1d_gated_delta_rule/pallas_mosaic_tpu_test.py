@@ -242,6 +242,18 @@ def test_64_head_workloads_compile_for_v5e():
 
 
 @pytest.mark.aot
+def test_interleaved_windows_compile_for_v5e():
+  """tokamax's TP8 verify windows (8 value heads: two requests' windows
+  interleaved, `pallas_mosaic_tpu_decode.state_slots`) of 4 and 8 tokens
+  at 64 requests compile for v5e."""
+  names = ["tp8_spec3_decode_64_ctx1024", "tp8_spec7_decode_64_ctx1024"]
+  res = aot.compile_in_child(
+      "v5e", "tests.ops.causal_conv1d_gated_delta_rule.pallas_mosaic_tpu_test:aot_cases_of",
+      dict(spec_names=names), cycles=False, timeout=600)
+  assert [r.error for r in res] == [None] * len(names), [r.error for r in res]
+
+
+@pytest.mark.aot
 def test_64_head_prefill_with_tokens_in_hbm_compiles_for_v5e():
   """dp8_ep8_prefill_1024 (64 value heads, one chunked request): its qkv is
   past `_HBM_TOKEN_BYTES`, so the chunked GDN kernel pipelines its blocks

@@ -32,9 +32,18 @@ The loop reads each request's rows at a traced index from f32 VMEM that
 the vectorised prologue fills ([x; q | k | v], [beta; decay]; one row at
 a dynamic sublane offset is a load Mosaic has in f32, not in bf16), takes
 its q / k columns by one (8, K) transpose, and writes its output row to
-f32 VMEM, copied to the output block after the loop. Windows of several
-tokens loop over the tile's requests the same way. Unrolled (n = 0) every
+f32 VMEM, copied to the output block after the loop. Unrolled (n = 0) every
 request of the tile is traced, in groups of `_GROUP`.
+
+Windows of several tokens (`window_group`) loop over the tile's requests the
+same way, n per iteration, token by token with the n requests' steps
+interleaved: each has its own f32 state, conv window and broadcast rows in
+scratch (`state_slots`; one where a state is past 1 MiB), every token of the
+window computes (those past a request's length are selected away), and each
+new state goes straight to its checkpoint buffer. A branch per request and
+token, one shared f32 state and a state copy per checkpoint had serialised
+every step before (v6e estimate of tp8_spec3_decode_64_ctx1024's kernel:
+252 k cycles then, 194 k now).
 
 Why every DMA is started and waited in the same grid step: libtpu's static
 cycle estimator aborts ("No DMA issue node found for sync flag") on a wait
@@ -502,11 +511,13 @@ def _kernel(*refs, st: DecodeStatic):
     # exact bf16 MXU operands).
     return lambda h: rec_ibuf[j, h].astype(F32) if pool_f32 else rec_ibuf[j, h]
 
-  def later_read(h):
-    return s_scr[h]
+  def slot_read(o):
+    return lambda h: s_scr[o, h]
 
-  def scr_write(h, s):
-    s_scr[h] = s
+  def slot_write(o):
+    def write(h, s):
+      s_scr[o, h] = s
+    return write
 
   def fetch_row(pos):
     """Token `pos`'s (x, b, a) rows (1, ...) float32, from aligned _BLOCK-row
@@ -548,16 +559,16 @@ def _kernel(*refs, st: DecodeStatic):
     """Direct mode: request j runs, but its token is not block row j."""
     return jnp.logical_and(runs(j), meta(START, j) != base + j)
 
-  def mid_tokens(j, store):
+  def mid_tokens(j, store, o=0):
     """Tokens n_w.. of request j (a short prefill): one by one (`fetch_row`,
-    `put_row`)."""
+    `put_row`), on scratch slot `o`."""
     start = meta(START, j)
 
     def body(t, carry):
       pos = start + t
       x, b, a, r = fetch_row(pos)
-      out = _token(st, x, b, a, prm, win_scr, act_scr.at[0:1],
-                   bcast_scr.at[0], later_read, scr_write)
+      out = _token(st, x, b, a, prm, win_scr.at[o], act_scr.at[o:o + 1],
+                   bcast_scr.at[o], slot_read(o), slot_write(o))
       put_row(pos, r, out)
       store(t)
       return carry
@@ -717,17 +728,17 @@ def _kernel(*refs, st: DecodeStatic):
           @pl.when(jnp.logical_and(runs(j), meta(LENGTH, j) > 1))
           def _():
             zero_unread(j)      # (a fresh group's steps left it unread)
-            win_scr[...] = win_of(j)
+            win_scr[0] = win_of(j)
             o_rows[_at(j), :] = _token(
-                st, x_of(j), b_of(j), a_of(j), prm, win_scr, act_scr.at[0:1],
-                bcast_scr.at[o], first_read(j), scr_write).astype(o_rows.dtype)
+                st, x_of(j), b_of(j), a_of(j), prm, win_scr.at[0], act_scr.at[0:1],
+                bcast_scr.at[o], first_read(j), slot_write(0)).astype(o_rows.dtype)
 
             def store(t):
               del t   # short prefills keep only their final state
 
             mid_tokens(j, store)
-            conv_obuf[j, 0] = win_scr[...].astype(conv_obuf.dtype)
-            _store_state(s_scr, rec_obuf.at[j, 0])
+            conv_obuf[j, 0] = win_scr[0].astype(conv_obuf.dtype)
+            _store_state(s_scr.at[0], rec_obuf.at[j, 0])
 
         if st.direct and not st.all_run:
           # Its first token's output row goes where the token is.
@@ -779,45 +790,65 @@ def _kernel(*refs, st: DecodeStatic):
           mine = jnp.where(home > 0, mine, o_ref[rows, :].astype(F32))
         o_ref[rows, :] = mine.astype(o_ref.dtype)
 
-  def request_tokens(j):
-    @when(runs(j))
-    def _():
-      length = length_of(j)
-      ckpts = 1 if st.all_run else meta(CHECKPOINTS, j)
-      init = init_of(j)
-
-      @when(init)
+  def window_group(group):
+    """The verify windows (or first `window` tokens) of a group of requests,
+    (request, its scratch slot) pairs: token by token, the group's requests
+    interleaved with no branch or wait between their steps (as the one-token
+    path's groups: a branch per request and token had left every step's
+    chain exposed). Every request computes every token of the window; a
+    token at or past its length, or of a request that does not run, computes
+    on whatever its rows hold, and its output row is selected away and its
+    checkpoint lands in a buffer no DMA writes back (c >= checkpoints; c < 0
+    lands in buffer 0, which the request's real first checkpoint, a later
+    token, overwrites)."""
+    for j, o in group:
+      @when(loads(j))
       def _():
         read_conv(j).wait()
         read_rec(j).wait()
-        win_scr[...] = conv_ibuf[j].astype(F32)
-
-      @when(jnp.logical_not(init) if not st.all_run else not st.all_init)
-      def _():
-        win_scr[...] = jnp.zeros(win_scr.shape, F32)
       zero_unread(j)
+      init = init_of(j)
+      conv = conv_ibuf[j].astype(F32)
+      win_scr[o] = conv if init is True else jnp.where(init, conv, 0.0)
 
-      def store(t):
-        """Checkpoint after token t: slot c = t - (length - ckpts), if c >= 0."""
-        c = t - (length - ckpts)
+    for t in range(n_w):
+      for j, o in group:
+        if st.all_run:
+          c, live = t, True
+        else:
+          length = meta(LENGTH, j)
+          c = jnp.maximum(t - (length - meta(CHECKPOINTS, j)), 0)
+          live = t < length
 
-        @when(True if st.all_run else c >= 0)
-        def _():
-          conv_obuf[j, c] = win_scr[...].astype(conv_obuf.dtype)
-          _store_state(s_scr, rec_obuf.at[j, c])
+        def s_write(h, s, j=j, o=o, c=c):
+          s_scr[o, h] = s
+          rec_obuf[j, c, h] = s.astype(rec_obuf.dtype)
 
-      for t in range(n_w):
-        @when(True if st.all_run else t < length)
-        def _():
-          row = j * n_w + t
-          out = _token(st, *(r[_at(row), :].astype(F32) for r in in_rows),
-                       prm, win_scr, act_scr, bcast_scr.at[0],
-                       first_read(j) if t == 0 else later_read, scr_write)
-          o_rows[_at(row), :] = out.astype(o_rows.dtype)
-          store(t)
+        row = j * n_w + t
+        out = _token(st, *(r[_at(row), :].astype(F32) for r in in_rows), prm, win_scr.at[o],
+                     act_scr.at[o:o + 1], bcast_scr.at[o],
+                     first_read(j) if t == 0 else slot_read(o), s_write)
+        conv_obuf[j, c] = win_scr[o].astype(conv_obuf.dtype)
+        if live is not True:
+          out = jnp.where(live, out, 0.0)
+        o_rows[_at(row), :] = out.astype(o_rows.dtype)
 
+    for j, o in group:
       if st.mid_tokens and not st.all_run:
-        mid_tokens(j, store)
+        @when(jnp.logical_and(runs(j), meta(LENGTH, j) > n_w))
+        def _():
+          length, ckpts = meta(LENGTH, j), meta(CHECKPOINTS, j)
+
+          def store(t):
+            """Checkpoint after token t: slot c = t - (length - ckpts), if c >= 0."""
+            c = t - (length - ckpts)
+
+            @when(c >= 0)
+            def _():
+              conv_obuf[j, c] = win_scr[o].astype(conv_obuf.dtype)
+              _store_state(s_scr.at[o], rec_obuf.at[j, c])
+
+          mid_tokens(j, store, o)
 
       for c in range(n_w):
         @when(writes_ckpt(j, c))
@@ -834,7 +865,16 @@ def _kernel(*refs, st: DecodeStatic):
       in_rows = (roll_bufs[0].at[0], roll_bufs[1].at[0], roll_bufs[1].at[1])
     else:
       in_rows = (x_ref, b_ref, a_ref)
-    _each(st, 0, st.tile, request_tokens, roll=True)
+    n_g = state_slots(st)
+    if roll or st.interpret:
+      def iteration(i, carry):
+        window_group([(i * n_g + o, o) for o in range(n_g)])
+        return carry
+
+      lax.fori_loop(0, st.tile // n_g, iteration, 0)
+    else:
+      for j0 in range(0, st.tile, n_g):
+        window_group([(j0 + o, o) for o in range(n_g)])
     if roll:
       o_tile[...] = o_rows[...].astype(o_tile.dtype)
 
@@ -937,10 +977,10 @@ def decode(index, xs, bs, as_, taps, bias, a_log, dt_bias, conv_pool, rec_pool, 
       pltpu.VMEM((tile, hv, st.d_k, st.d_v), rec_pool.dtype),
       pltpu.VMEM((tile, n_w, kw1, dim), conv_pool.dtype),
       pltpu.VMEM((tile, n_w, hv, st.d_k, st.d_v), rec_pool.dtype),
-      pltpu.VMEM((kw1, dim), F32),
-      pltpu.VMEM((tile if n_w == 1 else 1, dim), F32),
+      pltpu.VMEM((state_slots(st), kw1, dim), F32),
+      pltpu.VMEM((tile if n_w == 1 else state_slots(st), dim), F32),
       pltpu.VMEM((_bcast_slots(st), 2, st.d_k, st.d_v), F32),
-      pltpu.VMEM((hv, st.d_k, st.d_v), F32),
+      pltpu.VMEM((state_slots(st), hv, st.d_k, st.d_v), F32),
       pltpu.SemaphoreType.DMA((2, tile)),
       pltpu.SemaphoreType.DMA((2, tile, n_w)),
       pltpu.SMEM((_META, tile), jnp.int32),
@@ -993,10 +1033,28 @@ def _store_state(src, dst) -> None:
   lax.fori_loop(0, src.shape[0], body, 0)
 
 
+# Interleave windows (`state_slots`) only where a request's f32 state is at
+# most this: at 64 value heads (4 MiB states) two interleaved requests took
+# Mosaic 54.3 MiB of scoped VMEM for a tile of 2 on v6e (past its limit),
+# and there the states' DMAs, not the steps' chains, are the cost.
+_INTERLEAVE_STATE_BYTES = 1 << 20
+
+
+def state_slots(st: DecodeStatic) -> int:
+  """Requests whose windows run interleaved (`window_group`), each with its
+  own f32 state, conv window and activation row in scratch: the rolled
+  loop's requests per iteration; 1 unrolled, for states past
+  _INTERLEAVE_STATE_BYTES, and for one-token decodes (whose steps keep
+  their states in the checkpoint buffers)."""
+  if st.window == 1 or 4 * st.n_v * st.d_k * st.d_v > _INTERLEAVE_STATE_BYTES:
+    return 1
+  return max(st.rolled, 1)
+
+
 def _bcast_slots(st: DecodeStatic) -> int:
   """Lane-broadcast buffers (`_heads`): one per request whose steps are
   traced together."""
-  return (st.rolled or st.tile) if st.window == 1 else 1
+  return (st.rolled or st.tile) if st.window == 1 else state_slots(st)
 
 
 def _fill_rows(t_pad: int) -> int:
@@ -1021,7 +1079,7 @@ def vmem_bytes(st: DecodeStatic, pool_itemsize: int, act_itemsize: int) -> int:
   if st.rolled:   # the rolled loop's f32 rows (`decode`'s scratch)
     n = st.tile * st.window
     rows += n * ((2 if st.window == 1 else 1) * st.dim + 2 * st.n_v + st.n_v * st.d_v)
-  scratch = 4 * (state + conv + st.dim + bcast + rows)
+  scratch = 4 * (state_slots(st) * (state + conv + st.dim) + bcast + rows)
   out_row = st.n_v * st.d_v * act_itemsize
   if st.resident_rows:
     outs = (2 * st.resident_rows + st.tile) * out_row
@@ -1031,5 +1089,6 @@ def vmem_bytes(st: DecodeStatic, pool_itemsize: int, act_itemsize: int) -> int:
     outs = 0
   # Mosaic's temporaries, two f32 states: a margin that held on the chip
   # (dp8_ep8_prefill_512, 64 heads: Mosaic allocated 55.1 MiB where this
-  # estimates 55.9; with two heads instead of two states, 48.1).
-  return bufs + acts + scratch + outs + 2 * 4 * state + (4 << 20)
+  # estimates 55.9; with two heads instead of two states, 48.1); as much
+  # again for each further request whose window runs interleaved.
+  return bufs + acts + scratch + outs + 2 * 4 * state * state_slots(st) + (4 << 20)
