@@ -241,6 +241,27 @@ def test_64_head_workloads_compile_for_v5e():
   assert [r.error for r in res] == [None] * len(names), [r.error for r in res]
 
 
+def test_window_checkpoint_buffers_stay_in_range():
+  """Every token of an interleaved window writes a checkpoint buffer
+  (`window_checkpoint`): always one of the request's `window` buffers, and
+  exactly slot t - (length - checkpoints) for the tokens whose state a DMA
+  writes back. Out of range it would land in another request's buffers
+  (interpret mode clamps such indices, the chip does not check them)."""
+  from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu_decode as dec  # pylint: disable=g-import-not-at-top
+  for window in (2, 4, 8):
+    # (length, checkpoints) as the kernel's metadata has them: decodes
+    # (min(length, window)), short prefills (1), requests that do not run
+    # here (length 0; 1 checkpoint where valid, e.g. a chunked-path request).
+    metas = ([(n, min(n, window)) for n in range(1, window + 1)]
+             + [(n, 1) for n in range(1, 3 * window)] + [(0, 0), (0, 1)])
+    for length, ckpts in metas:
+      for t in range(window):
+        c = int(dec.window_checkpoint(t, length, ckpts, window))
+        assert 0 <= c < window, (window, length, ckpts, t, c)
+        if t < length and t - (length - ckpts) >= 0:
+          assert c == t - (length - ckpts), (window, length, ckpts, t, c)
+
+
 @pytest.mark.aot
 def test_interleaved_windows_compile_for_v5e():
   """tokamax's TP8 verify windows (8 value heads: two requests' windows

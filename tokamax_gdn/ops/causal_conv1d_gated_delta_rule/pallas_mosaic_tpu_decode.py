@@ -817,7 +817,7 @@ def _kernel(*refs, st: DecodeStatic):
           c, live = t, True
         else:
           length = meta(LENGTH, j)
-          c = jnp.maximum(t - (length - meta(CHECKPOINTS, j)), 0)
+          c = window_checkpoint(t, length, meta(CHECKPOINTS, j), n_w)
           live = t < length
 
         def s_write(h, s, j=j, o=o, c=c):
@@ -1038,6 +1038,16 @@ def _store_state(src, dst) -> None:
 # Mosaic 54.3 MiB of scoped VMEM for a tile of 2 on v6e (past its limit),
 # and there the states' DMAs, not the steps' chains, are the cost.
 _INTERLEAVE_STATE_BYTES = 1 << 20
+
+
+def window_checkpoint(t, length, checkpoints, window: int):
+  """The checkpoint buffer token t of a window writes (`window_group`): slot
+  t - (length - checkpoints) where that is one, else a buffer in [0, window)
+  that no DMA writes back or that a later token overwrites. Clamped at both
+  ends: a chunked-path request has length 0 here and 1 checkpoint, and its
+  last token's unclamped index (the window) would write past its buffers
+  (into the next request's first; VMEM indices are not bounds-checked)."""
+  return jnp.clip(t - (length - checkpoints), 0, window - 1)
 
 
 def state_slots(st: DecodeStatic) -> int:
