@@ -228,19 +228,6 @@ def aot_cases_of(mesh, spec_names):
   return [case for name in spec_names for case in aot_cases(mesh, spec_name=name)]
 
 
-@pytest.mark.aot
-def test_64_head_workloads_compile_for_v5e():
-  """tokamax's DP8 layouts (64 value heads, 2 MiB states): a prefill of 512
-  (its decode kernel needed 55.1 MiB of scoped VMEM on the chip: a 53 MiB
-  limit failed there and in this compile alike), a decode of 64 (tile 8 at
-  the cap) and verify windows of 4 (a tile of 2 requests)."""
-  names = ["dp8_ep8_prefill_512", "dp8_ep8_decode_64", "dp8_ep8_spec3_decode_8_ctx1024"]
-  res = aot.compile_in_child(
-      "v5e", "tests.ops.causal_conv1d_gated_delta_rule.pallas_mosaic_tpu_test:aot_cases_of",
-      dict(spec_names=names), cycles=False, timeout=900)
-  assert [r.error for r in res] == [None] * len(names), [r.error for r in res]
-
-
 def test_window_checkpoint_buffers_stay_in_range():
   """Every token of an interleaved window writes a checkpoint buffer
   (`window_checkpoint`): always one of the request's `window` buffers, and
@@ -262,34 +249,6 @@ def test_window_checkpoint_buffers_stay_in_range():
           assert c == t - (length - ckpts), (window, length, ckpts, t, c)
 
 
-@pytest.mark.aot
-def test_interleaved_windows_compile_for_v5e():
-  """tokamax's TP8 verify windows (8 value heads: two requests' windows
-  interleaved, `pallas_mosaic_tpu_decode.state_slots`) of 4 and 8 tokens
-  at 64 requests compile for v5e."""
-  names = ["tp8_spec3_decode_64_ctx1024", "tp8_spec7_decode_64_ctx1024"]
-  res = aot.compile_in_child(
-      "v5e", "tests.ops.causal_conv1d_gated_delta_rule.pallas_mosaic_tpu_test:aot_cases_of",
-      dict(spec_names=names), cycles=False, timeout=600)
-  assert [r.error for r in res] == [None] * len(names), [r.error for r in res]
-
-
-@pytest.mark.aot
-def test_64_head_prefill_with_tokens_in_hbm_compiles_for_v5e():
-  """dp8_ep8_prefill_1024 (64 value heads, one chunked request): its qkv is
-  past `_HBM_TOKEN_BYTES`, so the chunked GDN kernel pipelines its blocks
-  from HBM and Mosaic allocates 41.1 MiB of scoped VMEM for it on v5e. The
-  training forward's VMEM model, which the op used for it, estimated 29.7
-  and the limit it set (37.2 MiB) failed on the chip and in this compile
-  alike ("CompileTimeScopedVmemOom"); the 512-token prefill above keeps its
-  arrays where XLA puts them (28.8 MiB) and compiled."""
-  res = aot.compile_in_child(
-      "v5e", "tests.ops.causal_conv1d_gated_delta_rule.pallas_mosaic_tpu_test:aot_cases_of",
-      dict(spec_names=["dp8_ep8_prefill_1024"]), cycles=False, timeout=600)
-  assert [r.error for r in res] == [None], [r.error for r in res]
-  assert res[0].report.pallas_calls.get("gdn_fwd_requests") == 1, res[0].report.pallas_calls
-
-
 # Heads of d_k, d_v below 128 lanes: GVA 1:4, decodes beside a prefill long
 # enough for the chunked path, verify windows.
 _SHORT_HEADS = [
@@ -299,24 +258,56 @@ _SHORT_HEADS = [
 ]
 
 
+def aot_v5e_cases(mesh, spec_names, layouts):
+  """`aot_cases_of` the specs, then `aot_layout_cases` of the layouts: one
+  child (each costs an import of jax and libtpu) for the v5e compiles below."""
+  return aot_cases_of(mesh, spec_names) + aot_layout_cases(mesh, layouts)
+
+
+# tokamax's layouts compiled for v5e, and the kernel each must call (None:
+# just compile):
+_V5E_SPECS = {
+    # DP8, 64 value heads (2 MiB states): a prefill of 512 (its decode kernel
+    # needed 55.1 MiB of scoped VMEM on the chip: a 53 MiB limit failed there
+    # and in this compile alike), a decode of 64 (tile 8 at the cap) and
+    # verify windows of 4 (a tile of 2 requests).
+    "dp8_ep8_prefill_512": None,
+    "dp8_ep8_decode_64": None,
+    "dp8_ep8_spec3_decode_8_ctx1024": None,
+    # One chunked request whose qkv is past `_HBM_TOKEN_BYTES`: the chunked GDN
+    # kernel pipelines its blocks from HBM and Mosaic allocates 41.1 MiB for it
+    # on v5e. The training forward's VMEM model, which the op used for it,
+    # estimated 29.7 and the limit it set (37.2 MiB) failed on the chip and in
+    # this compile alike; the 512-token prefill above keeps its arrays where
+    # XLA puts them (28.8 MiB).
+    "dp8_ep8_prefill_1024": "gdn_fwd_requests",
+    # TP8 verify windows: two requests' windows interleaved (`state_slots`).
+    "tp8_spec3_decode_64_ctx1024": "gdn_serve_decode",
+}
+
+
 @pytest.mark.aot
-def test_short_heads_compile_for_v5e():
-  """Heads whose d_k or d_v is not a multiple of 128 run padded to 128 lanes
-  on a chip (`pallas_mosaic_tpu._lane_dims`): both paths compile for v5e."""
+def test_serving_compiles_for_v5e():
+  """The layouts above, and heads whose d_k or d_v is not a multiple of 128
+  (run padded to 128 lanes on a chip, `pallas_mosaic_tpu._lane_dims`)
+  through both paths, compile for v5e."""
   res = aot.compile_in_child(
-      "v5e", "tests.ops.causal_conv1d_gated_delta_rule.pallas_mosaic_tpu_test:aot_layout_cases",
-      dict(layouts=_SHORT_HEADS), cycles=False, timeout=600)
-  assert [r.error for r in res] == [None, None], [r.error for r in res]
-  assert res[0].report.pallas_calls.get("gdn_fwd_requests") == 1, res[0].report.pallas_calls
-  assert res[1].report.pallas_calls.get("gdn_serve_decode") == 1, res[1].report.pallas_calls
+      "v5e", "tests.ops.causal_conv1d_gated_delta_rule.pallas_mosaic_tpu_test:aot_v5e_cases",
+      dict(spec_names=list(_V5E_SPECS), layouts=_SHORT_HEADS), cycles=False, timeout=900)
+  assert [r.error for r in res] == [None] * (len(_V5E_SPECS) + len(_SHORT_HEADS)), (
+      [r.error for r in res])
+  kernels = [*_V5E_SPECS.values(), "gdn_fwd_requests", "gdn_serve_decode"]
+  for r, kernel in zip(res, kernels):
+    if kernel is not None:
+      assert r.report.pallas_calls.get(kernel) == 1, (r.label, r.report.pallas_calls)
 
 
-@pytest.mark.parametrize("case", ["gva_1to4_bf16_pools", "spec3_padded_bf16", "chunked"])
+@pytest.mark.parametrize("case", ["gva_1to4_bf16_pools", "chunked"])
 def test_short_heads_padded_to_lanes(case, monkeypatch):
   """The padded path a chip takes for heads of d_k, d_v below 128 lanes,
-  forced here in interpret mode: against tokamax and the reference, unused
-  slots bit-identical (the shared check), and the chunked path beside
-  decodes. A pad of anything but zeros, or the query scale taken from the
+  forced here in interpret mode: the decode kernel against tokamax and the
+  reference, unused slots bit-identical (the shared check), and the chunked
+  path beside decodes (the padding is the same around either path). A pad of anything but zeros, or the query scale taken from the
   padded d_k, fails these."""
   monkeypatch.setattr(pallas_mosaic_tpu, "_PAD_OFF_CHIP", True)
   monkeypatch.setattr(test_base, "_JITTED", {})      # no program traced unpadded
@@ -326,9 +317,6 @@ def test_short_heads_padded_to_lanes(case, monkeypatch):
                       lambda *a, **k: pads.append(1) or pad(*a, **k))
   if case == "chunked":
     test_chunked_requests_after_decodes([1, 1, 70, 5], [3, 0, 4, 2], [2], 64)
-  elif case in _KEEP_SPEC:
-    (spec,) = [c for c in SPEC_CASES if c[0] == case]
-    TestPallasMosaicTpu().test_spec_windows_against_tokamax(*spec)
   else:
     (spec,) = [c for c in CASES if c[0] == case]
     TestPallasMosaicTpu().test_against_tokamax_reference(*spec)
