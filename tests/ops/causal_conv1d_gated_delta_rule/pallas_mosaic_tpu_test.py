@@ -168,22 +168,19 @@ def test_fresh_groups_and_zeroed_rows(resident, monkeypatch):
 _AOT_SPEC = "tp8_decode_64"     # tokamax's qwen3_5_397b TP8 decode: Hv=8, K=V=128, bf16
 
 
-def aot_cases(mesh, full=False, spec_name=_AOT_SPEC, chunk_cost=None):
-  """`aot.compile_in_child` builder: the op at one of tokamax's qwen3_5_397b
-  layouts (default tp8_decode_64), index arrays traced (as an engine passes
-  them); `full`: the decode kernel's cost model, `chunk_cost` (a bool) the
-  chunked kernel's (`pallas_mosaic_tpu.full_chunk_cost`)."""
-  from tokamax._src.ops.causal_conv1d_gated_delta_rule import arg_specs as tokamax_specs  # pylint: disable=g-import-not-at-top
+def _aot_case(mesh, label, lay, full=False, chunk_cost=None):
+  """An `aot.compile_in_child` case: the op at a layout (`arg_specs.layout`'s
+  keys: abstract arrays, concrete index arrays, sizes), index arrays traced
+  (as an engine passes them); `full`: the decode kernel's cost model,
+  `chunk_cost` (a bool) the chunked kernel's (`pallas_mosaic_tpu.full_chunk_cost`)."""
   import contextlib  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import api  # pylint: disable=g-import-not-at-top
 
-  spec = next(s for s in tokamax_specs.ARG_SPECS
-              if s.project == "qwen3_5_397b" and s.name == spec_name).args
-  names = [n for n in arg_specs.POSITIONAL if n in spec]
-  abstract = [aot.spec(mesh, spec[n].shape,
-                       jnp.int32 if isinstance(spec[n], np.ndarray) else spec[n].dtype)
+  names = [n for n in arg_specs.POSITIONAL if n in lay]
+  abstract = [aot.spec(mesh, lay[n].shape,
+                       jnp.int32 if isinstance(lay[n], np.ndarray) else lay[n].dtype)
               for n in names]
-  static = {k: spec[k] for k in STATIC if k in spec}
+  static = {k: lay[k] for k in STATIC if k in lay}
 
   def fn(*xs):
     kw = dict(zip(names, xs))
@@ -196,31 +193,26 @@ def aot_cases(mesh, full=False, spec_name=_AOT_SPEC, chunk_cost=None):
     with ctx:
       return api.causal_conv1d_gated_delta_rule(*pos, **kw, **static, implementation=IMPL)
 
-  return [(f"{spec_name} full={full}", fn, abstract)]
+  return (label, fn, abstract)
+
+
+def aot_cases(mesh, full=False, spec_name=_AOT_SPEC, chunk_cost=None):
+  """`aot.compile_in_child` builder: the op at one of tokamax's qwen3_5_397b
+  layouts (default tp8_decode_64); `full`, `chunk_cost`: as `_aot_case`'s."""
+  from tokamax._src.ops.causal_conv1d_gated_delta_rule import arg_specs as tokamax_specs  # pylint: disable=g-import-not-at-top
+
+  spec = next(s for s in tokamax_specs.ARG_SPECS
+              if s.project == "qwen3_5_397b" and s.name == spec_name).args
+  return [_aot_case(mesh, f"{spec_name} full={full}", spec, full, chunk_cost)]
 
 
 def aot_layout_cases(mesh, layouts):
   """`aot.compile_in_child` builder: the op at `arg_specs.layout(**kw)` for
-  each kw of `layouts` (dtypes by name: the child gets them as JSON), index
-  arrays traced."""
-  from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import api  # pylint: disable=g-import-not-at-top
-
-  cases = []
-  for i, kw in enumerate(layouts):
-    lay = arg_specs.layout(**{k: jnp.dtype(v) if k.endswith("dtype") else v
-                              for k, v in kw.items()})
-    names = [n for n in arg_specs.POSITIONAL if n in lay]
-    abstract = [aot.spec(mesh, lay[n].shape,
-                         jnp.int32 if isinstance(lay[n], np.ndarray) else lay[n].dtype)
-                for n in names]
-    static = {k: lay[k] for k in STATIC if k in lay}
-
-    def fn(*xs, names=names, static=static):
-      return api.causal_conv1d_gated_delta_rule(*xs[:13], **dict(zip(names[13:], xs[13:])),
-                                                **static, implementation=IMPL)
-
-    cases.append((f"layout {i}", fn, abstract))
-  return cases
+  each kw of `layouts` (dtypes by name: the child gets them as JSON)."""
+  return [_aot_case(mesh, f"layout {i}",
+                    arg_specs.layout(**{k: jnp.dtype(v) if k.endswith("dtype") else v
+                                        for k, v in kw.items()}))
+          for i, kw in enumerate(layouts)]
 
 
 def aot_cases_of(mesh, spec_names):

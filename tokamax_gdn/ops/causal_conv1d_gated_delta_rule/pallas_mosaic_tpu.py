@@ -227,31 +227,21 @@ def _args_dims(args) -> base.Dims:
                               args["kernel_size"]))
 
 
-def _channel_parts(dims: base.Dims, lanes: base.Dims):
-  """(offset in `dims`' channels, heads, head size, padded head size) of q, k, v."""
-  kd = dims.key_dim
-  return ((0, dims.n_kq, dims.d_k, lanes.d_k), (kd, dims.n_kq, dims.d_k, lanes.d_k),
-          (2 * kd, dims.n_v, dims.d_v, lanes.d_v))
-
-
 def _pad_channels(x: jax.Array, dims: base.Dims, lanes: base.Dims, axis: int = -1):
   """`x` with its channel axis (q | k | v heads of `dims`) in `lanes`' sizes,
   each head zero-padded."""
   x = jnp.moveaxis(x, axis, -1)
   lead = x.shape[:-1]
-  parts = [jnp.pad(x[..., o:o + n * d].reshape(*lead, n, d),
-                   [(0, 0)] * (len(lead) + 1) + [(0, dp - d)]).reshape(*lead, n * dp)
-           for o, n, d, dp in _channel_parts(dims, lanes)]
+  parts = [jnp.pad(h, [(0, 0)] * (h.ndim - 1) + [(0, dp - h.shape[-1])]).reshape(*lead, -1)
+           for h, dp in zip(base.split_heads(x, dims), (lanes.d_k, lanes.d_k, lanes.d_v))]
   return jnp.moveaxis(jnp.concatenate(parts, axis=-1), -1, axis)
 
 
 def _unpad_channels(x: jax.Array, dims: base.Dims, lanes: base.Dims):
   """`_pad_channels`' inverse on the last axis."""
   lead = x.shape[:-1]
-  parts, at = [], 0
-  for _, n, d, dp in _channel_parts(dims, lanes):
-    parts.append(x[..., at:at + n * dp].reshape(*lead, n, dp)[..., :d].reshape(*lead, n * d))
-    at += n * dp
+  parts = [h[..., :d].reshape(*lead, -1)
+           for h, d in zip(base.split_heads(x, lanes), (dims.d_k, dims.d_k, dims.d_v))]
   return jnp.concatenate(parts, axis=-1)
 
 

@@ -498,8 +498,12 @@ def _kernel(*refs, st: DecodeStatic):
       return c == 0
     return jnp.logical_and(runs(j), c < meta(CHECKPOINTS, j))
 
-  def length_of(j):
-    return 1 if st.all_run else meta(LENGTH, j)
+  def conv_window(j):
+    """Request j's conv window (W-1, D) f32 as it starts: its read slot's
+    (loaded into conv_ibuf) where it reads one, else zeros."""
+    init = init_of(j)
+    conv = conv_ibuf[j].astype(F32)
+    return conv if init is True else jnp.where(init, conv, 0.0)
 
   def zero_unread(j):
     @when(jnp.logical_not(init_of(j)) if not st.all_run else not st.all_init)
@@ -626,9 +630,7 @@ def _kernel(*refs, st: DecodeStatic):
       @when(loads(j))
       def _():
         read_conv(j).wait()
-      init = init_of(j)
-      conv = conv_ibuf[j].astype(F32)
-      wins.append(conv if init is True else jnp.where(init, conv, 0.0))
+      wins.append(conv_window(j))
     wins_all = jnp.stack(wins) if st.interpret else None
 
     def win_of(j):
@@ -666,10 +668,7 @@ def _kernel(*refs, st: DecodeStatic):
       gate_scr[0] = prep.beta
       gate_scr[1] = prep.decay
 
-      def win_of(j):    # (the vectorised conv's rows, again for a traced j)
-        init = init_of(j)
-        conv = conv_ibuf[j].astype(F32)
-        return conv if init is True else jnp.where(init, conv, 0.0)
+      win_of = conv_window    # (the vectorised conv's rows, again for a traced j)
 
       row_of = lambda ref, j: ref[pl.ds(j, 1), :]
       x_of = lambda j: row_of(xq_scr.at[0], j)
@@ -807,9 +806,7 @@ def _kernel(*refs, st: DecodeStatic):
         read_conv(j).wait()
         read_rec(j).wait()
       zero_unread(j)
-      init = init_of(j)
-      conv = conv_ibuf[j].astype(F32)
-      win_scr[o] = conv if init is True else jnp.where(init, conv, 0.0)
+      win_scr[o] = conv_window(j)
 
     for t in range(n_w):
       for j, o in group:
