@@ -151,10 +151,15 @@ def _fwd_chunk(r: common.Refs, st: common.Static, write_out: bool, emit: bool, r
     q = {ku: norm(qh_scr[j]) for ku, j in kheads.items()} if write_out else None
     k = {ku: common.finite(norm(guard.guard_finite(kh_scr[j], st)), st) for ku, j in kheads.items()}
     beta = {u: common.head_row(rows_scr, kernel_prologue.BETA, i) for u, i in heads.items()}
+    # Γ and decay_in from the compensated G for float32 inputs; for bfloat16
+    # inputs from its float32 part alone, as in the backward (`bwd_kernel`,
+    # math.md "The compensated cumsum"): one transpose (XLU) and three vector
+    # passes less per head.
     gammas, dins = {}, {}
     for u, i in heads.items():
+      g_lo = common.head_row(rows_scr, kernel_prologue.G_LO, i) if st.passes > 1 else None
       gammas[u], dins[u] = gates.gamma_decay_in(
-          (common.head_row(rows_scr, kernel_prologue.G_HI, i), common.head_row(rows_scr, kernel_prologue.G_LO, i), gate.run), masks, dim_k)
+          (common.head_row(rows_scr, kernel_prologue.G_HI, i), g_lo, gate.run), masks, dim_k)
     qkk = {ku: dot(jnp.concatenate([q[ku], k[ku]], 0) if write_out else k[ku], k[ku], tb=True)
            for ku in kheads}                               # [Q; K] Kᵀ, or K Kᵀ
     kk = lambda ku: qkk[ku][c:] if write_out else qkk[ku]
