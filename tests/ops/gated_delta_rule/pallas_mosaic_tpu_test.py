@@ -111,7 +111,8 @@ def test_v5e_forms_match_reference(case):
   """Traced for v5e the kernels take other forms of some bf16 steps (the ones
   libtpu's estimator accepts there, `pallas_mosaic_tpu_kernel`): same
   contract. The float32 case with segments runs every one of them; the bf16
-  case the backward's f ⊙ β row sums as columns (bf16 inputs only). The
+  case the backward's f ⊙ β row sums of one bf16 piece as a row (v6e's
+  default runs them as columns: bf16 inputs only). The
   stages alone, bf16 and float32, are in pallas_mosaic_tpu_kernel_test.py."""
   tokamax_gdn.config.set_target_chip("v5e")
   try:

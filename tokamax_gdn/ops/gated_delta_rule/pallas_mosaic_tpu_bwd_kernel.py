@@ -57,10 +57,11 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
   if st.guard:
     guard.guard_bwd_rows(r, st, gate, causal, leave)
   lane = lax.broadcasted_iota(jnp.int32, (1, c), 1)
-  # bf16 inputs: the row sums of f ⊙ β (d_gcum's, below) as columns, with β
-  # rounded to bf16, laid out as columns once: β's rows against the one-hot
-  # (Hv, 128), transposed on the MXU (lane i: head i's β column, exact).
-  f_cols = st.passes == 1
+  # bf16 inputs under `st.f_cols`: the row sums of f ⊙ β (d_gcum's, below)
+  # as columns, with β rounded to bf16, laid out as columns once: β's rows
+  # against the one-hot (Hv, 128), transposed on the MXU (lane i: head i's β
+  # column, exact).
+  f_cols = st.passes == 1 and st.f_cols
   if f_cols:
     b_rows = numerics.rounded_bf16(rows_scr[kernel_prologue.BETA], 1, st.v5e_forms)[0][0]
     b_cols = numerics.mm(b_rows, (lax.broadcasted_iota(jnp.int32, (st.hv, 128), 0)
@@ -137,7 +138,7 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
     # before the products with Q and K and the transpose: one per key head.
     dq_acc, dk_acc, dqk_sum, dkb_sum = {}, {}, {}, {}
     acc = lambda sums, ku, x: x if ku not in sums else sums[ku] + x
-    f_pieces = 1 if f_cols else 2     # f's bf16 pieces (below)
+    f_pieces = 1 if st.passes == 1 else 2     # f's bf16 pieces (below)
     for u, i in heads.items():
       ku = kj(u)
       d_p, d_kb = dpk[u][:c], dpk[u][c:]
@@ -170,12 +171,14 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
           # decaying head's tiny true dg. So f is rounded to its pieces
           # first: each product with β's pieces is exact, and the rounding
           # (2⁻⁹ of f for bf16 inputs, 2⁻¹⁶ for float32) moves both sums
-          # alike. bf16 inputs: one piece, and β rounded to bf16 on both
-          # sides, the row sums as columns in the carried tile (below);
+          # alike. bf16 inputs: one piece; under `st.f_cols` with β
+          # rounded to bf16 on both sides, the row sums as columns in the
+          # carried tile (below), else against β's three pieces as a row;
           # float32: two pieces against β's three, as a row. Of the forms
           # tried (three pieces or one as a row, stacked with decay_in's part,
           # β's column selected in bf16, f ⊙ β rounded as one tile) columns
-          # were the cheapest on the estimate.
+          # were the cheapest on v6e's estimate, the row with one piece on
+          # v5e's and tpu7x's (`common.f_sums_as_columns`).
           (-numerics.rounded_bf16(beta[u], 1, st.v5e_forms)[1] * f_col if f_cols else
            gates.rowsum_row(f, pieces=f_pieces, weights=beta[u], v5e_forms=st.v5e_forms)
            - beta[u] * f_col)

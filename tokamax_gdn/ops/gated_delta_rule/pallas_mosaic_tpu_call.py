@@ -85,7 +85,8 @@ def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states
                  interleave=common.normalize_interleave(interleave, hv, hv // hk),
                  has_seg=has_seg, has_h0=has_h0, n_states=n_states, v5e_forms=common.v5e_forms(),
                  qk_in_place=gdn_config.target_generation().name == "tpu7x",
-                 unroll_groups=common.unroll_groups(), **pro.static())
+                 unroll_groups=common.unroll_groups(), f_cols=common.f_sums_as_columns(),
+                 **pro.static())
 
 
 def head_scratch(st: common.Static, values: tuple[str, ...]) -> list[common.Operand]:

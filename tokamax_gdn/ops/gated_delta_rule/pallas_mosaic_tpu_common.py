@@ -74,6 +74,12 @@ class Static:
   # T=4096, by 2 the context-parallel forward to 21.16).
   unroll_groups: bool | int = False
   interpret: bool = False   # traced for Pallas interpret mode (`_transposed`)
+  # bf16 inputs: the backward's row sums of f ⊙ β (d_gcum's) as columns of
+  # the tile it carries across head groups (`gates.lane_rowsums`: a 128-row
+  # product per head), else as a row (`gates.rowsum_row`: 8 rows of β's
+  # pieces against f pushed as weights). Columns were cheaper on v6e's
+  # estimate, the row on v5e's and tpu7x's (`f_sums_as_columns`).
+  f_cols: bool = False
   # `requests.gdn_fwd_requests`: q, k, v are lane ranges of one [T, 2 Hk K + Hv V]
   # input and the output is [B, T, Hv V] (heads are lane slices of a block: no
   # relayout); `beta_guard`: k and v read as 0 at tokens whose beta is 0
@@ -300,6 +306,11 @@ def unroll_groups(backward: bool = False) -> bool | int:
   if gdn_config.target_generation().name != "tpu7x":
     return True
   return 2 if backward else False
+
+
+def f_sums_as_columns() -> bool:
+  """`Static.f_cols` for the target generation."""
+  return gdn_config.target_generation().name == "v6e"
 
 
 def default_newton(passes: int) -> int:
