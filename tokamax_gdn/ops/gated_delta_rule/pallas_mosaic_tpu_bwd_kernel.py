@@ -57,6 +57,7 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
   if st.guard:
     guard.guard_bwd_rows(r, st, gate, causal, leave)
   lane = lax.broadcasted_iota(jnp.int32, (1, c), 1)
+  carry_lane = lax.broadcasted_iota(jnp.int32, (c, 128), 1)
   # bf16 inputs under `st.f_cols`: the row sums of f ⊙ β (d_gcum's, below)
   # as columns, with β rounded to bf16, laid out as columns once: β's rows
   # against the one-hot (Hv, 128), transposed on the MXU (lane i: head i's β
@@ -184,13 +185,19 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
            - beta[u] * f_col)
           - d_dout
           + jnp.where(lane == c - 1, jnp.sum(d_dout) + d_lam, 0.0))
-      # decay_in's part, into lane i of the carried columns (`gates.lane_rowsums`):
-      # no cancellation to keep, so one bf16 piece for bf16 inputs (a_log's
-      # and dt_bias's gradients stay well within the bf16 tolerance), two for
-      # float32.
-      carry = carry + gates.lane_rowsums(dk_in * k[ku] + dqw[u][:c] * q[ku], i,
-                                   pieces=1 if st.passes == 1 else 2, v5e_forms=st.v5e_forms,
-                                   weighted=(f_bf16[0], b_cols) if f_cols else None)
+      # decay_in's part, into lane i of the carried columns: no cancellation
+      # to keep. v5e: a lane reduction in float32 (XLU), off the MXU, whose
+      # streamed rows bound this kernel there; elsewhere on the MXU
+      # (`gates.lane_rowsums`, cheaper on v6e's and tpu7x's estimates), one
+      # bf16 piece for bf16 inputs (a_log's and dt_bias's gradients stay well
+      # within the bf16 tolerance), two for float32.
+      d_in = dk_in * k[ku] + dqw[u][:c] * q[ku]
+      if st.v5e_forms and not f_cols:
+        carry = carry + jnp.where(carry_lane == i, jnp.sum(d_in, axis=1, keepdims=True), 0.0)
+      else:
+        carry = carry + gates.lane_rowsums(d_in, i, pieces=1 if st.passes == 1 else 2,
+                                           v5e_forms=st.v5e_forms,
+                                           weighted=(f_bf16[0], b_cols) if f_cols else None)
     for ku in kheads:
       both = dot(dqk_sum[ku], k[ku])                                   # [−d_QK K; d_KK K]
       back = dot(dqk_sum[ku], jnp.concatenate([-q[ku], k[ku]], 0), ta=True)
