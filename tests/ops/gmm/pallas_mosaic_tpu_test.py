@@ -54,6 +54,31 @@ def test_forward_tiled(case, tiles):
   check_forward(_with_config(**tiles), case)
 
 
+# Whole weights per group (tk = K, tn = N): the weights ride a ring of
+# kernel.RING_SLOTS slots fetched ahead by group. More groups than slots,
+# empty groups between and at the ends (no copy for them), several groups in
+# one row tile and one group over several, rows past sum(group_sizes), one
+# non-empty group, none.
+WHOLE = [
+    Case("ring_f32", 96, 48, 40, (0, 5, 0, 0, 17, 3, 1, 0, 30, 9, 0, 12, 0)),
+    Case("ring_bf16_transposed", 80, 64, 136, (7, 0, 2, 2, 2, 40, 0, 11, 0, 0), BF16,
+         transpose_rhs=True),
+    Case("ring_int8_x_bf16", 64, 128, 128, (1, 1, 1, 1, 1, 1, 1, 1, 50), I8, BF16),
+    Case("ring_one_group", 40, 32, 24, (0, 0, 33, 0)),
+    Case("ring_all_empty", 40, 32, 24, (0, 0, 0)),
+]
+
+
+@pytest.mark.parametrize("case", WHOLE, ids=str)
+def test_forward_whole_groups(case):
+  op = _with_config(tm=8 if case.lhs_dtype == F32 else 32, tk=4096, tn=4096)
+  tiles = kernel.gmm_tiles(case.m, case.k, case.n, case.lhs_dtype, case.rhs_dtype or
+                           case.lhs_dtype, case.lhs_dtype, tm=op.config.tm, tk=4096, tn=4096,
+                           transpose_rhs=case.transpose_rhs)
+  assert kernel.whole_groups(tiles, case.k, case.n)
+  check_forward(op, case)
+
+
 @pytest.mark.parametrize("name", ["f32_zeros_sum_lt_m", "bf16_x_f32", "f32_transposed"])
 def test_vjp(name):
   check_vjp(IMPL, SMALL[name])

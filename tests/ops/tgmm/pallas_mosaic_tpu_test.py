@@ -43,6 +43,31 @@ def test_forward_tiled(case, tiles):
   check_forward(op, case)
 
 
+# Whole groups (tk = K, tn = N): each group's output leaves through a ring of
+# kernel.RING_SLOTS VMEM slots. More groups than slots, empty groups (zeros
+# written through the ring) at the start, between and at the end, several
+# groups in one row tile and one group over several, garbage rows past
+# sum(group_sizes), every group empty.
+WHOLE = [
+    Case("ring_f32", 96, 48, 40, (0, 5, 0, 0, 17, 3, 1, 0, 30, 9, 0, 12, 0)),
+    Case("ring_bf16", 80, 64, 136, (7, 0, 2, 2, 2, 40, 0, 11, 0, 0), BF16),
+    Case("ring_int8_x_bf16", 64, 128, 128, (1, 1, 1, 1, 1, 1, 1, 1, 50), I8, BF16),
+    Case("ring_two_groups", 40, 32, 24, (0, 33)),
+    Case("ring_all_empty", 40, 32, 24, (0, 0, 0, 0, 0)),
+]
+
+
+@pytest.mark.parametrize("case", WHOLE, ids=str)
+def test_forward_whole_groups(case):
+  tm = 8 if case.lhs_dtype == F32 else 32
+  op = registry.get("tgmm", IMPL).replace(config=pallas.Config(tm=tm, tk=4096, tn=4096))
+  rhs_dtype = case.rhs_dtype or case.lhs_dtype
+  tiles = kernel.tgmm_tiles(case.m, case.k, case.n, case.lhs_dtype, rhs_dtype, F32, tm=tm,
+                            tk=4096, tn=4096)
+  assert kernel.whole_groups(tiles, case.k, case.n)
+  check_forward(op, case)
+
+
 @pytest.mark.parametrize("name", ["f32_zeros_sum_lt_m", "bf16_x_f32"])
 def test_vjp(name):
   check_vjp(IMPL, SMALL[name])
@@ -66,3 +91,16 @@ def test_heuristics_fit_vmem_and_are_in_the_autotuning_space():
       od = ba.kwargs["preferred_element_type"]
       check_heuristic_in_fitting_space(
           op, ba, functools.partial(pallas.tgmm_vmem, m, k, n, ld, rd, od))
+
+
+@pytest.mark.parametrize("chip,tm", [("v5e", 128), ("v5p", 128), ("v6e", 256), ("tpu7x", 256)])
+def test_heuristic_row_tile_follows_the_mxu_width(chip, tm):
+  # 128 rows a step filled v5e's 128-wide MXU faster than 256 on the chip.
+  config.set_target_chip(chip)
+  try:
+    ba = registry.get("tgmm", IMPL).bind(
+        jax.ShapeDtypeStruct((16384, 2048), BF16), jax.ShapeDtypeStruct((16384, 512), BF16),
+        jax.ShapeDtypeStruct((64,), jnp.int32))
+    assert ba.heuristics_config.tm == tm
+  finally:
+    config.set_target_chip(None)

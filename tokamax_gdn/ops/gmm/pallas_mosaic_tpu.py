@@ -5,7 +5,10 @@ both); the Config and tiling helpers here serve tgmm's wrapper too. Tiling logic
 lhs [M, K] @ rhs[g] [K, N]:
 - rhs traffic: a step reloads its rhs block only when the block index changes,
   so with the whole [K, N] of a group in one block (tk = K, tn = N) each
-  group's weights are read once. That is the first choice whenever it fits.
+  group's weights are read once. That is the first choice whenever it fits;
+  the kernel then fetches each group's weights by hand, RING_SLOTS - 1 groups
+  ahead (`kernel.whole_groups`), as the grid pipeline's one step ahead left a
+  stall at every group change.
 - lhs traffic: lhs is read once per n tile, so tn = N reads it once.
 - tm: every group boundary inside a row tile costs one more full-tile step
   (tiles_m + G - 1 steps at most), so smaller tm wastes less at boundaries;
@@ -87,7 +90,8 @@ def _gmm_dims(ba: op.BoundArguments):
 def gmm_vmem(m, k, n, lhs_dtype, rhs_dtype, out_dtype, transpose_rhs, cfg: Config) -> int:
   tiles = kernel.gmm_tiles(m, k, n, lhs_dtype, rhs_dtype, out_dtype,
                            tm=cfg.tm, tk=cfg.tk, tn=cfg.tn, transpose_rhs=transpose_rhs)
-  return kernel.vmem_bytes(tiles, lhs_dtype, rhs_dtype, out_dtype, transposed=False)
+  return kernel.vmem_bytes(tiles, lhs_dtype, rhs_dtype, out_dtype, transposed=False,
+                           ring=kernel.whole_groups(tiles, k, n))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,22 +102,24 @@ class Tiling:
   parallel_k: whether the kernel's "parallel" grid axis is K's (tgmm) or N's
     (gmm); on a megacore chip that axis starts from half (`parallel_sizes`).
   vmem: a Config's VMEM estimate for this call.
+  tm: the heuristic's row tile.
   """
 
   k: int
   n: int
   parallel_k: bool
   vmem: Callable[[Config], int]
+  tm: int = 256
 
   def fits(self, cfg: Config) -> bool:
     return self.vmem(cfg) <= vmem_budget()
 
   def heuristic(self) -> Config:
-    """tm=256 and the first (tk, tn), largest first, that fits; else the smallest tiles."""
+    """`tm` and the first (tk, tn), largest first, that fits; else the smallest tiles."""
     tks = parallel_sizes(self.k) if self.parallel_k else block_sizes(self.k)
     tns = block_sizes(self.n) if self.parallel_k else parallel_sizes(self.n)
     for tk, tn in itertools.product(tks, tns):
-      cfg = Config(tm=256, tk=tk, tn=tn)
+      cfg = Config(tm=self.tm, tk=tk, tn=tn)
       if self.fits(cfg):
         return cfg
     return Config(tm=128, tk=128, tn=128)
@@ -172,7 +178,8 @@ class PallasMosaicTpuGmm(PallasGroupedMatmul, base.Gmm[Config, None]):
     tiles = kernel.gmm_tiles(m, k, n, lhs.dtype, rhs.dtype, out_dtype,
                              tm=config.tm, tk=config.tk, tn=config.tn,
                              transpose_rhs=transpose_rhs)
-    estimate = kernel.vmem_bytes(tiles, lhs.dtype, rhs.dtype, out_dtype, transposed=False)
+    estimate = kernel.vmem_bytes(tiles, lhs.dtype, rhs.dtype, out_dtype, transposed=False,
+                                 ring=kernel.whole_groups(tiles, k, n))
     return kernel.gmm(
         lhs, rhs, group_sizes,
         tiles=tiles, out_dtype=out_dtype, transpose_rhs=transpose_rhs,

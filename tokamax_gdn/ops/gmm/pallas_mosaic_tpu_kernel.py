@@ -194,7 +194,9 @@ class Grid:
     def wrapped(*args):
       ids = dict(zip(self.kept, args[:len(self.kept)]))
       full = [ids.get(a, jnp.int32(0)) for a in self.names]
-      return fn(*full, Schedule(*args[len(self.kept):]))
+      # The schedule leads the scalar-prefetch refs (others may follow it).
+      refs = args[len(self.kept):]
+      return fn(*full, Schedule(*refs[:len(Schedule._fields)]))
     return wrapped
 
   def semantics(self, kinds: dict[str, str]) -> tuple[str, ...]:
@@ -202,22 +204,24 @@ class Grid:
 
 
 def _grouped_call(body, *, grid: Grid, sched: Schedule, operands, in_specs, out_spec,
-                  out_shape, acc_shape, semantics, flops, bytes_accessed, name,
-                  interpret, vmem_limit_bytes):
-  """pallas_call of `body(schedule, *refs)` with the schedule prefetched into SMEM,
-  one float32 accumulator of `acc_shape` in VMEM."""
+                  out_shape, semantics, flops, bytes_accessed, name,
+                  interpret, vmem_limit_bytes, scratch_shapes=(), prefetch=()):
+  """pallas_call of `body(schedule, *refs)` with the schedule (and the arrays
+  `prefetch`, whose refs lead `refs`) in SMEM."""
+  n_sched = len(Schedule._fields)
+
   def kernel(*refs):
-    body(Schedule(*refs[:len(Schedule._fields)]), *refs[len(Schedule._fields):])
+    body(Schedule(*refs[:n_sched]), *refs[n_sched:])
 
   return pl.pallas_call(
       kernel,
       out_shape=out_shape,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=len(Schedule._fields),
+          num_scalar_prefetch=n_sched + len(prefetch),
           grid=grid.shape,
           in_specs=in_specs,
           out_specs=out_spec,
-          scratch_shapes=[pltpu.VMEM(acc_shape, jnp.float32)],
+          scratch_shapes=list(scratch_shapes),
       ),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=grid.semantics(semantics), vmem_limit_bytes=vmem_limit_bytes),
@@ -225,7 +229,7 @@ def _grouped_call(body, *, grid: Grid, sched: Schedule, operands, in_specs, out_
       cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0,
                                     bytes_accessed=bytes_accessed),
       name=name,
-  )(*sched, *operands)
+  )(*sched, *prefetch, *operands)
 
 
 def mask_tail(x: jax.Array, axis: int, valid: int) -> jax.Array:
@@ -262,6 +266,24 @@ def gmm(
   rhs_k_axis = 1 if transpose_rhs else 0
   grid = Grid(dict(n=tiles_n, i=num_steps, k=tiles_k), keep="i")
 
+  def store(s: Schedule, i, out_ref, result):
+    """Writes `result` (tm, tn) float32 into the group's rows of the tile."""
+    g = s.group[i]
+    t = s.tile[i]
+    rows = t * tm + lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
+    in_group = (rows >= s.offsets[g]) & (rows < s.offsets[g + 1])
+    first_visit = (i == 0) | (s.tile[jnp.maximum(i - 1, 0)] != t)
+    # On a tile's first visit the block holds stale VMEM: rows of other
+    # groups (and past the last group) start at zero.
+    prev = jnp.where(first_visit, 0.0, out_ref[...].astype(jnp.float32))
+    out_ref[...] = jnp.where(in_group, result, prev).astype(out_ref.dtype)
+
+  sched = schedule(group_sizes, m=m, tm=tm, visit_empty_groups=False)
+  if whole_groups(tiles, k, n):
+    return _gmm_whole_groups(lhs, rhs, group_sizes, sched, store, grid=grid, tm=tm, n=n,
+                              out_dtype=out_dtype, dims=dims, ct=ct, interpret=interpret,
+                              vmem_limit_bytes=vmem_limit_bytes)
+
   def body(s: Schedule, lhs_ref, rhs_ref, out_ref, acc_ref):
     i, kk = grid.program_id("i"), grid.program_id("k")
     step_mode = s.mode[i]
@@ -288,15 +310,7 @@ def gmm(
 
     @pl.when((step_mode == COMPUTE) & last_k)
     def _():
-      g = s.group[i]
-      t = s.tile[i]
-      rows = t * tm + lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
-      in_group = (rows >= s.offsets[g]) & (rows < s.offsets[g + 1])
-      first_visit = (i == 0) | (s.tile[jnp.maximum(i - 1, 0)] != t)
-      # On a tile's first visit the block holds stale VMEM: rows of other
-      # groups (and past the last group) start at zero.
-      prev = jnp.where(first_visit, 0.0, out_ref[...].astype(jnp.float32))
-      out_ref[...] = jnp.where(in_group, acc_ref[...], prev).astype(out_ref.dtype)
+      store(s, i, out_ref, acc_ref[...])
 
     @pl.when((step_mode == ZERO) & last_k)
     def _():
@@ -310,19 +324,114 @@ def gmm(
     return (s.in_group[i], nn, kb) if transpose_rhs else (s.in_group[i], kb, nn)
 
   return _grouped_call(
-      body, grid=grid, sched=schedule(group_sizes, m=m, tm=tm, visit_empty_groups=False),
-      operands=(lhs, rhs),
+      body, grid=grid, sched=sched, operands=(lhs, rhs),
       in_specs=[
           pl.BlockSpec((tm, tk), grid.index_map(
               lambda nn, i, kk, s: (s.in_tile[i], k_block(i, kk, s)))),
           pl.BlockSpec((None, tn, tk) if transpose_rhs else (None, tk, tn),
                        grid.index_map(rhs_map))],
       out_spec=pl.BlockSpec((tm, tn), grid.index_map(lambda nn, i, kk, s: (s.tile[i], nn))),
-      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), acc_shape=(tm, tn),
+      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+      scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
       semantics=dict(n="parallel", i="arbitrary", k="arbitrary"),
       flops=2 * m * k * n,
       bytes_accessed=(lhs.size * lhs.dtype.itemsize * tiles_n + k * n * rhs.dtype.itemsize
                       * num_steps + m * n * jnp.dtype(out_dtype).itemsize),
+      name="tokamax_gdn_gmm", interpret=interpret, vmem_limit_bytes=vmem_limit_bytes)
+
+
+# VMEM slots of a group's whole [K, N] block in flight: gmm's weights fetched
+# ahead (`_gmm_whole_groups`), tgmm's outputs written back (`tgmm`).
+RING_SLOTS = 3
+
+
+def whole_groups(tiles: Tiles, k: int, n: int) -> bool:
+  """Whether a group's whole [K, N] (gmm's weights, tgmm's output) is one
+  block, which then moves by group through RING_SLOTS slots rather than by
+  grid step through the pipeline's two buffers."""
+  return tiles.tk >= k and tiles.tn >= n
+
+
+def _weight_order(group_sizes: jax.Array, sched: Schedule):
+  """(order [G]: the non-empty groups in row order, then zeros; count [1]:
+  how many; rank [steps]: each step's group's place in `order`, frozen outside
+  COMPUTE steps; fresh [steps]: 1 on each group's first step)."""
+  g = group_sizes.shape[0]
+  nonempty = jnp.maximum(group_sizes.astype(jnp.int32), 0) > 0
+  rank_of = jnp.cumsum(nonempty.astype(jnp.int32)) - 1
+  order = jnp.zeros((g,), jnp.int32).at[jnp.where(nonempty, rank_of, g)].set(
+      jnp.arange(g, dtype=jnp.int32), mode="drop")
+  count = jnp.sum(nonempty.astype(jnp.int32), keepdims=True)
+  compute = sched.mode == COMPUTE
+  prev = jnp.concatenate([jnp.full((1,), -1, jnp.int32), sched.in_group[:-1]])
+  fresh = compute & (sched.in_group != prev)
+  rank = jnp.maximum(rank_of[sched.in_group], 0)
+  return order, count, rank.astype(jnp.int32), fresh.astype(jnp.int32)
+
+
+def _gmm_whole_groups(lhs, rhs, group_sizes, sched: Schedule, store, *, grid: Grid, tm: int,
+                       n: int, out_dtype, dims, ct, interpret: bool, vmem_limit_bytes):
+  """gmm with each group's whole weights in one block, fetched by hand.
+
+  The grid pipeline fetches a block one step ahead, and a group's weights
+  (MiBs) take longer to arrive than the one or two row tiles before them
+  take to multiply: every group change stalled. Here the weights of the
+  non-empty groups are copied into `RING_SLOTS` VMEM slots in row order,
+  each started when the group `RING_SLOTS` - 1 places before it begins (its
+  slot's previous group is then finished), so a copy has whole groups'
+  compute to hide behind.
+  """
+  m, k = lhs.shape
+  order, count, rank, fresh = _weight_order(group_sizes, sched)
+
+  def copy(rhs_hbm, wbuf, sems, order_ref, r):
+    slot = r % RING_SLOTS
+    return pltpu.make_async_copy(rhs_hbm.at[order_ref[r]], wbuf.at[slot], sems.at[slot])
+
+  def body(s: Schedule, order_ref, count_ref, rank_ref, fresh_ref, lhs_ref, rhs_hbm, out_ref,
+           wbuf, sems):
+    i = grid.program_id("i")
+    r = rank_ref[i]
+
+    @pl.when(fresh_ref[i] == 1)
+    def _():
+      @pl.when(r == 0)
+      def _():
+        for ahead in range(RING_SLOTS - 1):
+          @pl.when(ahead < count_ref[0])
+          def _():
+            copy(rhs_hbm, wbuf, sems, order_ref, ahead).start()
+
+      copy(rhs_hbm, wbuf, sems, order_ref, r).wait()
+
+      @pl.when(r + RING_SLOTS - 1 < count_ref[0])
+      def _():
+        copy(rhs_hbm, wbuf, sems, order_ref, r + RING_SLOTS - 1).start()
+
+    @pl.when(s.mode[i] == COMPUTE)
+    def _():
+      x = lhs_ref[...].astype(ct)
+      w = wbuf[r % RING_SLOTS].astype(ct)
+      store(s, i, out_ref, lax.dot_general(
+          x, w, dims, preferred_element_type=jnp.float32, precision=_dot_precision(ct)))
+
+    @pl.when(s.mode[i] == ZERO)
+    def _():
+      out_ref[...] = jnp.zeros_like(out_ref)
+
+  return _grouped_call(
+      body, grid=grid, sched=sched, prefetch=(order, count, rank, fresh),
+      operands=(lhs, rhs),
+      in_specs=[pl.BlockSpec((tm, k), grid.index_map(lambda nn, i, kk, s: (s.in_tile[i], 0))),
+                pl.BlockSpec(memory_space=pl.ANY)],
+      out_spec=pl.BlockSpec((tm, n), grid.index_map(lambda nn, i, kk, s: (s.tile[i], 0))),
+      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+      scratch_shapes=[pltpu.VMEM((RING_SLOTS,) + rhs.shape[1:], rhs.dtype),
+                      pltpu.SemaphoreType.DMA((RING_SLOTS,))],
+      semantics=dict(n="arbitrary", i="arbitrary", k="arbitrary"),
+      flops=2 * m * k * n,
+      bytes_accessed=(lhs.size * lhs.dtype.itemsize + rhs.size * rhs.dtype.itemsize
+                      + m * n * jnp.dtype(out_dtype).itemsize),
       name="tokamax_gdn_gmm", interpret=interpret, vmem_limit_bytes=vmem_limit_bytes)
 
 
@@ -346,7 +455,19 @@ def tgmm(
   ct = base.compute_dtype(lhs.dtype, rhs.dtype)
   grid = Grid(dict(k=tiles_k, n=tiles_n, i=num_steps), keep="i")
 
-  def body(s: Schedule, lhs_ref, rhs_ref, out_ref, acc_ref):
+  # With whole groups the output blocks (MiBs) leave by hand through a ring
+  # of RING_SLOTS slots: the pipeline wrote each back while the next group's
+  # one or two steps ran and waited for it before reusing its buffer, so
+  # every group change stalled. Group g's block is written back from slot
+  # g % RING_SLOTS (tgmm visits every group once, in order), and the copy
+  # is waited for when group g + RING_SLOTS needs the slot, or at the end.
+  ring = whole_groups(tiles, k, n) and num_groups > 0
+
+  def copy(obuf, out_hbm, sems, group):
+    slot = group % RING_SLOTS
+    return pltpu.make_async_copy(obuf.at[slot], out_hbm.at[group], sems.at[slot])
+
+  def body(s: Schedule, lhs_ref, rhs_ref, out_ref, acc_ref, *ring_refs):
     i = grid.program_id("i")
     g = s.group[i]
     first = (i == 0) | (s.group[jnp.maximum(i - 1, 0)] != g)
@@ -378,18 +499,45 @@ def tgmm(
     pl.when(compute & interior)(lambda: accumulate(False))
     pl.when(compute & ~interior)(lambda: accumulate(True))
 
+    if not ring:
+      @pl.when(last)
+      def _():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+      return
+
+    obuf, sems = ring_refs
+
     @pl.when(last)
     def _():
-      out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+      @pl.when(g >= RING_SLOTS)
+      def _():
+        copy(obuf, out_ref, sems, g - RING_SLOTS).wait()
 
+      obuf[g % RING_SLOTS] = acc_ref[...].astype(obuf.dtype)
+      copy(obuf, out_ref, sems, g).start()
+
+    # The last group ends on the last step (trailing idle steps keep it).
+    @pl.when(i == num_steps - 1)
+    def _():
+      for group in range(max(num_groups - RING_SLOTS, 0), num_groups):
+        copy(obuf, out_ref, sems, group).wait()
+
+  if ring:
+    out_spec = pl.BlockSpec(memory_space=pl.ANY)
+    scratch = [pltpu.VMEM((tk, tn), jnp.float32),
+               pltpu.VMEM((RING_SLOTS, k, n), out_dtype), pltpu.SemaphoreType.DMA((RING_SLOTS,))]
+  else:
+    out_spec = pl.BlockSpec((None, tk, tn),
+                            grid.index_map(lambda kk, nn, i, s: (s.group[i], kk, nn)))
+    scratch = [pltpu.VMEM((tk, tn), jnp.float32)]
   return _grouped_call(
       body, grid=grid, sched=schedule(group_sizes, m=m, tm=tm, visit_empty_groups=True),
       operands=(lhs, rhs),
       in_specs=[pl.BlockSpec((tm, tk), grid.index_map(lambda kk, nn, i, s: (s.in_tile[i], kk))),
                 pl.BlockSpec((tm, tn), grid.index_map(lambda kk, nn, i, s: (s.in_tile[i], nn)))],
-      out_spec=pl.BlockSpec((None, tk, tn),
-                            grid.index_map(lambda kk, nn, i, s: (s.group[i], kk, nn))),
-      out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), acc_shape=(tk, tn),
+      out_spec=out_spec,
+      out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
+      scratch_shapes=scratch,
       semantics=dict(k="parallel", n="parallel", i="arbitrary"),
       flops=2 * m * k * n,
       bytes_accessed=(lhs.size * lhs.dtype.itemsize * tiles_n + rhs.size * rhs.dtype.itemsize
@@ -398,10 +546,12 @@ def tgmm(
 
 
 def vmem_bytes(tiles: Tiles, lhs_dtype, rhs_dtype, out_dtype, *, transposed: bool,
-               buffers: int = 2) -> int:
+               buffers: int = 2, ring: bool = False) -> int:
   """VMEM of gmm (`transposed`=False) or tgmm (True): double-buffered blocks, the
   f32 accumulator (counted twice: the result of each dot before it is added),
-  and the compute-dtype copies of the input blocks made before the matmul."""
+  and the compute-dtype copies of the input blocks made before the matmul.
+  `ring` (`whole_groups`): gmm's weights or tgmm's output blocks sit in
+  RING_SLOTS slots instead."""
   tm, tk, tn = tiles.tm, tiles.tk, tiles.tn
   size = lambda dt: jnp.dtype(dt).itemsize
   ct = base.compute_dtype(lhs_dtype, rhs_dtype)
@@ -409,4 +559,7 @@ def vmem_bytes(tiles: Tiles, lhs_dtype, rhs_dtype, out_dtype, *, transposed: boo
   rhs_block, out_block = (tm * tn, tk * tn) if transposed else (tk * tn, tm * tn)
   blocks = buffers * (tm * tk * size(lhs_dtype) + rhs_block * size(rhs_dtype)
                       + out_block * size(out_dtype))
+  if ring:
+    ring_block = out_block * size(out_dtype) if transposed else rhs_block * size(rhs_dtype)
+    blocks += (RING_SLOTS - buffers) * ring_block
   return blocks + out_block * 4 * 2 + (tm * tk + rhs_block) * size(ct)

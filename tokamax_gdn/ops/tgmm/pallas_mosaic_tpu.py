@@ -7,15 +7,18 @@ rhs[rows_g] with lhs [M, K], rhs [M, N], out [G, K, N]: lhs is read once per
 n tile and rhs once per k tile, so the first choice is the whole [K, N]
 output of a group in one block (a float32 accumulator of K*N*4 bytes), then
 smaller tn, then smaller tk, until the VMEM estimate fits half the chip's
-VMEM. tm (the contraction per step) is 256: each group boundary inside a tile
-costs one extra step, and on v6e's static estimate for the Qwen3.5 shape
-(8192x2048x1024, G=8) 256 beats 512 and 128.
+VMEM. tm (the contraction per step) is 128 where the MXU is 128 wide (v5e,
+v5p) and 256 on the 256-wide ones: each group boundary inside a tile costs
+one extra step; on a v5e chip at MoE shapes (M=16384, 64 groups) 128 was
+the faster (README, "chip-gmm-ring"), and on v6e's static estimate for the
+Qwen3.5 shape (8192x2048x1024, G=8) 256 beats 512 and 128.
 """
 
 import dataclasses
 
 from tokamax._src.ops import op
 
+from tokamax_gdn import config as gdn_config
 from tokamax_gdn.ops.gmm import pallas_mosaic_tpu as gmm_pallas
 from tokamax_gdn.ops.gmm import pallas_mosaic_tpu_kernel as kernel
 from tokamax_gdn.ops.tgmm import base
@@ -32,14 +35,16 @@ def _dims(ba: op.BoundArguments):
 def tgmm_vmem(m, k, n, lhs_dtype, rhs_dtype, out_dtype, cfg: Config) -> int:
   tiles = kernel.tgmm_tiles(m, k, n, lhs_dtype, rhs_dtype, out_dtype,
                             tm=cfg.tm, tk=cfg.tk, tn=cfg.tn)
-  return kernel.vmem_bytes(tiles, lhs_dtype, rhs_dtype, out_dtype, transposed=True)
+  return kernel.vmem_bytes(tiles, lhs_dtype, rhs_dtype, out_dtype, transposed=True,
+                           ring=kernel.whole_groups(tiles, k, n))
 
 
 def _tiling(ba: op.BoundArguments) -> gmm_pallas.Tiling:
   m, k, n, ld, rd, od = _dims(ba)
   # k is the first "parallel" axis: on v5p it is split across the two cores.
   return gmm_pallas.Tiling(k, n, parallel_k=True,
-                           vmem=lambda cfg: tgmm_vmem(m, k, n, ld, rd, od, cfg))
+                           vmem=lambda cfg: tgmm_vmem(m, k, n, ld, rd, od, cfg),
+                           tm=gdn_config.target_generation().mxu)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +59,8 @@ class PallasMosaicTpuTgmm(gmm_pallas.PallasGroupedMatmul, base.Tgmm[Config, None
     n = rhs.shape[1]
     tiles = kernel.tgmm_tiles(m, k, n, lhs.dtype, rhs.dtype, out_dtype,
                               tm=config.tm, tk=config.tk, tn=config.tn)
-    estimate = kernel.vmem_bytes(tiles, lhs.dtype, rhs.dtype, out_dtype, transposed=True)
+    estimate = kernel.vmem_bytes(tiles, lhs.dtype, rhs.dtype, out_dtype, transposed=True,
+                                 ring=kernel.whole_groups(tiles, k, n))
     return kernel.tgmm(
         lhs, rhs, group_sizes,
         tiles=tiles, out_dtype=out_dtype, interpret=interpret,
