@@ -186,13 +186,15 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
           - d_dout
           + jnp.where(lane == c - 1, jnp.sum(d_dout) + d_lam, 0.0))
       # decay_in's part, into lane i of the carried columns: no cancellation
-      # to keep. v5e: a lane reduction in float32 (XLU), off the MXU, whose
-      # streamed rows bound this kernel there; elsewhere on the MXU
-      # (`gates.lane_rowsums`, cheaper on v6e's and tpu7x's estimates), one
-      # bf16 piece for bf16 inputs (a_log's and dt_bias's gradients stay well
-      # within the bf16 tolerance), two for float32.
+      # to keep. v5e, bf16 inputs: a lane reduction in float32 (XLU), off the
+      # MXU, whose streamed rows bound this kernel there (for float32 inputs
+      # its temporaries took the Qwen3-Next backward 62 KiB past v5e's VMEM
+      # limit); elsewhere on the MXU (`gates.lane_rowsums`, cheaper on v6e's
+      # and tpu7x's estimates), one bf16 piece for bf16 inputs (a_log's and
+      # dt_bias's gradients stay well within the bf16 tolerance), two for
+      # float32.
       d_in = dk_in * k[ku] + dqw[u][:c] * q[ku]
-      if st.v5e_forms and not f_cols:
+      if st.v5e_forms and not f_cols and st.passes == 1:
         carry = carry + jnp.where(carry_lane == i, jnp.sum(d_in, axis=1, keepdims=True), 0.0)
       else:
         carry = carry + gates.lane_rowsums(d_in, i, pieces=1 if st.passes == 1 else 2,
