@@ -57,12 +57,14 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
   if st.guard:
     guard.guard_bwd_rows(r, st, gate, causal, leave)
   lane = lax.broadcasted_iota(jnp.int32, (1, c), 1)
-  carry_lane = lax.broadcasted_iota(jnp.int32, (c, 128), 1)
   # bf16 inputs under `st.f_cols`: the row sums of f ⊙ β (d_gcum's, below)
   # as columns, with β rounded to bf16, laid out as columns once: β's rows
   # against the one-hot (Hv, 128), transposed on the MXU (lane i: head i's β
   # column, exact).
   f_cols = st.passes == 1 and st.f_cols
+  # decay_in's part of d_gcum as a float32 lane reduction (below), or on the MXU.
+  lane_sums = st.v5e_forms and not f_cols and st.passes == 1
+  carry_lane = lax.broadcasted_iota(jnp.int32, (c, 128), 1) if lane_sums else None
   if f_cols:
     b_rows = numerics.rounded_bf16(rows_scr[kernel_prologue.BETA], 1, st.v5e_forms)[0][0]
     b_cols = numerics.mm(b_rows, (lax.broadcasted_iota(jnp.int32, (st.hv, 128), 0)
@@ -194,7 +196,7 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
       # dt_bias's gradients stay well within the bf16 tolerance), two for
       # float32.
       d_in = dk_in * k[ku] + dqw[u][:c] * q[ku]
-      if st.v5e_forms and not f_cols and st.passes == 1:
+      if lane_sums:
         carry = carry + jnp.where(carry_lane == i, jnp.sum(d_in, axis=1, keepdims=True), 0.0)
       else:
         carry = carry + gates.lane_rowsums(d_in, i, pieces=1 if st.passes == 1 else 2,
