@@ -16,6 +16,65 @@ from tokamax_gdn.ops import numerics
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
+def _folded_rows(size: int, c: int) -> int:
+  """Rows of the folded tiles of the merge of size-blocks into 2·size ones:
+  2·size, at least 16 (a bf16 vreg's rows), at most C (not folded)."""
+  return min(c, max(16, 2 * size))
+
+
+def _block_of(x, size: int):
+  return lax.shift_right_logical(x, jnp.int32(int(math.log2(size))))
+
+
+def _coords(r: int, c: int):
+  """(full row, column) of each element of a tile folded to r rows."""
+  i = lax.broadcasted_iota(jnp.int32, (r, c), 0)
+  j = lax.broadcasted_iota(jnp.int32, (r, c), 1)
+  return _block_of(j, r) * r + i, j
+
+
+def _merge_masks(i, j, size: int):
+  """At full coordinates (i, j), the masks of the merge of size-blocks into
+  2·size ones (`invert_unit_lower`): the off blocks of the pair's a's, and
+  the parts of z the products take left and right of them."""
+  rb, cb = _block_of(i, size), _block_of(j, size)
+  first = (rb & jnp.int32(1)) == 0
+  off = (_block_of(i, 2 * size) == _block_of(j, 2 * size)) & (rb != cb)
+  lower, upper = i >= j, i <= j
+  left = (first & upper) | (jnp.logical_not(first) & lower)
+  right = (first & lower) | (jnp.logical_not(first) & upper)
+  return off, left, right
+
+
+def _fold(x, r: int):
+  """A (C, C) tile whose r×r diagonal blocks are side by side in r rows:
+  [i, j] = x[r·(j // r) + i, j] (selects of its row blocks; lanes stay)."""
+  c = x.shape[0]
+  if r == c:
+    return x
+  blk = _block_of(lax.broadcasted_iota(jnp.int32, (r, c), 1), r)
+  out = x[:r]
+  for b in range(1, c // r):
+    out = jnp.where(blk == b, x[b * r:(b + 1) * r], out)
+  return out
+
+
+def _refold(x, r: int, rows: int):
+  """`_fold` to r rows of a block-diagonal tile (r×r blocks) refolded to
+  `rows` (a multiple of r): the row blocks of the wider fold are x where
+  its lane block sits at that row block, else 0."""
+  c = x.shape[1]
+  blk = _block_of(lax.broadcasted_iota(jnp.int32, (r, c), 1), r) & jnp.int32(rows // r - 1)
+  return jnp.concatenate([jnp.where(blk == j, x, 0.0) for j in range(rows // r)], 0)
+
+
+def _tiled(x, c: int):
+  """A tile folded to r rows stacked to (C, C): right operands take it
+  masked to the r×r diagonal blocks."""
+  r = x.shape[0]
+  return x if r == c else jnp.concatenate([x] * (c // r), 0)
+
+
 def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   """(I + a)⁻¹ for a list of strictly lower-triangular a (C×C f32).
 
@@ -55,12 +114,20 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   the unrolled kernels invert every head group's matrices in one list
   (`fwd_kernel._fwd_chunk`; tpu7x, whose head groups run in a loop, pairs
   per group). Each step (pairs, one list, no Newton step for bf16) made the
-  forward kernels cheaper on the v6e, v5e and tpu7x estimates.
+  forward kernels cheaper on the v6e, v5e and tpu7x estimates. On v5e
+  (4 MXUs of 128×128) the left operand's rows count too: 16 cycles per bf16
+  vreg of 16 rows, after 8 pushes of the right operand 4 cycles apart, and
+  the forward kernels are bound by the MXUs' streamed rows, half of them
+  the merges'. Level s (2s-blocks) is block-diagonal with r×r blocks for
+  r ≥ 2s, so its left operands are folded to r = max(16, 2s) rows
+  (`_fold`): 16 rows for the 2-, 4-, 8- and 16-blocks, 32 and 64 for the
+  next, C only for the last level (same products, bit-identical T): the
+  Qwen3-Next forward kernel 0.643 -> 0.534 M estimated cycles on v5e at
+  T = 4096, and slightly cheaper on v6e and tpu7x too.
   """
   c = a_list[0].shape[0]
   row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
   col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
-  block_of = lambda x, size: lax.shift_right_logical(x, jnp.int32(int(math.log2(size))))
   lower, upper = row >= col, row <= col
   # Pairs: a_{2i} and a_{2i+1}ᵀ in one tile (strictly lower / strictly
   # upper), their inverses T_{2i} and T_{2i+1}ᵀ in one tile z (unit diagonal
@@ -73,26 +140,47 @@ def invert_unit_lower(a_list, *, newton, v5e_forms=False):
   combs = [a.astype(wide) if an is None else a.astype(wide) + an.astype(wide).T
            for a, an in pairs]
   base = min(2, c)
-  eye = (row == col).astype(F32)
-  same = block_of(row, base) == block_of(col, base)
-  zs = [eye - jnp.where(same, comb, 0.0).astype(F32) for comb in combs]   # 2×2 blocks: I − a
   # Merges size → 2·size, T ← T − T a_off T, both matrices of a pair in one
   # product each: the lower one's off block (second half's rows, first half's
   # columns of each 2·size window) and the upper one's (the mirror) are
   # disjoint, and so are the rows of z each needs on the right (the lower
   # one's T in the first halves, the upper one's in the second) and on the
   # left (the other way round).
+  #
+  # Folded tiles: while the merged blocks have at most r rows (r =
+  # `_folded_rows(size, c)`), every tile of a level is block-diagonal with
+  # r×r blocks, and the left operands and z are kept folded to r rows
+  # (`_fold`: the diagonal blocks side by side, lanes where they are, so
+  # folding and unfolding are selects). A folded left operand against the
+  # full right one is the folded product, with r rows instead of C through
+  # the MXU (see "Cost" above).
+  r = _folded_rows(base, c)
+  combs_r = {}
+
+  def comb_at(k, rows):
+    if (k, rows) not in combs_r:
+      combs_r[k, rows] = _fold(combs[k], rows)
+    return combs_r[k, rows]
+
+  fr, fc = _coords(r, c)
+  same = _block_of(fr, base) == _block_of(fc, base)
+  eye = (fr == fc).astype(F32)
+  zs = [eye - jnp.where(same, comb_at(k, r), 0.0).astype(F32)            # 2×2 blocks: I − a
+        for k in range(len(combs))]
   size = base
   while size < c:
-    rb, cb = block_of(row, size), block_of(col, size)
-    first = (rb & jnp.int32(1)) == 0
-    off = (block_of(row, 2 * size) == block_of(col, 2 * size)) & (rb != cb)
-    second = jnp.logical_not(first)
-    right = (first & lower) | (second & upper)
-    left = (first & upper) | (second & lower)
-    prods = [numerics.mm(numerics.lhs_masked(off, comb, v5e_forms).astype(BF16),
-                 jnp.where(right, z, 0.0).astype(BF16)) for comb, z in zip(combs, zs)]
-    zs = [z - numerics.mm(numerics.lhs_masked(left, z, v5e_forms).astype(BF16), pr.astype(BF16))
+    rows = _folded_rows(size, c)
+    if rows != r:
+      zs = [_refold(z, r, rows) for z in zs]
+      r = rows
+    off, left, _ = _merge_masks(*_coords(r, c), size)     # on the folded tiles
+    in_block = _block_of(row, r) == _block_of(col, r)
+    right = in_block & _merge_masks(row, col, size)[2]    # on the full right operands
+    prods = [numerics.mm(numerics.lhs_masked(off, comb_at(k, r), v5e_forms).astype(BF16),
+                         jnp.where(right, _tiled(z, c), 0.0).astype(BF16))
+             for k, z in enumerate(zs)]
+    zs = [z - numerics.mm(numerics.lhs_masked(left, z, v5e_forms).astype(BF16),
+                          jnp.where(in_block, _tiled(pr, c), 0.0).astype(BF16))
           for z, pr in zip(zs, prods)]
     size *= 2
   # (a, T0, strict mask, transposed): an upper one's T0 is T_iᵀ, the inverse
