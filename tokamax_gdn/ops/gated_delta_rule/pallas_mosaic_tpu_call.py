@@ -89,12 +89,12 @@ def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states
                  **pro.static())
 
 
-def head_scratch(st: common.Static, values: tuple[str, ...]) -> list[common.Operand]:
-  """Row scratch and head-major f32 copies: q, k, then the (Hv, C, V) arrays
-  named in `values`."""
-  return ([common.Operand("rows", shape=pltpu.VMEM((kernel_prologue.N_ROWS, st.hv, st.chunk), F32)),
-           common.Operand("qh", shape=pltpu.VMEM((st.hk, st.chunk, st.dim_k), F32)),
-           common.Operand("kh", shape=pltpu.VMEM((st.hk, st.chunk, st.dim_k), F32))]
+def head_scratch(st: common.Static, values: tuple[str, ...], q: bool = True) -> list[common.Operand]:
+  """Row scratch and head-major f32 copies: q (if `q`), k, then the (Hv, C,
+  V) arrays named in `values`."""
+  heads = ("qh", "kh") if q else ("kh",)
+  return ([common.Operand("rows", shape=pltpu.VMEM((kernel_prologue.N_ROWS, st.hv, st.chunk), F32))]
+          + [common.Operand(n, shape=pltpu.VMEM((st.hk, st.chunk, st.dim_k), F32)) for n in heads]
           + [common.Operand(n, shape=pltpu.VMEM((st.hv, st.chunk, st.dim_v), F32)) for n in values])
 
 
@@ -319,7 +319,8 @@ def _run_fwd(inputs: list[common.Operand], h0, st: common.Static, seg: "_Segment
     if st.guard:
       outputs.append(_guard_fwd_operand(st, b, nc, lambda i: i))
   scratch = ([common.Operand("s", shape=pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32))]
-             + head_scratch(st, ("vh", "out_heads") if write_out else ("vh",))
+             + head_scratch(st, ("vh", "out_heads") if write_out else ("vh",),
+                            q=common.q_scratch(st, write_out))
              + _guard_scratch(st, 1))
   res = pallas_call(
       functools.partial(fwd_kernel.fwd_kernel, write_out=write_out, emit=emit_residuals), st,

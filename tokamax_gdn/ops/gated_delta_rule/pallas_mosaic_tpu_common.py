@@ -152,10 +152,17 @@ class Operand:
   shape: Any = None
 
 
-def lanes(ref, start: int, width: int, st: Static, c_idx):
+def lanes(ref, start, width: int, st: Static, c_idx):
   """Lanes [start, start + width) of a (C, ·) token block in f32, an aligned
-  slice (no relayout); rows at or past T zeroed."""
-  return tail_mask(ref[:, start:start + width].astype(F32), st, c_idx)
+  slice (no relayout); rows at or past T zeroed. `start` may be traced (a
+  head group's index in a loop), a multiple of `width`."""
+  return tail_mask(ref[:, _lane_slice(start, width)].astype(F32), st, c_idx)
+
+
+def _lane_slice(start, width: int):
+  if isinstance(start, int):
+    return slice(start, start + width)
+  return pl.ds(pl.multiple_of(start, width), width)
 
 
 def load_heads(ref, scr, st: Static, c_idx):
@@ -164,6 +171,29 @@ def load_heads(ref, scr, st: Static, c_idx):
   d = scr.shape[-1]
   for j in range(scr.shape[0]):
     scr[j] = lanes(ref, j * d, d, st, c_idx)
+
+
+class BlockHeads:
+  """The heads of a (C, H D) token block as `load_heads` would put them in
+  scratch, read from the block where they are used: `heads[j]` is head j
+  (C, D) f32, rows at or past T zeroed."""
+
+  def __init__(self, ref, d: int, st: Static, c_idx):
+    self._ref, self._d, self._st, self._c_idx = ref, d, st, c_idx
+
+  def __getitem__(self, j: int):
+    return lanes(self._ref, j * self._d, self._d, self._st, self._c_idx)
+
+
+def q_scratch(st: Static, write_out: bool) -> bool:
+  """Whether a forward kernel keeps q in the head-major f32 scratch "qh":
+  where it is filled from the packed input (`packed`) or normalised in place
+  (`qk_in_place`, a loop over the heads). Otherwise the head groups read q
+  from its block (`BlockHeads`): the copy cost a store per f32 vreg, and
+  the store slot (one a bundle) is what v5e's forward kernels are short of
+  before their products start (v5e forward estimate -1.4 %); and the states
+  pass (no outputs) reads no q."""
+  return st.packed or (write_out and st.qk_in_place)
 
 
 def store_heads(scr, ref, rows=None):

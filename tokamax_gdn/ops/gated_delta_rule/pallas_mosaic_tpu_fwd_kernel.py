@@ -126,8 +126,13 @@ def _fwd_chunk(r: common.Refs, st: common.Static, write_out: bool, emit: bool, r
     kernel_prologue.packed_heads(r.qkv, b_ref, qh_scr, kh_scr, vh_scr, st, c_idx, rows)
   else:
     # The states pass (no outputs) reads no queries: they reach the outputs
-    # only (the states pass skips their copy, norm and half of [Q; K] Kᵀ).
-    for ref, scr in ((q_ref, qh_scr), (k_ref, kh_scr), (v_ref, vh_scr))[0 if write_out else 1:]:
+    # only (the states pass skips their norm and half of [Q; K] Kᵀ). Without
+    # a q scratch (`common.q_scratch`) the head groups read q from its block.
+    if qh_scr is None:
+      qh_scr = common.BlockHeads(q_ref, dim_k, st, c_idx)
+    else:
+      common.load_heads(q_ref, qh_scr, st, c_idx)
+    for ref, scr in ((k_ref, kh_scr), (v_ref, vh_scr)):
       common.load_heads(ref, scr, st, c_idx)
   if st.qk_l2norm and st.qk_in_place:
     def normalise(j, carry):
