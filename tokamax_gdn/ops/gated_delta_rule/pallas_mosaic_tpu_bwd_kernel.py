@@ -30,9 +30,14 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
   dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref = (
       r.dq, r.dk, r.dv, r.d_gate, r.dbeta, r.d_h0)
   ds_scr, rows_scr, qh_scr, kh_scr, vh_scr, doh_scr = r.ds, r.rows, r.qh, r.kh, r.vh, r.doh
-  dq_scr, dk_scr, dv_scr = r.dq_heads, r.dk_heads, r.dv_heads
   dgr_scr, dbr_scr = r.dg_rows, r.db_rows
   c, c_idx = st.chunk, pl.num_programs(1) - 1 - pl.program_id(1)
+  # dq, dk, dv go into their (C, H D) output blocks head by head, in the
+  # blocks' dtype: through f32 head-major scratch they took a store per f32
+  # vreg more (and its load back), on the store slot v5e's backward is short
+  # of (-2 % on its estimate), and 4 MiB of scoped VMEM at Qwen3-Next heads.
+  dq_heads, dk_heads, dv_heads = (common.BlockHeads(ref, d, st, c_idx) for ref, d in
+                            ((dq_ref, st.dim_k), (dk_ref, st.dim_k), (dv_ref, st.dim_v)))
   dim_k = st.dim_k
   dot = functools.partial(numerics.mxu, passes=st.passes, v5e_forms=st.v5e_forms)
 
@@ -145,7 +150,7 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
     for u, i in heads.items():
       ku = kj(u)
       d_p, d_kb = dpk[u][:c], dpk[u][c:]
-      dv_scr[i] = d_xin[u][:, dim_k:]
+      dv_heads[i] = d_xin[u][:, dim_k:]
       d_kk = n_da[u] * ngb[u]                                          # dA' ⊙ β_j Γ
       nd_qk = numerics.lhs_masked(causal, d_p * ngb[u], st.v5e_forms)           # −d_QK
       dqk_sum[ku] = acc(dqk_sum, ku, jnp.concatenate([nd_qk, d_kk], 0))
@@ -212,8 +217,8 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
       # whose gradients come poisoned), the norms taken again: kept from the
       # start, they took tpu7x's backward past its scoped VMEM limit
       # at C=64, and v6e's estimate gained nothing.
-      dq_scr[j] = kernel_prologue.normed_vjp((q[ku], kernel_prologue.normed(qh_scr[j], st)[1]), dq_acc[ku], st.scale)
-      dk_scr[j] = kernel_prologue.normed_vjp((k[ku], kernel_prologue.normed(kh_scr[j], st)[1]), dk_acc[ku])
+      dq_heads[j] = kernel_prologue.normed_vjp((q[ku], kernel_prologue.normed(qh_scr[j], st)[1]), dq_acc[ku], st.scale)
+      dk_heads[j] = kernel_prologue.normed_vjp((k[ku], kernel_prologue.normed(kh_scr[j], st)[1]), dk_acc[ku])
     return carry
 
   in_cols = common.run_groups(st, group, jnp.zeros((c, 128), F32))
@@ -227,7 +232,7 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
   d_g = functools.reduce(operator.add, [
       numerics.mm(piece, mask) for piece in numerics.split_bf16(d_gcum, 3, st.v5e_forms)])
   if st.guard:      # NaN into every gradient of the poisoned tokens
-    guard.guard_bwd_tiles(r, st)
+    guard.guard_bwd_tiles(r, st, dq_heads, dk_heads, dv_heads)
     poison = guard.nan_where(r.guard_rows[0])
     d_g = d_g + poison
     dbr_scr[...] = dbr_scr[...] + poison
@@ -250,8 +255,6 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
     beta = rows_scr[kernel_prologue.BETA]
     d_beta = d_beta * (beta * (1.0 - beta))
   db_ref[...] = d_beta.T.astype(db_ref.dtype)
-  for ref, scr in ((dq_ref, dq_scr), (dk_ref, dk_scr), (dv_ref, dv_scr)):
-    common.store_heads(scr, ref)
 
   if dh0_ref is None:    # no initial state: no gradient of it
     return

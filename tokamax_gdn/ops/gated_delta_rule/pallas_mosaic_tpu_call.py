@@ -447,10 +447,7 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
                 for name in ("d_a_log", "d_dt_bias")]
   scratch = ([common.Operand("ds", shape=pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32))]
              + head_scratch(st, ("vh", "doh"))
-             + [common.Operand("dq_heads", shape=pltpu.VMEM((st.hk, chunk, st.dim_k), F32)),
-                common.Operand("dk_heads", shape=pltpu.VMEM((st.hk, chunk, st.dim_k), F32)),
-                common.Operand("dv_heads", shape=pltpu.VMEM((st.hv, chunk, st.dim_v), F32)),
-                common.Operand("dg_rows", shape=pltpu.VMEM((st.hv, chunk), F32)),
+             + [common.Operand("dg_rows", shape=pltpu.VMEM((st.hv, chunk), F32)),
                 common.Operand("db_rows", shape=pltpu.VMEM((st.hv, chunk), F32))]
              + _guard_scratch(st, 2))
   res = pallas_call(

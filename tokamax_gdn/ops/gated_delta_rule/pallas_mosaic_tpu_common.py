@@ -176,13 +176,18 @@ def load_heads(ref, scr, st: Static, c_idx):
 class BlockHeads:
   """The heads of a (C, H D) token block as `load_heads` would put them in
   scratch, read from the block where they are used: `heads[j]` is head j
-  (C, D) f32, rows at or past T zeroed."""
+  (C, D) f32, rows at or past T zeroed; `heads[j] = x` writes head j (C, D)
+  in the block's dtype (`store_heads` without the scratch). j may be
+  traced."""
 
   def __init__(self, ref, d: int, st: Static, c_idx):
     self._ref, self._d, self._st, self._c_idx = ref, d, st, c_idx
 
-  def __getitem__(self, j: int):
+  def __getitem__(self, j):
     return lanes(self._ref, j * self._d, self._d, self._st, self._c_idx)
+
+  def __setitem__(self, j, x):
+    self._ref[:, _lane_slice(j * self._d, self._d)] = x.astype(self._ref.dtype)
 
 
 def q_scratch(st: Static, write_out: bool) -> bool:

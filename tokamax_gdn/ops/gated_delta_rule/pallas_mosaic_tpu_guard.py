@@ -218,8 +218,9 @@ def guard_bwd_rows(r: "_Refs", st: "_Static", gate: "ChunkGate", causal, leave):
   rows[0] = jnp.maximum(rows[0], back)
 
 
-def guard_bwd_tiles(r: "_Refs", st: "_Static"):
-  """NaN into the chunk's dq, dk, dv head tiles (scratch) at the poisoned
+def guard_bwd_tiles(r: "_Refs", st: "_Static", dq, dk, dv):
+  """NaN into the chunk's dq, dk, dv head tiles (`common.BlockHeads` of their
+  output blocks, written by the head groups already) at the poisoned
   tokens (`guard_rows[0]`): dv per value head, dq and dk where any value
   head of the key head's group is (`SegmentGuard.poison_gradients`), in a
   branch taken only in a chunk with a poisoned token, on every generation.
@@ -233,9 +234,9 @@ def guard_bwd_tiles(r: "_Refs", st: "_Static"):
     for i in heads:
       flags = rows[0, pl.ds(i, 1), :]
       key = jnp.maximum(key, flags)
-      r.dv_heads[i] = r.dv_heads[i] + _poison_tile(nan_where(flags), st.dim_v, st)
+      dv[i] = dv[i] + _poison_tile(nan_where(flags), st.dim_v, st)
     tile = _poison_tile(nan_where(key), st.dim_k, st)
-    r.dq_heads[j] = r.dq_heads[j] + tile
-    r.dk_heads[j] = r.dk_heads[j] + tile
+    dq[j] = dq[j] + tile
+    dk[j] = dk[j] + tile
 
   pl.when(jnp.max(rows[0]) > 0.0)(lambda: _guard_heads(st, key_head))

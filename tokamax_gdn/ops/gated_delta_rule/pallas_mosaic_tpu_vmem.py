@@ -93,6 +93,9 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
   residuals = hv * (dim_k * dim_v + chunk * chunk) * itemsize
   f32 = _F32_BLOCKS[kernel] * value if itemsize == 4 else 0
   if kernel == "bwd":
+    # dq, dk, dv's head-major scratch counted as in the fits (2 key + 1
+    # value), though the kernel now writes them into their output blocks
+    # (`bwd_kernel`): that much margin, not refitted.
     scratch = state + 4 * key + 3 * value + rows
     blocks = (4 * key + 3 * value) * itemsize // 4 + residuals
     long = _LONG_BWD_HEADROOM * max(1, hv / 16) if length > _LONG_BWD_FROM else 0
