@@ -7,9 +7,11 @@ the TPU the process finds, with XLA's full optimisation pipeline.
 """
 
 import gc
+import json
 import os
 import subprocess
 import sys
+import tempfile
 
 
 def _tpu_tier(argv) -> bool:
@@ -114,9 +116,65 @@ def pytest_collection_modifyitems(items):
 
 # Tests marked `aot` load libtpu to compile for TPU generations. libtpu beside
 # XLA:CPU in one process aborted a pytest-xdist worker once ("Fatal Python
-# error: Aborted" in a later XLA:CPU compile of another test), so each runs
-# in a child process of its own: a crash there fails that test, not the run.
+# error: Aborted" in a later XLA:CPU compile of another test), so they run in
+# a child process (`tests/aot_child.py`): a crash there fails that test, not
+# the run. One child serves a worker's aot tests in turn (a child per test
+# cost ~6 s each to start); a crashed one is replaced for the next test, and
+# one past _AOT_CHILD_MAX_RSS is replaced before it.
 _AOT_CHILD = "TOKAMAX_GDN_AOT_CHILD"
+_AOT_CHILD_MAX_RSS = 8 << 30
+_aot_child = None
+
+
+def _rss_bytes(pid):
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+  except (OSError, StopIteration, ValueError):
+    return 0
+
+
+def _stop_aot_child():
+  global _aot_child
+  if _aot_child is not None:
+    _aot_child.stdin.close()
+    try:
+      _aot_child.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+      _aot_child.kill()
+      _aot_child.wait()
+    _aot_child = None
+
+
+def _run_in_aot_child(nodeid, rootpath, log_path):
+  """(exit code or None if the child died, the test's output) of `nodeid` run in the child."""
+  global _aot_child
+  if _aot_child is not None and (_aot_child.poll() is not None
+                                 or _rss_bytes(_aot_child.pid) > _AOT_CHILD_MAX_RSS):
+    _stop_aot_child()
+  if _aot_child is None:
+    _aot_child = subprocess.Popen(
+        [sys.executable, "-m", "tests.aot_child"], cwd=str(rootpath), text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(os.environ, **{_AOT_CHILD: "1"}))
+  try:
+    _aot_child.stdin.write(json.dumps(dict(nodeid=nodeid, log=str(log_path))) + "\n")
+    _aot_child.stdin.flush()
+    reply = _aot_child.stdout.readline()
+  except BrokenPipeError:
+    reply = ""
+  out = ""
+  if os.path.exists(log_path):
+    with open(log_path, errors="replace") as f:
+      out = f.read()
+  if reply:
+    return json.loads(reply)["rc"], out
+  rc = _aot_child.wait()
+  _aot_child = None
+  return None, out + f"\n[the aot child process died: exit code {rc}]"
+
+
+def pytest_sessionfinish(session):  # pylint: disable=unused-argument
+  _stop_aot_child()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -124,14 +182,12 @@ def pytest_pyfunc_call(pyfuncitem):
   if (os.environ.get(_AOT_CHILD) or TPU_TIER
       or pyfuncitem.get_closest_marker("aot") is None):
     return None
-  cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
-         "-rs", pyfuncitem.nodeid]
-  proc = subprocess.run(cmd, env=dict(os.environ, **{_AOT_CHILD: "1"}), capture_output=True,
-                        text=True, cwd=str(pyfuncitem.config.rootpath), check=False)
-  tail = (proc.stdout + proc.stderr)[-4000:]
-  if proc.returncode == 0 and " passed" in proc.stdout:
+  with tempfile.TemporaryDirectory(prefix="aot_child_") as tmp:
+    rc, out = _run_in_aot_child(pyfuncitem.nodeid, pyfuncitem.config.rootpath,
+                                os.path.join(tmp, "out.txt"))
+  tail = out[-4000:]
+  if rc == 0 and " passed" in out:
     return True
-  if proc.returncode == 0 and " skipped" in proc.stdout:
+  if rc == 0 and " skipped" in out:
     pytest.skip(f"skipped in its child process: {tail[-500:]}")
-  pytest.fail(f"{pyfuncitem.nodeid} in a child process (exit {proc.returncode}):\n{tail}",
-              pytrace=False)
+  pytest.fail(f"{pyfuncitem.nodeid} in a child process (exit {rc}):\n{tail}", pytrace=False)

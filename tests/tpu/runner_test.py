@@ -2,7 +2,9 @@
 a pass, a failure, a stall, a crash of the process, and tests after each."""
 
 import json
+import os
 import textwrap
+import time
 
 from tests.tpu import runner
 
@@ -58,15 +60,32 @@ def test_stalls_and_crashes_are_contained_and_the_rest_runs(tmp_path):
   assert results[next(i for i in results if "d_after" in i)]["compiles"] == 0
 
 
-def test_a_spent_budget_leaves_tests_for_the_next_call(tmp_path):
+class _ClockPastBudgetInStall:
+  """The runner's `time`, whose clock jumps a day ahead once test_c_stall has
+  started (its start line is in the results): the budget runs out in the
+  stall on a machine of any load, without a CI worker waiting for it."""
+
+  sleep = staticmethod(time.sleep)
+
+  def __init__(self, results_path):
+    self._results = results_path
+
+  def time(self):
+    stalled = False
+    if os.path.exists(self._results):
+      with open(self._results) as f:
+        stalled = "test_c_stall" in f.read()
+    return time.time() + (86400.0 if stalled else 0.0)
+
+
+def test_a_spent_budget_leaves_tests_for_the_next_call(tmp_path, monkeypatch):
   (tmp_path / "test_fake.py").write_text(_FAKE)
   out = tmp_path / "out"
-  # The budget runs out in the stall: it and what follows are not run. (The
-  # budget leaves room for a loaded machine: the first test imports jax and
-  # compiles; the rest of the budget is spent waiting in the stall, a CI
-  # worker's time.)
-  first = runner.run(str(out), _args(tmp_path), budget_s=25, test_timeout_s=120, poll_s=0.1,
-                     log=lambda _: None)
+  # The budget runs out in the stall: it and what follows are not run.
+  with monkeypatch.context() as m:
+    m.setattr(runner, "time", _ClockPastBudgetInStall(str(out / "results.jsonl")))
+    first = runner.run(str(out), _args(tmp_path), budget_s=600, test_timeout_s=120,
+                       poll_s=0.1, log=lambda _: None)
   assert "c_stall" in " ".join(first["not_run"])
   assert first["counts"] == dict(passed=1, failed=1)
   # ...and a second call with the same folder and a short timeout runs only those.

@@ -216,8 +216,23 @@ def aot_layout_cases(mesh, layouts):
 
 
 def aot_cases_of(mesh, spec_names):
-  """`aot_cases` of several of tokamax's layouts, one child for all."""
+  """`aot_cases` of several of tokamax's layouts."""
   return [case for name in spec_names for case in aot_cases(mesh, spec_name=name)]
+
+
+def _compile_here(target, builder, **kwargs):
+  """What `aot.compile_in_child(target, builder, kwargs, cycles=False)` returns,
+  compiled in this process: an `aot` test runs in a child process of its own
+  already (tests/conftest.py), and a second one cost a start of Python, jax
+  and libtpu. (Cycle estimates need libtpu started with the dump: a child.)"""
+  results = []
+  mesh = aot.target_mesh(target)
+  for label, fn, args in builder(mesh, **kwargs):
+    try:
+      results.append(aot.ChildResult(label, aot.compile_for(target, fn, *args, mesh=mesh)))
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      results.append(aot.ChildResult(label, None, f"{type(e).__name__}: {str(e).splitlines()[0]}"))
+  return results
 
 
 def test_window_checkpoint_buffers_stay_in_range():
@@ -251,8 +266,8 @@ _SHORT_HEADS = [
 
 
 def aot_v5e_cases(mesh, spec_names, layouts):
-  """`aot_cases_of` the specs, then `aot_layout_cases` of the layouts: one
-  child (each costs an import of jax and libtpu) for the v5e compiles below."""
+  """`aot_cases_of` the specs, then `aot_layout_cases` of the layouts: the
+  v5e compiles below."""
   return aot_cases_of(mesh, spec_names) + aot_layout_cases(mesh, layouts)
 
 
@@ -283,9 +298,7 @@ def test_serving_compiles_for_v5e():
   """The layouts above, and heads whose d_k or d_v is not a multiple of 128
   (run padded to 128 lanes on a chip, `pallas_mosaic_tpu._lane_dims`)
   through both paths, compile for v5e."""
-  res = aot.compile_in_child(
-      "v5e", "tests.ops.causal_conv1d_gated_delta_rule.pallas_mosaic_tpu_test:aot_v5e_cases",
-      dict(spec_names=list(_V5E_SPECS), layouts=_SHORT_HEADS), cycles=False, timeout=900)
+  res = _compile_here("v5e", aot_v5e_cases, spec_names=list(_V5E_SPECS), layouts=_SHORT_HEADS)
   assert [r.error for r in res] == [None] * (len(_V5E_SPECS) + len(_SHORT_HEADS)), (
       [r.error for r in res])
   kernels = [*_V5E_SPECS.values(), "gdn_fwd_requests", "gdn_serve_decode"]
@@ -432,9 +445,7 @@ def test_one_request_prefill_compiles(target):
   `gdn_fwd_requests`). v6e's forms of the kernel (unrolled head groups)
   compile in the next test, with static block indices instead (an own v6e
   compile here cost 18 CPU-s of the CI budget)."""
-  (res,) = aot.compile_in_child(
-      target, "tests.ops.causal_conv1d_gated_delta_rule.pallas_mosaic_tpu_test:aot_cases",
-      dict(spec_name="tp8_prefill_1024"), cycles=False, timeout=600)
+  (res,) = _compile_here(target, aot_cases, spec_name="tp8_prefill_1024")
   assert res.report is not None, res.error
   assert res.report.pallas_calls.get("gdn_fwd_requests") == 1, res.report.pallas_calls
 
