@@ -37,8 +37,8 @@ request of the tile is traced, in groups of `_GROUP`.
 
 Windows of several tokens (`window_group`) loop over the tile's requests the
 same way, n per iteration, each window's tokens at once (`_Window`: the
-in-window products as small matrices, every checkpoint S_t = exp(G_t) S0 +
-K^T W_t from one MXU product), phase by phase over the n requests and their
+in-window products as small matrices, then each checkpoint a rank-one
+update of the previous one), phase by phase over the n requests and their
 heads, with no branch or wait between them; every token of the window
 computes (those past a request's length are selected away, and none reaches
 an earlier one). A short prefill longer than the window then runs token by
@@ -46,7 +46,7 @@ token from its first token again, its state in f32 scratch (`state_slots`).
 The token-by-token scan that windows ran before (a branch per request and
 token at first, then two requests interleaved) spent most of its bundles on
 products of q and k with the f32 state and on spilling (v5e estimate of
-tp8_spec3_decode_64_ctx1024's kernel: 227 k cycles then, 133 k now).
+tp8_spec3_decode_64_ctx1024's kernel: 227 k cycles then, 121 k now).
 
 Why every DMA is started and waited in the same grid step: libtpu's static
 cycle estimator aborts ("No DMA issue node found for sync flag") on a wait
@@ -440,32 +440,29 @@ class _Window:
     for s <= t (the Grams in three bf16 passes, ~f32),
     (I + A) V' = beta (V - exp(G) K S0)  by forward substitution,
     O = exp(G) Q S0 + M V',
-  the rows a token-by-token scan computes (v_new_t = V'_t), and the
-  checkpoints S_t = exp(G_t) S0 + K^T W_t with W_t = Gamma_t,s V'_s (s <= t):
-  the n products K^T [W_0 | ... | W_{n-1}] in one MXU product whose
-  contraction stacks k and W as bf16 hi / lo pieces (hi.hi + hi.lo + lo.hi,
-  ~2^-16, as the one-token step's products). So a token costs a scaled
-  add of each head's state, no product of q or k with a state in VMEM and
-  no chain from token to token: the per-token scan spent ~4/5 of its
-  bundles on those reductions and on spilling the interleaved heads'
-  states (v5e LLO of tp8_spec3_decode_64_ctx1024).
+  the rows a token-by-token scan computes (v_new_t = V'_t); then the
+  checkpoints S_t = exp(g_t) S_{t-1} + k_t V'_t^T, a rank-one update each.
+  So a token costs that update of each head's state and no product of q
+  or k with a state: the per-token scan spent ~4/5 of its bundles on those
+  products (VPU reductions against the f32 state held in VMEM) and on
+  spilling the interleaved heads' states (v5e LLO of
+  tp8_spec3_decode_64_ctx1024).
 
-  Causal as the scan: every mask is a select, never a product with zero,
-  and a key row that is not finite (NaN or inf in token s, or in tokens past
-  the request's length, gathered from other requests) enters the
-  checkpoints' product as zeros and makes exp(G_t) NaN for t >= s instead;
-  so nothing of token s reaches the rows and states before it.
+  Causal as the scan: every mask is a select, never a product with zero
+  (a NaN or inf in token s, or in tokens past the request's length,
+  gathered from other requests, reaches no row or state before it).
   """
 
-  def __init__(self, st: DecodeStatic, x, b, a, win, prm: _Params, act_scr, conv_write):
+  def __init__(self, st: DecodeStatic, x, b, a, win, prm: _Params, act_scr, k_scr, conv_write):
     """x, b, a: rows (n, ...) float32; `win` the conv window (W-1, D) as the
-    window starts; `act_scr` (n, D) float32 this request's own;
-    `conv_write(t, w)` stores the conv window after token t (W-1, D)."""
+    window starts; `act_scr` (n, D) and `k_scr` (Hk, K, >= n) float32 this
+    request's own; `conv_write(t, w)` stores the conv window after token t
+    (W-1, D)."""
     self.st = st
     n, kw1 = x.shape[0], st.kernel_size - 1
     dk, kd = st.d_k, st.n_kq * st.d_k
     self.n = n
-    self.pad = pad = -0.0 if st.v5e_forms else 0.0
+    pad = -0.0 if st.v5e_forms else 0.0
     taps = prm.taps[...].astype(F32)
     xp = jnp.concatenate([win, x], axis=0)                  # (W-1 + n, D), oldest first
     pre = taps[0:1, :] * xp[0:n]
@@ -479,24 +476,19 @@ class _Window:
     act_scr[...] = pre * jax.nn.sigmoid(pre)
     self.act = act = act_scr[...]
     self.beta = jax.nn.sigmoid(b)
-    g = -jnp.exp(prm.a_log[...].astype(F32)) * jax.nn.softplus(a + prm.dt_bias[...].astype(F32))
-    self.big_g = self._cumsum(g)                            # (n, Hv)
+    self.g = -jnp.exp(prm.a_log[...].astype(F32)) * jax.nn.softplus(
+        a + prm.dt_bias[...].astype(F32))
+    self.big_g = self._cumsum(self.g)                       # (n, Hv)
     # Per key head (lists over i): MXU operands, and (n, V) rows broadcast
     # along a head's lanes once for the heads of its GVA group (lane
     # broadcasts are XLU permutes, ~9 cycles each: the scarce unit here).
-    self.qk_rows, self.lhs, self.k_stack, self.poison = [], [], [], []
-    self.qk_cols, self.kk_cols = [], []
+    self.qk_rows, self.lhs, self.qk_cols, self.kk_cols = [], [], [], []
+    self.k_cols = k_scr
     lanes = lambda col: jnp.broadcast_to(col, (n, st.d_v))
     for i in range(st.n_kq):
       q = _l2norm(act[:, i * dk:(i + 1) * dk]) * st.scale
       k = _l2norm(act[:, kd + i * dk:kd + (i + 1) * dk])
-      # Key rows that are not finite: zeros in the checkpoints' product, NaN
-      # in exp(G_t) from their token on (`poison`, 0 before).
-      row_sum = jnp.sum(k, axis=1, keepdims=True)
-      finite = row_sum - row_sum == 0.0
-      self.poison.append(lanes(self._cumsum(jnp.where(finite, 0.0, jnp.nan))))
-      k_pieces = numerics.split(jnp.where(finite, k, 0.0), 2, st.v5e_forms)
-      self.k_stack.append(_stack_bf16([k_pieces[0][1], k_pieces[0][1], k_pieces[1][1]], pad))
+      k_scr[i] = _pad_rows(k).T                             # k_t in column t
       qk_rows = _rows([q, k], dk, pad) if 2 * n < _ROWS else jnp.concatenate([q, k], axis=0)
       gram = numerics.mxu(qk_rows, _rows([k], dk, pad) if n < _ROWS else k, tb=True,
                           passes=3, v5e_forms=st.v5e_forms)
@@ -512,7 +504,7 @@ class _Window:
         k_hi, k_lo = _split(k)
         self.lhs.append(jnp.concatenate([q_hi, q_lo, k_hi, k_lo], axis=0))
       self.qk_rows.append(qk_rows)
-    self.q_s, self.k_s, self.gamma, self.w_stack = {}, {}, {}, {}
+    self.q_s, self.k_s, self.v_new = {}, {}, {}
 
   def _cumsum(self, y):
     """Over rows, row by row (a matmul by a triangle of ones would take a
@@ -539,7 +531,7 @@ class _Window:
       self.q_s[h], self.k_s[h] = r[0:n], r[n:2 * n]
 
   def solve(self, h):
-    """The output rows (n, V) of head h (by V'); stacks its W for `checkpoints`.
+    """The output rows (n, V) of head h; keeps its V' for `checkpoints`.
 
     Rows are tokens t, lanes the head's V: a head's G_t and beta_t are
     broadcast along its lanes once, and every Gamma_ts is exp(G_t - G_s)
@@ -551,7 +543,6 @@ class _Window:
     g_b = jnp.broadcast_to(self.big_g[:, h:h + 1], (n, dv))      # G_t
     b_b = jnp.broadcast_to(self.beta[:, h:h + 1], (n, dv))       # beta_t
     gam = jnp.exp(g_b)
-    self.gamma[h] = gam
     v = self.act[:, 2 * kd + h * dv:2 * kd + (h + 1) * dv]
     v_new = b_b * (v - gam * self.k_s.pop(h))                    # right-hand side
     # Gamma_tc (rows t >= c; 1 above them, where nothing reads it).
@@ -562,34 +553,40 @@ class _Window:
     out = gam * self.q_s.pop(h)
     for c in range(n):
       out = out + jnp.where(rows >= c, gam_c[c] * self.qk_cols[i][c] * v_new[c:c + 1, :], 0.0)
-    # W_t (rows s): Gamma_ts V'_s for s <= t.
-    w_all = jnp.concatenate(
-        [jnp.where(rows <= t, jnp.exp(jnp.where(rows <= t, g_b[t:t + 1, :] - g_b, 0.0)) * v_new,
-                   0.0) for t in range(n)], axis=1)
-    w_pieces = numerics.split(w_all, 2, st.v5e_forms)
-    self.w_stack[h] = _stack_bf16([w_pieces[0][1], w_pieces[1][1], w_pieces[0][1]], self.pad)
+    self.v_new[h] = v_new
     return out
 
-  def checkpoints(self, h, s, s_write):
-    """S_t of head h for every token t (`s_write(h, t, S_t)`, float32), `s`
-    its state as read."""
-    dv, i = self.st.d_v, h // self.st.group
-    delta = _dot_ta(self.k_stack[i], self.w_stack.pop(h))   # (K, n V): K^T W_t
-    gam = self.gamma.pop(h) + self.poison[i]                # (n, V): exp(G_t) along lanes
-    s = s.astype(F32)
-    for t in range(self.n):
-      s_write(h, t, gam[t:t + 1, :] * s + delta[:, t * dv:(t + 1) * dv])
+  def checkpoints(self, i, s_read, s_write):
+    """S_t of the heads of key head i for every token t, from their states
+    as read: S_t = exp(g_t) S_{t-1} + k_t V'_t^T on the VPU (an MXU product
+    of K^T and a W_t costs its 128 rows per 128 lanes whatever the
+    contraction: 4x the VPU's rank-one update; v5e estimate of
+    tp8_spec3_decode_64_ctx1024's kernel 133 k cycles that way, 121 k this
+    way). In slabs of `_SLAB` state rows with the GVA group's heads
+    together, a slab's broadcast k columns serving every head (3 % fewer
+    cycles than whole states head by head; a fori_loop over the slabs, to
+    hold less in registers, took twice as many). `s_read(h, rows)` gives
+    rows of head h's state as read, `s_write(h, t, rows, s)` stores them
+    after token t (float32)."""
+    n, st = self.n, self.st
+    dk, dv = st.d_k, st.d_v
+    heads = range(i * st.group, (i + 1) * st.group)
+    decay = {h: jnp.exp(jnp.broadcast_to(self.g[:, h:h + 1], (n, dv))) for h in heads}
+    v_new = {h: self.v_new.pop(h) for h in heads}
+    k_cols = self.k_cols.at[i]
+
+    for r0 in range(0, dk, _SLAB):
+      rows = slice(r0, r0 + _SLAB)
+      cols = k_cols[rows, :]
+      k_t = [jnp.broadcast_to(cols[:, t:t + 1], (_SLAB, dv)) for t in range(n)]
+      for h in heads:
+        s = s_read(h, rows).astype(F32)
+        for t in range(n):
+          s = decay[h][t:t + 1, :] * s + k_t[t] * v_new[h][t:t + 1, :]
+          s_write(h, t, rows, s)
 
 
-def _stack_bf16(parts, zero):
-  """float32 (rows, L) pieces (bf16 hi / lo pieces of `numerics.split`)
-  stacked, padded with `zero` rows to a whole bf16 tile (16 rows) and cast
-  once (v5e forms: no bf16 concatenation)."""
-  x = jnp.concatenate(parts, axis=0)
-  pad = -x.shape[0] % 16
-  if pad:
-    x = jnp.concatenate([x, jnp.full((pad, x.shape[1]), zero, x.dtype)], axis=0)
-  return x.astype(BF16)
+_SLAB = 16   # state rows a window's checkpoints are built in (a bf16 tile)
 
 
 _GROUP = 8    # requests whose state DMAs one wait covers (n_w = 1)
@@ -625,9 +622,11 @@ def _kernel(*refs, st: DecodeStatic):
   conv_out, rec_out = refs.pop(0), refs.pop(0)
   (conv_ibuf, rec_ibuf, conv_obuf, rec_obuf, win_scr, act_scr, bcast_scr, s_scr, sem_in,
    sem_out, meta_scr) = refs[:11]
+  refs = refs[11:]
+  k_scr = refs.pop(0) if st.window > 1 else None
   roll = st.rolled > 0
-  roll_bufs = refs[11:14] if roll else ()
-  blk_bufs = refs[11 + len(roll_bufs):]
+  roll_bufs = refs[:3] if roll else ()
+  blk_bufs = refs[len(roll_bufs):]
   base = pl.program_id(0) * st.tile
   del conv_out, rec_out     # aliased with conv_in / rec_in: the DMAs write those
   n_w = st.window
@@ -990,28 +989,27 @@ def _kernel(*refs, st: DecodeStatic):
         ckpt = functools.partial(window_checkpoint, length=length,
                                  checkpoints=meta(CHECKPOINTS, j), window=n_w)
 
-      def s_write(h, t, s, j=j, ckpt=ckpt):
-        rec_obuf[j, ckpt(t), h] = s.astype(rec_obuf.dtype)
+      def s_write(h, t, rows, s, j=j, ckpt=ckpt):
+        rec_obuf[j, ckpt(t), h, rows] = s.astype(rec_obuf.dtype)
 
       def conv_write(t, w, j=j, ckpt=ckpt):
         conv_obuf[j, ckpt(t)] = w.astype(conv_obuf.dtype)
 
       wins.append((j, length, s_write, _Window(
           st, *window_rows(j), conv_window(j), prm, act_scr.at[o * n_w:(o + 1) * n_w],
-          conv_write)))
+          k_scr.at[o], conv_write)))
     # Phase by phase over the group's requests and heads (`_Window`).
     for j, _, _, w in wins:
       for h in w.heads():
         w.products(h, first_read(j)(h))
-    for j, length, _, w in wins:
+    for j, length, s_write, w in wins:
       out = jnp.concatenate([w.solve(h) for h in w.heads()], axis=1)
+      for i in range(st.n_kq):
+        w.checkpoints(i, lambda h, rows, j=j: rec_ibuf[j, h, rows], s_write)
       if not st.all_run:
         live = lax.broadcasted_iota(jnp.int32, (n_w, 1), 0) < length
         out = jnp.where(live, out, 0.0)
       put_window(j, out)
-    for j, _, s_write, w in wins:
-      for h in w.heads():
-        w.checkpoints(h, first_read(j)(h), s_write)
 
     for j, o in group:
       if st.mid_tokens and not st.all_run:
@@ -1187,6 +1185,9 @@ def decode(index, xs, bs, as_, taps, bias, a_log, dt_bias, conv_pool, rec_pool, 
       pltpu.SemaphoreType.DMA((2, tile, n_w)),
       pltpu.SMEM((_META, tile), jnp.int32),
   ]
+  if n_w > 1:   # `_Window`'s key columns, per request in flight
+    scratch.append(pltpu.VMEM((state_slots(st), st.n_kq, st.d_k, -(-n_w // _ROWS) * _ROWS),
+                              F32))
   if st.rolled:
     assert tile % st.rolled == 0, (tile, st.rolled)
     # The rolled loop's f32 rows: n_w = 1: [x; q | k | v], [beta; decay]
@@ -1295,6 +1296,8 @@ def vmem_bytes(st: DecodeStatic, pool_itemsize: int, act_itemsize: int) -> int:
   if st.rolled:   # the rolled loop's f32 rows (`decode`'s scratch)
     n = st.tile * st.window
     rows += n * ((2 if st.window == 1 else 1) * st.dim + 2 * st.n_v + st.n_v * st.d_v)
+  if st.window > 1:   # `_Window`'s key columns (laid out in whole 128 lanes)
+    bcast += state_slots(st) * st.n_kq * st.d_k * 128 * -(-st.window // 128)
   scratch = 4 * (state_slots(st) * (state + conv + st.window * st.dim) + bcast + rows)
   out_row = st.n_v * st.d_v * act_itemsize
   if st.resident_rows:
