@@ -273,6 +273,21 @@ def test_window_nan_stays_causal_and_in_its_request():
   assert np.isnan(np.asarray(b_rec)[sorted(mine)]).all()
 
 
+def test_window_keys_shorter_than_a_slab():
+  """d_k under the 16 state rows a window's checkpoints are built in
+  (`pallas_mosaic_tpu_decode._SLAB`; interpret mode runs heads unpadded),
+  GVA 1:2, windows of 3, against the reference."""
+  lay = arg_specs.layout(lengths=[3, 1, 2], context_lens=[4, 6, 0], num_spec_tokens=2,
+                         n_kq=1, n_v=2, d_k=8, d_v=16, **F32)
+  args, kwargs = make(lay, seed=37)
+  static = {k: v for k, v in kwargs.items() if k in STATIC}
+  arrays = {k: v for k, v in kwargs.items() if k not in STATIC}
+  with config.interpret_mode():
+    (conv, rec), out = jax.jit(lambda a, kw: pallas_mosaic_tpu.IMPLEMENTATION(
+        *a, **kw, **static))(tuple(args), arrays)
+  _assert_matches_reference(tuple(args), static, conv, rec, out, arrays)
+
+
 # Heads of d_k, d_v below 128 lanes: GVA 1:4, decodes beside a prefill long
 # enough for the chunked path, verify windows.
 _SHORT_HEADS = [

@@ -576,9 +576,9 @@ class _Window:
     k_cols = self.k_cols.at[i]
 
     for r0 in range(0, dk, _SLAB):
-      rows = slice(r0, r0 + _SLAB)
+      rows = slice(r0, min(r0 + _SLAB, dk))      # (d_k under 16 rows: interpret mode)
       cols = k_cols[rows, :]
-      k_t = [jnp.broadcast_to(cols[:, t:t + 1], (_SLAB, dv)) for t in range(n)]
+      k_t = [jnp.broadcast_to(cols[:, t:t + 1], (cols.shape[0], dv)) for t in range(n)]
       for h in heads:
         s = s_read(h, rows).astype(F32)
         for t in range(n):
