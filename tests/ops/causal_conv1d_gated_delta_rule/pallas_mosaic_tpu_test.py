@@ -256,6 +256,53 @@ def test_window_checkpoint_buffers_stay_in_range():
           assert c == t - (length - ckpts), (window, length, ckpts, t, c)
 
 
+def test_window_nan_stays_causal_and_in_its_request():
+  """A verify window runs its tokens at once (`pallas_mosaic_tpu_decode._Window`):
+  a NaN in token 2 of one request's window reaches neither the other
+  requests' rows and slots nor its own earlier tokens' rows and checkpoints
+  (bit for bit), as in a token-by-token scan; its later ones are NaN. The
+  request after it is shorter than the window, so the rows past its length
+  (gathered from the next tokens) hold tokens of other requests."""
+  lay = arg_specs.layout(lengths=[4, 3, 4, 2, 4], context_lens=[5, 0, 6, 7, 2],
+                         num_spec_tokens=3, **TINY, **F32)
+  args, kwargs = make(lay, seed=31)
+  static = {k: v for k, v in kwargs.items() if k in STATIC}
+  arrays = {k: v for k, v in kwargs.items() if k not in STATIC}
+  op = jax.jit(lambda a, kw: pallas_mosaic_tpu.IMPLEMENTATION(*a, **kw, **static))
+  with config.interpret_mode():
+    (conv, rec), out = op(tuple(args), arrays)
+    _assert_matches_reference(tuple(args), static, conv, rec, out, arrays)
+    victim, token = 2, 2
+    qsl, slots = lay["query_start_loc"], lay["state_indices"]
+    bad = list(args)
+    bad[0] = bad[0].at[int(qsl[victim]) + token, 16 + 3].set(jnp.nan)   # a key channel (TINY)
+    (b_conv, b_rec), b_out = op(tuple(bad), arrays)
+  keep = np.ones(out.shape[0], bool)
+  keep[int(qsl[victim]) + token:int(qsl[victim + 1])] = False
+  np.testing.assert_array_equal(np.asarray(b_out)[keep], np.asarray(out)[keep])
+  assert np.isnan(np.asarray(b_out)[~keep]).all(axis=1).any()
+  mine = set(range(int(slots[victim]) + token, int(slots[victim]) + 4))
+  others = [i for i in range(rec.shape[0]) if i not in mine]
+  np.testing.assert_array_equal(np.asarray(b_rec)[others], np.asarray(rec)[others])
+  np.testing.assert_array_equal(np.asarray(b_conv)[others], np.asarray(conv)[others])
+  assert np.isnan(np.asarray(b_rec)[sorted(mine)]).all()
+
+
+def test_window_keys_shorter_than_a_slab():
+  """d_k under the 16 state rows a window's checkpoints are built in
+  (`pallas_mosaic_tpu_decode._SLAB`; interpret mode runs heads unpadded),
+  GVA 1:2, windows of 3, against the reference."""
+  lay = arg_specs.layout(lengths=[3, 1, 2], context_lens=[4, 6, 0], num_spec_tokens=2,
+                         n_kq=1, n_v=2, d_k=8, d_v=16, **F32)
+  args, kwargs = make(lay, seed=37)
+  static = {k: v for k, v in kwargs.items() if k in STATIC}
+  arrays = {k: v for k, v in kwargs.items() if k not in STATIC}
+  with config.interpret_mode():
+    (conv, rec), out = jax.jit(lambda a, kw: pallas_mosaic_tpu.IMPLEMENTATION(
+        *a, **kw, **static))(tuple(args), arrays)
+  _assert_matches_reference(tuple(args), static, conv, rec, out, arrays)
+
+
 # Heads of d_k, d_v below 128 lanes: GVA 1:4, decodes beside a prefill long
 # enough for the chunked path, verify windows.
 _SHORT_HEADS = [

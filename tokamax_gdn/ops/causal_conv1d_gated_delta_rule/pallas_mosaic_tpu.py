@@ -74,7 +74,8 @@ _chunk_cost: bool | None = None   # None: the real kernel; else full_chunk_cost'
 
 @contextlib.contextmanager
 def full_decode_cost(has_init: bool = True):
-  """Compiles the decode kernel as if every request ran one token
+  """Compiles the decode kernel as if every request ran one token, or its
+  whole verify window with every checkpoint written back
   (`DecodeStatic.all_run`), from a read state if `has_init` (else from
   zeros, no read DMA): for static cycle estimates only.
 

@@ -36,14 +36,17 @@ f32 VMEM, copied to the output block after the loop. Unrolled (n = 0) every
 request of the tile is traced, in groups of `_GROUP`.
 
 Windows of several tokens (`window_group`) loop over the tile's requests the
-same way, n per iteration, token by token with the n requests' steps
-interleaved: each has its own f32 state, conv window and broadcast rows in
-scratch (`state_slots`; one where a state is past 1 MiB), every token of the
-window computes (those past a request's length are selected away), and each
-new state goes straight to its checkpoint buffer. A branch per request and
-token, one shared f32 state and a state copy per checkpoint had serialised
-every step before (v6e estimate of tp8_spec3_decode_64_ctx1024's kernel:
-252 k cycles then, 194 k now).
+same way, n per iteration, each window's tokens at once (`_Window`: the
+in-window products as small matrices, then each checkpoint a rank-one
+update of the previous one), phase by phase over the n requests and their
+heads, with no branch or wait between them; every token of the window
+computes (those past a request's length are selected away, and none reaches
+an earlier one). A short prefill longer than the window then runs token by
+token from its first token again, its state in f32 scratch (`state_slots`).
+The token-by-token scan that windows ran before (a branch per request and
+token at first, then two requests interleaved) spent most of its bundles on
+products of q and k with the f32 state and on spilling (v5e estimate of
+tp8_spec3_decode_64_ctx1024's kernel: 227 k cycles then, 121 k now).
 
 Why every DMA is started and waited in the same grid step: libtpu's static
 cycle estimator aborts ("No DMA issue node found for sync flag") on a wait
@@ -131,8 +134,9 @@ class DecodeStatic:
   # no zero fill in HBM and no add in XLA.
   resident_rows: int = 0
   num_tokens: int = 0   # T (direct mode's zero fill of `out_mid`)
-  # Cost model only: compile as if every request ran with one token and an
-  # initial state (no per-request branches). libtpu's static estimate skips
+  # Cost model only: compile as if every request ran its whole window (one
+  # token, or `window` with every checkpoint written back) from an initial
+  # state (no per-request branches). libtpu's static estimate skips
   # the bodies of data-dependent branches, so this is how the cost of a full
   # decode batch is measured (`all_run=False` in the op).
   all_run: bool = False
@@ -422,6 +426,169 @@ def _token(st: DecodeStatic, x_row, b_row, a_row, prm: _Params, win_scr, act_scr
   return _heads(st, p, 0, bcast_scr, s_read, s_write)
 
 
+class _Window:
+  """The n tokens of one request's verify window at once, in three phases
+  (`products`, `solve`, `checkpoints`) that `window_group` runs phase by
+  phase over its requests, so that the MXU products of every head are
+  issued together (the MXUs take products in program order: a head's
+  products behind the previous head's chain of VPU steps serialised them).
+
+  Per value head, with G the in-window cumsum of the log-decays g (G_t =
+  g_0 + ... + g_t), Gamma_ts = exp(G_t - G_s) for s <= t, S0 the read state:
+    [Q; K] S0 in one MXU product (as a one-token step's [q; k] S),
+    A_ts = beta_t Gamma_ts (k_t . k_s) for s < t,  M_ts = Gamma_ts (q_t . k_s)
+    for s <= t (the Grams in three bf16 passes, ~f32),
+    (I + A) V' = beta (V - exp(G) K S0)  by forward substitution,
+    O = exp(G) Q S0 + M V',
+  the rows a token-by-token scan computes (v_new_t = V'_t); then the
+  checkpoints S_t = exp(g_t) S_{t-1} + k_t V'_t^T, a rank-one update each.
+  So a token costs that update of each head's state and no product of q
+  or k with a state: the per-token scan spent ~4/5 of its bundles on those
+  products (VPU reductions against the f32 state held in VMEM) and on
+  spilling the interleaved heads' states (v5e LLO of
+  tp8_spec3_decode_64_ctx1024).
+
+  Causal as the scan: every mask is a select, never a product with zero
+  (a NaN or inf in token s, or in tokens past the request's length,
+  gathered from other requests, reaches no row or state before it).
+  """
+
+  def __init__(self, st: DecodeStatic, x, b, a, win, prm: _Params, act_scr, k_scr, conv_write):
+    """x, b, a: rows (n, ...) float32; `win` the conv window (W-1, D) as the
+    window starts; `act_scr` (n, D) and `k_scr` (Hk, K, >= n) float32 this
+    request's own; `conv_write(t, w)` stores the conv window after token t
+    (W-1, D)."""
+    self.st = st
+    n, kw1 = x.shape[0], st.kernel_size - 1
+    dk, kd = st.d_k, st.n_kq * st.d_k
+    self.n = n
+    pad = -0.0 if st.v5e_forms else 0.0
+    taps = prm.taps[...].astype(F32)
+    xp = jnp.concatenate([win, x], axis=0)                  # (W-1 + n, D), oldest first
+    pre = taps[0:1, :] * xp[0:n]
+    if prm.bias is not None:
+      pre = pre + prm.bias[...].astype(F32)
+    for w in range(1, kw1 + 1):
+      pre = pre + taps[w:w + 1, :] * xp[w:w + n]
+    for t in range(n):
+      conv_write(t, xp[t + 1:t + 1 + kw1])
+    # Through VMEM, as `_Prepared` (libtpu's estimator, MXU operands).
+    act_scr[...] = pre * jax.nn.sigmoid(pre)
+    self.act = act = act_scr[...]
+    self.beta = jax.nn.sigmoid(b)
+    self.g = -jnp.exp(prm.a_log[...].astype(F32)) * jax.nn.softplus(
+        a + prm.dt_bias[...].astype(F32))
+    self.big_g = self._cumsum(self.g)                       # (n, Hv)
+    # Per key head (lists over i): MXU operands, and (n, V) rows broadcast
+    # along a head's lanes once for the heads of its GVA group (lane
+    # broadcasts are XLU permutes, ~9 cycles each: the scarce unit here).
+    self.qk_rows, self.lhs, self.qk_cols, self.kk_cols = [], [], [], []
+    self.k_cols = k_scr
+    lanes = lambda col: jnp.broadcast_to(col, (n, st.d_v))
+    for i in range(st.n_kq):
+      q = _l2norm(act[:, i * dk:(i + 1) * dk]) * st.scale
+      k = _l2norm(act[:, kd + i * dk:kd + (i + 1) * dk])
+      k_scr[i] = _pad_rows(k).T                             # k_t in column t
+      qk_rows = _rows([q, k], dk, pad) if 2 * n < _ROWS else jnp.concatenate([q, k], axis=0)
+      gram = numerics.mxu(qk_rows, _rows([k], dk, pad) if n < _ROWS else k, tb=True,
+                          passes=3, v5e_forms=st.v5e_forms)
+      self.qk_cols.append([lanes(gram[0:n, c:c + 1]) for c in range(n)])      # q_t . k_c
+      self.kk_cols.append([lanes(gram[n:2 * n, c:c + 1]) for c in range(n - 1)])  # k_t . k_c
+      # [q_hi; q_lo; k_hi; k_lo] for bf16 states (as `_heads`, v5e forms
+      # included); [q; k] for float32 ones.
+      if st.v5e_forms:
+        wides = [w for y in (q, k) for _, w in numerics.split(y, 2, True)]
+        self.lhs.append(jnp.concatenate(wides, axis=0).astype(BF16))
+      else:
+        q_hi, q_lo = _split(q)
+        k_hi, k_lo = _split(k)
+        self.lhs.append(jnp.concatenate([q_hi, q_lo, k_hi, k_lo], axis=0))
+      self.qk_rows.append(qk_rows)
+    self.q_s, self.k_s, self.v_new = {}, {}, {}
+
+  def _cumsum(self, y):
+    """Over rows, row by row (a matmul by a triangle of ones would take a
+    NaN of a later row into the earlier ones)."""
+    rows = [y[0:1]]
+    for t in range(1, self.n):
+      rows.append(rows[-1] + y[t:t + 1])
+    return jnp.concatenate(rows, axis=0) if self.n > 1 else y
+
+  def heads(self):
+    return range(self.st.n_v)
+
+  def products(self, h, s):
+    """[Q; K] S0 of head h, `s` its state as read (the pool's dtype)."""
+    n, st, i = self.n, self.st, h // self.st.group
+    if s.dtype == BF16:
+      # The bf16 pool's state is an exact MXU operand, as loaded: widened,
+      # it is a load of its own (`checkpoints`), so that the v5e forms'
+      # rounding of the widened state (`_heads`) is not needed here.
+      r = _dot(self.lhs[i], s)
+      self.q_s[h], self.k_s[h] = r[0:n] + r[n:2 * n], r[2 * n:3 * n] + r[3 * n:4 * n]
+    else:
+      r = numerics.mxu(self.qk_rows[i], s.astype(F32), passes=3, v5e_forms=st.v5e_forms)
+      self.q_s[h], self.k_s[h] = r[0:n], r[n:2 * n]
+
+  def solve(self, h):
+    """The output rows (n, V) of head h; keeps its V' for `checkpoints`.
+
+    Rows are tokens t, lanes the head's V: a head's G_t and beta_t are
+    broadcast along its lanes once, and every Gamma_ts is exp(G_t - G_s)
+    from those rows (the EUP; sublane broadcasts of row s), not a column of
+    an (n, n) matrix broadcast along lanes."""
+    n, st, i = self.n, self.st, h // self.st.group
+    dv, kd = st.d_v, st.n_kq * st.d_k
+    rows = lax.broadcasted_iota(jnp.int32, (n, dv), 0)
+    g_b = jnp.broadcast_to(self.big_g[:, h:h + 1], (n, dv))      # G_t
+    b_b = jnp.broadcast_to(self.beta[:, h:h + 1], (n, dv))       # beta_t
+    gam = jnp.exp(g_b)
+    v = self.act[:, 2 * kd + h * dv:2 * kd + (h + 1) * dv]
+    v_new = b_b * (v - gam * self.k_s.pop(h))                    # right-hand side
+    # Gamma_tc (rows t >= c; 1 above them, where nothing reads it).
+    gam_c = [jnp.exp(jnp.where(rows >= c, g_b - g_b[c:c + 1, :], 0.0)) for c in range(n)]
+    for c in range(n - 1):
+      a_c = b_b * gam_c[c] * self.kk_cols[i][c]
+      v_new = jnp.where(rows > c, v_new - a_c * v_new[c:c + 1, :], v_new)
+    out = gam * self.q_s.pop(h)
+    for c in range(n):
+      out = out + jnp.where(rows >= c, gam_c[c] * self.qk_cols[i][c] * v_new[c:c + 1, :], 0.0)
+    self.v_new[h] = v_new
+    return out
+
+  def checkpoints(self, i, s_read, s_write):
+    """S_t of the heads of key head i for every token t, from their states
+    as read: S_t = exp(g_t) S_{t-1} + k_t V'_t^T on the VPU (an MXU product
+    of K^T and a W_t costs its 128 rows per 128 lanes whatever the
+    contraction: 4x the VPU's rank-one update; v5e estimate of
+    tp8_spec3_decode_64_ctx1024's kernel 133 k cycles that way, 121 k this
+    way). In slabs of `_SLAB` state rows with the GVA group's heads
+    together, a slab's broadcast k columns serving every head (3 % fewer
+    cycles than whole states head by head; a fori_loop over the slabs, to
+    hold less in registers, took twice as many). `s_read(h, rows)` gives
+    rows of head h's state as read, `s_write(h, t, rows, s)` stores them
+    after token t (float32)."""
+    n, st = self.n, self.st
+    dk, dv = st.d_k, st.d_v
+    heads = range(i * st.group, (i + 1) * st.group)
+    decay = {h: jnp.exp(jnp.broadcast_to(self.g[:, h:h + 1], (n, dv))) for h in heads}
+    v_new = {h: self.v_new.pop(h) for h in heads}
+    k_cols = self.k_cols.at[i]
+
+    for r0 in range(0, dk, _SLAB):
+      rows = slice(r0, min(r0 + _SLAB, dk))      # (d_k under 16 rows: interpret mode)
+      cols = k_cols[rows, :]
+      k_t = [jnp.broadcast_to(cols[:, t:t + 1], (cols.shape[0], dv)) for t in range(n)]
+      for h in heads:
+        s = s_read(h, rows).astype(F32)
+        for t in range(n):
+          s = decay[h][t:t + 1, :] * s + k_t[t] * v_new[h][t:t + 1, :]
+          s_write(h, t, rows, s)
+
+
+_SLAB = 16   # state rows a window's checkpoints are built in (a bf16 tile)
+
+
 _GROUP = 8    # requests whose state DMAs one wait covers (n_w = 1)
 _BLOCK = 16   # rows of the aligned blocks mid tokens move in (a bf16 tile)
 BLOCK_ROWS = _BLOCK
@@ -455,9 +622,11 @@ def _kernel(*refs, st: DecodeStatic):
   conv_out, rec_out = refs.pop(0), refs.pop(0)
   (conv_ibuf, rec_ibuf, conv_obuf, rec_obuf, win_scr, act_scr, bcast_scr, s_scr, sem_in,
    sem_out, meta_scr) = refs[:11]
+  refs = refs[11:]
+  k_scr = refs.pop(0) if st.window > 1 else None
   roll = st.rolled > 0
-  roll_bufs = refs[11:14] if roll else ()
-  blk_bufs = refs[11 + len(roll_bufs):]
+  roll_bufs = refs[:3] if roll else ()
+  blk_bufs = refs[len(roll_bufs):]
   base = pl.program_id(0) * st.tile
   del conv_out, rec_out     # aliased with conv_in / rec_in: the DMAs write those
   n_w = st.window
@@ -495,7 +664,9 @@ def _kernel(*refs, st: DecodeStatic):
 
   def writes_ckpt(j, c):
     if st.all_run:
-      return c == 0
+      # The cost model's requests run whole windows (as a spec batch's), so
+      # each writes back every checkpoint.
+      return True
     return jnp.logical_and(runs(j), c < meta(CHECKPOINTS, j))
 
   def conv_window(j):
@@ -563,21 +734,23 @@ def _kernel(*refs, st: DecodeStatic):
     """Direct mode: request j runs, but its token is not block row j."""
     return jnp.logical_and(runs(j), meta(START, j) != base + j)
 
-  def mid_tokens(j, store, o=0):
-    """Tokens n_w.. of request j (a short prefill): one by one (`fetch_row`,
-    `put_row`), on scratch slot `o`."""
+  def mid_tokens(j, store, o=0, first=n_w):
+    """Tokens first.. of request j (a short prefill): one by one (`fetch_row`,
+    `put_row`), on scratch slot `o` (its state in s_scr[o], conv window in
+    win_scr[o])."""
     start = meta(START, j)
+    act_row = act_scr.at[o * n_w:o * n_w + 1]
 
     def body(t, carry):
       pos = start + t
       x, b, a, r = fetch_row(pos)
-      out = _token(st, x, b, a, prm, win_scr.at[o], act_scr.at[o:o + 1],
-                   bcast_scr.at[o], slot_read(o), slot_write(o))
+      out = _token(st, x, b, a, prm, win_scr.at[o], act_row, bcast_scr.at[o], slot_read(o),
+                   slot_write(o))
       put_row(pos, r, out)
       store(t)
       return carry
 
-    lax.fori_loop(n_w, jnp.maximum(meta(LENGTH, j), n_w), body, 0)
+    lax.fori_loop(first, jnp.maximum(meta(LENGTH, j), first), body, 0)
 
   def start_reads(j):
     @when(loads(j))
@@ -791,50 +964,62 @@ def _kernel(*refs, st: DecodeStatic):
 
   def window_group(group):
     """The verify windows (or first `window` tokens) of a group of requests,
-    (request, its scratch slot) pairs: token by token, the group's requests
-    interleaved with no branch or wait between their steps (as the one-token
-    path's groups: a branch per request and token had left every step's
-    chain exposed). Every request computes every token of the window; a
-    token at or past its length, or of a request that does not run, computes
-    on whatever its rows hold, and its output row is selected away and its
-    checkpoint lands in a buffer no DMA writes back (c >= checkpoints; c < 0
-    lands in buffer 0, which the request's real first checkpoint, a later
-    token, overwrites)."""
+    (request, its scratch slot) pairs, each window at once (`_Window`), with
+    no branch or wait between the group's requests. Every request computes
+    every token of the window; a token at or past its length, or of a
+    request that does not run, computes on whatever its rows hold (later
+    tokens never reach earlier ones), and its output row is selected away
+    and its checkpoint lands in a buffer no DMA writes back (c >=
+    checkpoints; c < 0 lands in buffer 0, which the request's real first
+    checkpoint, a later token, overwrites)."""
     for j, o in group:
       @when(loads(j))
       def _():
         read_conv(j).wait()
         read_rec(j).wait()
       zero_unread(j)
-      win_scr[o] = conv_window(j)
 
-    for t in range(n_w):
-      for j, o in group:
-        if st.all_run:
-          c, live = t, True
-        else:
-          length = meta(LENGTH, j)
-          c = window_checkpoint(t, length, meta(CHECKPOINTS, j), n_w)
-          live = t < length
+    wins = []
+    for j, o in group:
+      if st.all_run:
+        length = n_w
+        ckpt = lambda t: t
+      else:
+        length = meta(LENGTH, j)
+        ckpt = functools.partial(window_checkpoint, length=length,
+                                 checkpoints=meta(CHECKPOINTS, j), window=n_w)
 
-        def s_write(h, s, j=j, o=o, c=c):
-          s_scr[o, h] = s
-          rec_obuf[j, c, h] = s.astype(rec_obuf.dtype)
+      def s_write(h, t, rows, s, j=j, ckpt=ckpt):
+        rec_obuf[j, ckpt(t), h, rows] = s.astype(rec_obuf.dtype)
 
-        row = j * n_w + t
-        out = _token(st, *(r[_at(row), :].astype(F32) for r in in_rows), prm, win_scr.at[o],
-                     act_scr.at[o:o + 1], bcast_scr.at[o],
-                     first_read(j) if t == 0 else slot_read(o), s_write)
-        conv_obuf[j, c] = win_scr[o].astype(conv_obuf.dtype)
-        if live is not True:
-          out = jnp.where(live, out, 0.0)
-        o_rows[_at(row), :] = out.astype(o_rows.dtype)
+      def conv_write(t, w, j=j, ckpt=ckpt):
+        conv_obuf[j, ckpt(t)] = w.astype(conv_obuf.dtype)
+
+      wins.append((j, length, s_write, _Window(
+          st, *window_rows(j), conv_window(j), prm, act_scr.at[o * n_w:(o + 1) * n_w],
+          k_scr.at[o], conv_write)))
+    # Phase by phase over the group's requests and heads (`_Window`).
+    for j, _, _, w in wins:
+      for h in w.heads():
+        w.products(h, first_read(j)(h))
+    for j, length, s_write, w in wins:
+      out = jnp.concatenate([w.solve(h) for h in w.heads()], axis=1)
+      for i in range(st.n_kq):
+        w.checkpoints(i, lambda h, rows, j=j: rec_ibuf[j, h, rows], s_write)
+      if not st.all_run:
+        live = lax.broadcasted_iota(jnp.int32, (n_w, 1), 0) < length
+        out = jnp.where(live, out, 0.0)
+      put_window(j, out)
 
     for j, o in group:
       if st.mid_tokens and not st.all_run:
         @when(jnp.logical_and(runs(j), meta(LENGTH, j) > n_w))
         def _():
+          # A short prefill longer than the window: token by token from its
+          # first token again (block DMAs), keeping its state in float32.
           length, ckpts = meta(LENGTH, j), meta(CHECKPOINTS, j)
+          win_scr[o] = conv_window(j)
+          _store_state(rec_ibuf.at[j], s_scr.at[o])
 
           def store(t):
             """Checkpoint after token t: slot c = t - (length - ckpts), if c >= 0."""
@@ -845,7 +1030,7 @@ def _kernel(*refs, st: DecodeStatic):
               conv_obuf[j, c] = win_scr[o].astype(conv_obuf.dtype)
               _store_state(s_scr.at[o], rec_obuf.at[j, c])
 
-          mid_tokens(j, store, o)
+          mid_tokens(j, store, o, first=0)
 
       for c in range(n_w):
         @when(writes_ckpt(j, c))
@@ -855,13 +1040,30 @@ def _kernel(*refs, st: DecodeStatic):
 
   if n_w > 1:
     if roll:
-      # Rows at a traced index come from f32 copies (see `o_rows`).
-      roll_bufs[0][0] = x_ref[...].astype(F32)
-      roll_bufs[1][0] = b_ref[...].astype(F32)
-      roll_bufs[1][1] = a_ref[...].astype(F32)
-      in_rows = (roll_bufs[0].at[0], roll_bufs[1].at[0], roll_bufs[1].at[1])
+      # A request's rows at a traced index: from f32 copies, one (window, L)
+      # slab per request (a slab at a leading index is an aligned load and
+      # store, rows j * window.. of one array are not where window < 8).
+      x_win, gate_win, o_win = roll_bufs
+      for j in range(st.tile):
+        rows = slice(j * n_w, (j + 1) * n_w)
+        x_win[j] = x_ref[rows, :].astype(F32)
+        gate_win[0, j] = b_ref[rows, :].astype(F32)
+        gate_win[1, j] = a_ref[rows, :].astype(F32)
+
+      def window_rows(j):
+        return x_win[j], gate_win[0, j], gate_win[1, j]
+
+      def put_window(j, out):
+        o_win[j] = out
     else:
-      in_rows = (x_ref, b_ref, a_ref)
+      def window_rows(j):
+        rows = (slice(j * n_w, (j + 1) * n_w) if isinstance(j, int)
+                else pl.ds(j * n_w, n_w))     # (interpret mode)
+        return tuple(r[rows, :].astype(F32) for r in (x_ref, b_ref, a_ref))
+
+      def put_window(j, out):
+        rows = slice(j * n_w, (j + 1) * n_w) if isinstance(j, int) else pl.ds(j * n_w, n_w)
+        o_tile[rows, :] = out.astype(o_tile.dtype)
     n_g = state_slots(st)
     if roll or st.interpret:
       def iteration(i, carry):
@@ -873,7 +1075,8 @@ def _kernel(*refs, st: DecodeStatic):
       for j0 in range(0, st.tile, n_g):
         window_group([(j0 + o, o) for o in range(n_g)])
     if roll:
-      o_tile[...] = o_rows[...].astype(o_tile.dtype)
+      for j in range(st.tile):
+        o_tile[j * n_w:(j + 1) * n_w, :] = o_win[j].astype(o_tile.dtype)
 
   if st.direct and not resident:
     @when(first_step)
@@ -975,20 +1178,27 @@ def decode(index, xs, bs, as_, taps, bias, a_log, dt_bias, conv_pool, rec_pool, 
       pltpu.VMEM((tile, n_w, kw1, dim), conv_pool.dtype),
       pltpu.VMEM((tile, n_w, hv, st.d_k, st.d_v), rec_pool.dtype),
       pltpu.VMEM((state_slots(st), kw1, dim), F32),
-      pltpu.VMEM((tile if n_w == 1 else state_slots(st), dim), F32),
+      pltpu.VMEM((tile if n_w == 1 else state_slots(st) * n_w, dim), F32),
       pltpu.VMEM((_bcast_slots(st), 2, st.d_k, st.d_v), F32),
       pltpu.VMEM((state_slots(st), hv, st.d_k, st.d_v), F32),
       pltpu.SemaphoreType.DMA((2, tile)),
       pltpu.SemaphoreType.DMA((2, tile, n_w)),
       pltpu.SMEM((_META, tile), jnp.int32),
   ]
+  if n_w > 1:   # `_Window`'s key columns, per request in flight
+    scratch.append(pltpu.VMEM((state_slots(st), st.n_kq, st.d_k, -(-n_w // _ROWS) * _ROWS),
+                              F32))
   if st.rolled:
     assert tile % st.rolled == 0, (tile, st.rolled)
     # The rolled loop's f32 rows: n_w = 1: [x; q | k | v], [beta; decay]
-    # (the prepared tile), else [x], [b; a] (the blocks); and the output rows.
-    scratch += [pltpu.VMEM((2 if n_w == 1 else 1, tile * n_w, dim), F32),
-                pltpu.VMEM((2, tile * n_w, hv), F32),
-                pltpu.VMEM((tile * n_w, hv * st.d_v), F32)]
+    # (the prepared tile), and the output rows; else per request x, [b; a]
+    # and the output (window, L).
+    if n_w == 1:
+      scratch += [pltpu.VMEM((2, tile, dim), F32), pltpu.VMEM((2, tile, hv), F32),
+                  pltpu.VMEM((tile, hv * st.d_v), F32)]
+    else:
+      scratch += [pltpu.VMEM((tile, n_w, dim), F32), pltpu.VMEM((2, tile, n_w, hv), F32),
+                  pltpu.VMEM((tile, n_w, hv * st.d_v), F32)]
   if st.mid_tokens:
     scratch += [pltpu.VMEM((_BLOCK, dim), qkv.dtype), pltpu.VMEM((_BLOCK, hv), b.dtype),
                 pltpu.VMEM((_BLOCK, hv), a.dtype), pltpu.VMEM((_BLOCK, hv * st.d_v), out_dtype),
@@ -1086,7 +1296,9 @@ def vmem_bytes(st: DecodeStatic, pool_itemsize: int, act_itemsize: int) -> int:
   if st.rolled:   # the rolled loop's f32 rows (`decode`'s scratch)
     n = st.tile * st.window
     rows += n * ((2 if st.window == 1 else 1) * st.dim + 2 * st.n_v + st.n_v * st.d_v)
-  scratch = 4 * (state_slots(st) * (state + conv + st.dim) + bcast + rows)
+  if st.window > 1:   # `_Window`'s key columns (laid out in whole 128 lanes)
+    bcast += state_slots(st) * st.n_kq * st.d_k * 128 * -(-st.window // 128)
+  scratch = 4 * (state_slots(st) * (state + conv + st.window * st.dim) + bcast + rows)
   out_row = st.n_v * st.d_v * act_itemsize
   if st.resident_rows:
     outs = (2 * st.resident_rows + st.tile) * out_row
