@@ -56,7 +56,7 @@ from tokamax_gdn.ops.gated_delta_rule import prologue
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_common as common
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as kernel
 from tokamax_gdn.ops.gated_delta_rule.pallas_mosaic_tpu_vmem import check_vmem  # pylint: disable=g-importing-member
-from tokamax_gdn.ops.gated_delta_rule.pallas_mosaic_tpu_vmem import vmem_cap  # pylint: disable=g-importing-member
+from tokamax_gdn.ops.gated_delta_rule.pallas_mosaic_tpu_vmem import kernel_vmem_limit, vmem_cap  # pylint: disable=g-importing-member
 from tokamax_gdn.ops.gated_delta_rule.pallas_mosaic_tpu_vmem import vmem_estimate  # pylint: disable=g-importing-member
 
 
@@ -191,7 +191,7 @@ def _check_supported(q: jax.Array, v: jax.Array) -> bool:
 def _kernel_args(config: Config, q: jax.Array, v: jax.Array, interpret: bool,
                  kind: str) -> dict:
   """Kernel keywords at these (per-device) shapes; every kernel gets the
-  `vmem_cap` limit, and a config past it (an explicit one: the heuristics
+  `vmem_cap` limit (less `AOT_SLACK` ahead of time), and a config past it (an explicit one: the heuristics
   never pick one) raises here, naming the shapes."""
   sh = _shapes_of(q, v)
   check_vmem("gated_delta_rule", _estimate(config, sh, kind),
@@ -200,7 +200,7 @@ def _kernel_args(config: Config, q: jax.Array, v: jax.Array, interpret: bool,
   return dict(chunk=config.chunk_size,
               interleave=_run_interleave(config.interleave, _shapes_of(q, v)),
               interpret=interpret,
-              vmem_limit_bytes=vmem_cap(gdn_config.target_generation()))
+              vmem_limit_bytes=kernel_vmem_limit(gdn_config.target_generation()))
 
 
 # Dimension labels of the kernels' operands (see `ops.partitioning`).

@@ -11,6 +11,8 @@ The serving op's request-packed forward has a model of its own,
 
 from typing import Literal
 
+import jax
+
 from tokamax_gdn import config as gdn_config
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_prologue as kernel_prologue
 from tokamax_gdn.ops.tiling import round_up
@@ -185,6 +187,29 @@ def vmem_cap(gen: gdn_config.TpuGeneration) -> int:
   model".
   """
   return (gen.vmem_bytes - 22 * _MIB) // 2
+
+
+# Compiled ahead of time (a TPU target, no TPU attached), the kernels get
+# this much less than `vmem_cap`. On the v5e chip XLA may place a kernel's
+# small operands in VMEM, and they then count in the kernel's scoped
+# allocation; ahead of time it does not. The float32 backward at Qwen3-Next's
+# heads, T = 4096, allocated 49.93 MiB compiled ahead of time for v5e and
+# 53.93 MiB on the chip (past the 53.00 limit: the compile failed there),
+# the 4 MiB being the two [T, Hv] float32 gate arrays (lanes padded to 128)
+# that XLA put in VMEM. With the slack, a kernel that compiles ahead of time
+# leaves room for them. Only on the 128 MiB-VMEM generations (v5e, and v6e
+# with the same cap): tpu7x's 21 MiB cap, which no chip here has measured,
+# would lose a fifth to it, and its heuristics' configs would no longer fit.
+AOT_SLACK = 9 * _MIB // 2
+
+
+def kernel_vmem_limit(gen: gdn_config.TpuGeneration) -> int:
+  """The `vmem_limit_bytes` the GDN kernels get: `vmem_cap`, less `AOT_SLACK`
+  when compiled ahead of time (on a host without a TPU) for a generation
+  with 128 MiB of VMEM."""
+  ahead_of_time = jax.default_backend() != "tpu"
+  slack = AOT_SLACK if ahead_of_time and gen.vmem_bytes >= 128 * _MIB else 0
+  return vmem_cap(gen) - slack
 
 
 def accepted_need(cap: int) -> int:
