@@ -279,7 +279,7 @@ def gmm(
     out_ref[...] = jnp.where(in_group, result, prev).astype(out_ref.dtype)
 
   sched = schedule(group_sizes, m=m, tm=tm, visit_empty_groups=False)
-  if whole_groups(tiles, k, n):
+  if whole_groups(tiles, k, n, rhs.dtype.itemsize):
     return _gmm_whole_groups(lhs, rhs, group_sizes, sched, store, grid=grid, tm=tm, n=n,
                               out_dtype=out_dtype, dims=dims, ct=ct, interpret=interpret,
                               vmem_limit_bytes=vmem_limit_bytes)
@@ -345,11 +345,22 @@ def gmm(
 RING_SLOTS = 3
 
 
-def whole_groups(tiles: Tiles, k: int, n: int) -> bool:
-  """Whether a group's whole [K, N] (gmm's weights, tgmm's output) is one
-  block, which then moves by group through RING_SLOTS slots rather than by
-  grid step through the pipeline's two buffers."""
-  return tiles.tk >= k and tiles.tn >= n
+# The ring pays where a group's block takes longer to copy than the row
+# tiles before it take to multiply (at MoE shapes it is MiBs). Below this the
+# grid pipeline's copy one step ahead hides it, and the block stays a
+# pipelined operand: on the v5e chip the ring's hand-copied operand, small
+# enough for XLA to place in VMEM, crashed libtpu's compiler (abort) at the
+# int8 x bf16 conformance spec (M64 K32 N48, 3 groups: 3 KiB blocks), which
+# the grid form had passed there.
+RING_MIN_BYTES = 1 << 20
+
+
+def whole_groups(tiles: Tiles, k: int, n: int, itemsize: int) -> bool:
+  """Whether a group's whole [K, N] (gmm's weights, tgmm's output; `itemsize`
+  bytes an element) is one block of at least `RING_MIN_BYTES`, which then
+  moves by group through RING_SLOTS slots rather than by grid step through
+  the pipeline's two buffers."""
+  return tiles.tk >= k and tiles.tn >= n and k * n * itemsize >= RING_MIN_BYTES
 
 
 def _weight_order(group_sizes: jax.Array, sched: Schedule):
@@ -461,7 +472,7 @@ def tgmm(
   # every group change stalled. Group g's block is written back from slot
   # g % RING_SLOTS (tgmm visits every group once, in order), and the copy
   # is waited for when group g + RING_SLOTS needs the slot, or at the end.
-  ring = whole_groups(tiles, k, n) and num_groups > 0
+  ring = whole_groups(tiles, k, n, jnp.dtype(out_dtype).itemsize) and num_groups > 0
 
   def copy(obuf, out_hbm, sems, group):
     slot = group % RING_SLOTS
