@@ -187,7 +187,17 @@ class BlockHeads:
     return lanes(self._ref, j * self._d, self._d, self._st, self._c_idx)
 
   def __setitem__(self, j, x):
-    self._ref[:, _lane_slice(j * self._d, self._d)] = x.astype(self._ref.dtype)
+    x = x.astype(self._ref.dtype)
+    if isinstance(j, int) or self._d % 128 == 0:
+      self._ref[:, _lane_slice(j * self._d, self._d)] = x
+      return
+    # A traced head index at D under 128 lanes: Mosaic cannot prove such a
+    # store's lane offset aligned (tpu7x's backward at D = 32 failed to
+    # compile), so the store picks its head's static slice.
+    for h in range(self._ref.shape[-1] // self._d):
+      @pl.when(j == h)
+      def _(h=h):
+        self._ref[:, h * self._d:(h + 1) * self._d] = x
 
 
 def q_scratch(st: Static, write_out: bool) -> bool:
