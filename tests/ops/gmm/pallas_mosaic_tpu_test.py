@@ -77,7 +77,7 @@ def test_forward_whole_groups(case, monkeypatch):
   tiles = kernel.gmm_tiles(case.m, case.k, case.n, case.lhs_dtype, case.rhs_dtype or
                            case.lhs_dtype, case.lhs_dtype, tm=op.config.tm, tk=4096, tn=4096,
                            transpose_rhs=case.transpose_rhs)
-  assert kernel.whole_groups(tiles, case.k, case.n, jnp.dtype(case.rhs_dtype or case.lhs_dtype).itemsize)
+  assert kernel.whole_groups(tiles, case.k, case.n, case.rhs_dtype or case.lhs_dtype)
   check_forward(op, case)
 
 
@@ -179,7 +179,7 @@ def test_ring_only_for_blocks_of_a_mib_or_more():
   def ring(m, k, n, dtype):
     tiles = kernel.gmm_tiles(m, k, n, dtype, dtype, dtype, tm=128, tk=4096, tn=4096,
                              transpose_rhs=False)
-    return kernel.whole_groups(tiles, k, n, jnp.dtype(dtype).itemsize)
+    return kernel.whole_groups(tiles, k, n, dtype)
   assert ring(16384, 2048, 512, jnp.bfloat16) and ring(16384, 512, 2048, jnp.bfloat16)
   assert not ring(64, 32, 48, jnp.bfloat16)
   assert not ring(1024, 512, 512, jnp.bfloat16)      # 512 KiB

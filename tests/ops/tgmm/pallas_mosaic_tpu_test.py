@@ -66,7 +66,7 @@ def test_forward_whole_groups(case, monkeypatch):
   rhs_dtype = case.rhs_dtype or case.lhs_dtype
   tiles = kernel.tgmm_tiles(case.m, case.k, case.n, case.lhs_dtype, rhs_dtype, F32, tm=tm,
                             tk=4096, tn=4096)
-  assert kernel.whole_groups(tiles, case.k, case.n, jnp.dtype(F32).itemsize)
+  assert kernel.whole_groups(tiles, case.k, case.n, F32)
   check_forward(op, case)
 
 

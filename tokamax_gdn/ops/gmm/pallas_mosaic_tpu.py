@@ -91,7 +91,7 @@ def gmm_vmem(m, k, n, lhs_dtype, rhs_dtype, out_dtype, transpose_rhs, cfg: Confi
   tiles = kernel.gmm_tiles(m, k, n, lhs_dtype, rhs_dtype, out_dtype,
                            tm=cfg.tm, tk=cfg.tk, tn=cfg.tn, transpose_rhs=transpose_rhs)
   return kernel.vmem_bytes(tiles, lhs_dtype, rhs_dtype, out_dtype, transposed=False,
-                           ring=kernel.whole_groups(tiles, k, n, jnp.dtype(rhs_dtype).itemsize))
+                           ring=kernel.whole_groups(tiles, k, n, rhs_dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +179,7 @@ class PallasMosaicTpuGmm(PallasGroupedMatmul, base.Gmm[Config, None]):
                              tm=config.tm, tk=config.tk, tn=config.tn,
                              transpose_rhs=transpose_rhs)
     estimate = kernel.vmem_bytes(tiles, lhs.dtype, rhs.dtype, out_dtype, transposed=False,
-                                 ring=kernel.whole_groups(tiles, k, n, rhs.dtype.itemsize))
+                                 ring=kernel.whole_groups(tiles, k, n, rhs.dtype))
     return kernel.gmm(
         lhs, rhs, group_sizes,
         tiles=tiles, out_dtype=out_dtype, transpose_rhs=transpose_rhs,

@@ -279,7 +279,7 @@ def gmm(
     out_ref[...] = jnp.where(in_group, result, prev).astype(out_ref.dtype)
 
   sched = schedule(group_sizes, m=m, tm=tm, visit_empty_groups=False)
-  if whole_groups(tiles, k, n, rhs.dtype.itemsize):
+  if whole_groups(tiles, k, n, rhs.dtype):
     return _gmm_whole_groups(lhs, rhs, group_sizes, sched, store, grid=grid, tm=tm, n=n,
                               out_dtype=out_dtype, dims=dims, ct=ct, interpret=interpret,
                               vmem_limit_bytes=vmem_limit_bytes)
@@ -355,12 +355,13 @@ RING_SLOTS = 3
 RING_MIN_BYTES = 1 << 20
 
 
-def whole_groups(tiles: Tiles, k: int, n: int, itemsize: int) -> bool:
-  """Whether a group's whole [K, N] (gmm's weights, tgmm's output; `itemsize`
-  bytes an element) is one block of at least `RING_MIN_BYTES`, which then
+def whole_groups(tiles: Tiles, k: int, n: int, dtype) -> bool:
+  """Whether a group's whole [K, N] (gmm's weights, tgmm's output; `dtype`
+  its elements') is one block of at least `RING_MIN_BYTES`, which then
   moves by group through RING_SLOTS slots rather than by grid step through
   the pipeline's two buffers."""
-  return tiles.tk >= k and tiles.tn >= n and k * n * itemsize >= RING_MIN_BYTES
+  return (tiles.tk >= k and tiles.tn >= n
+          and k * n * jnp.dtype(dtype).itemsize >= RING_MIN_BYTES)
 
 
 def _weight_order(group_sizes: jax.Array, sched: Schedule):
@@ -472,7 +473,7 @@ def tgmm(
   # every group change stalled. Group g's block is written back from slot
   # g % RING_SLOTS (tgmm visits every group once, in order), and the copy
   # is waited for when group g + RING_SLOTS needs the slot, or at the end.
-  ring = whole_groups(tiles, k, n, jnp.dtype(out_dtype).itemsize) and num_groups > 0
+  ring = whole_groups(tiles, k, n, out_dtype) and num_groups > 0
 
   def copy(obuf, out_hbm, sems, group):
     slot = group % RING_SLOTS

@@ -16,8 +16,6 @@ Qwen3.5 shape (8192x2048x1024, G=8) 256 beats 512 and 128.
 
 import dataclasses
 
-import jax.numpy as jnp
-
 from tokamax._src.ops import op
 
 from tokamax_gdn import config as gdn_config
@@ -38,7 +36,7 @@ def tgmm_vmem(m, k, n, lhs_dtype, rhs_dtype, out_dtype, cfg: Config) -> int:
   tiles = kernel.tgmm_tiles(m, k, n, lhs_dtype, rhs_dtype, out_dtype,
                             tm=cfg.tm, tk=cfg.tk, tn=cfg.tn)
   return kernel.vmem_bytes(tiles, lhs_dtype, rhs_dtype, out_dtype, transposed=True,
-                           ring=kernel.whole_groups(tiles, k, n, jnp.dtype(out_dtype).itemsize))
+                           ring=kernel.whole_groups(tiles, k, n, out_dtype))
 
 
 def _tiling(ba: op.BoundArguments) -> gmm_pallas.Tiling:
@@ -62,7 +60,7 @@ class PallasMosaicTpuTgmm(gmm_pallas.PallasGroupedMatmul, base.Tgmm[Config, None
     tiles = kernel.tgmm_tiles(m, k, n, lhs.dtype, rhs.dtype, out_dtype,
                               tm=config.tm, tk=config.tk, tn=config.tn)
     estimate = kernel.vmem_bytes(tiles, lhs.dtype, rhs.dtype, out_dtype, transposed=True,
-                                 ring=kernel.whole_groups(tiles, k, n, jnp.dtype(out_dtype).itemsize))
+                                 ring=kernel.whole_groups(tiles, k, n, out_dtype))
     return kernel.tgmm(
         lhs, rhs, group_sizes,
         tiles=tiles, out_dtype=out_dtype, interpret=interpret,
