@@ -260,6 +260,15 @@ def _split(x):
   return hi, (x - hi.astype(F32)).astype(BF16)
 
 
+def _qk_pieces(q, k, v5e_forms: bool):
+  """[q_hi, q_lo, k_hi, k_lo], the left operand's pieces of [q; k] S against
+  a bf16 state; with the v5e forms (`numerics.split`) float32, to be stacked
+  then cast to bf16 once."""
+  if v5e_forms:
+    return [w for x in (q, k) for _, w in numerics.split(x, 2, True)]
+  return [*_split(q), *_split(k)]
+
+
 def _rows(parts, width, zero=0.0):
   """(k, width) pieces stacked and padded with `zero` to (_ROWS, width)."""
   x = jnp.concatenate(parts, axis=0)
@@ -375,12 +384,9 @@ def _heads(st: DecodeStatic, p: _Prepared, row: int, bcast_scr, s_read, s_write)
     bcast_scr[1] = jnp.broadcast_to(_take(p.k_cols[i], row, 1), (dk, dv))
     if s_read is not None and st.v5e_forms:
       # Stacked in f32 and cast once, padded with -0.0 (`numerics.lhs_masked`).
-      wides = [w for x in (q, k) for _, w in numerics.split(x, 2, True)]
-      lhs = _rows(wides, dk, -0.0).astype(BF16)
+      lhs = _rows(_qk_pieces(q, k, True), dk, -0.0).astype(BF16)
     elif s_read is not None:
-      q_hi, q_lo = _split(q)
-      k_hi, k_lo = _split(k)
-      lhs = _rows([q_hi, q_lo, k_hi, k_lo], dk)
+      lhs = _rows(_qk_pieces(q, k, False), dk)
     for h, s in zip(heads, states):
       e = decay[:, h:h + 1]
       k_col = bcast_scr[1]
@@ -496,13 +502,7 @@ class _Window:
       self.kk_cols.append([lanes(gram[n:2 * n, c:c + 1]) for c in range(n - 1)])  # k_t . k_c
       # [q_hi; q_lo; k_hi; k_lo] for bf16 states (as `_heads`, v5e forms
       # included); [q; k] for float32 ones.
-      if st.v5e_forms:
-        wides = [w for y in (q, k) for _, w in numerics.split(y, 2, True)]
-        self.lhs.append(jnp.concatenate(wides, axis=0).astype(BF16))
-      else:
-        q_hi, q_lo = _split(q)
-        k_hi, k_lo = _split(k)
-        self.lhs.append(jnp.concatenate([q_hi, q_lo, k_hi, k_lo], axis=0))
+      self.lhs.append(jnp.concatenate(_qk_pieces(q, k, st.v5e_forms), axis=0).astype(BF16))
       self.qk_rows.append(qk_rows)
     self.q_s, self.k_s, self.v_new = {}, {}, {}
 
