@@ -16,8 +16,8 @@ The NaN guard (`isolation.SegmentGuard`) runs in the kernels
 and cotangents, take each token's bad flags from the head tiles they load (row
 sums of x·0 on the MXU), carry the running flag along the sequential chunk
 axis (reset at segment starts), zero the non-finite values in VMEM (the
-forward by a select where its head groups read a tile, the backward in a chunk
-that has one; `_Static.guard_branched`) and write NaN into the poisoned
+forward by a select where its head groups read a tile, `guard_finite`, the
+backward in a chunk that has one, `_guard_sanitize`) and write NaN into the poisoned
 tokens' outputs, final state and gradients; the states pass hands the backward
 the forward's flags ([B, NC, Hv, C] f32), and the backward carries the "bad
 cotangent at or after" flag in reverse. In XLA, as reductions, selects and

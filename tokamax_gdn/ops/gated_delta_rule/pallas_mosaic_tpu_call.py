@@ -89,10 +89,11 @@ def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states
                  **pro.static())
 
 
-def head_scratch(st: common.Static, values: tuple[str, ...], q: bool = True) -> list[common.Operand]:
-  """Row scratch and head-major f32 copies: q (if `q`), k, then the (Hv, C,
-  V) arrays named in `values`."""
-  heads = ("qh", "kh") if q else ("kh",)
+def head_scratch(st: common.Static, values: tuple[str, ...], q: bool = True,
+                 k: bool = True) -> list[common.Operand]:
+  """Row scratch and head-major f32 copies: q (if `q`), k (if `k`), then the
+  (Hv, C, V) arrays named in `values`."""
+  heads = ("qh",) * q + ("kh",) * k
   return ([common.Operand("rows", shape=pltpu.VMEM((kernel_prologue.N_ROWS, st.hv, st.chunk), F32))]
           + [common.Operand(n, shape=pltpu.VMEM((st.hk, st.chunk, st.dim_k), F32)) for n in heads]
           + [common.Operand(n, shape=pltpu.VMEM((st.hv, st.chunk, st.dim_v), F32)) for n in values])
@@ -300,6 +301,7 @@ def _run_fwd(inputs: list[common.Operand], h0, st: common.Static, seg: "_Segment
   and the scratch; returns (out, final_state, residuals) as `gdn_fwd`."""
   write_out = out_block is not None
   chunk = st.chunk
+  copies = common.head_copies(st, write_out)
   state_spec = _state_spec(st, lambda i: i)
   if st.has_h0:
     inputs.append(common.Operand("h0", h0.astype(F32), block=state_spec))
@@ -319,8 +321,8 @@ def _run_fwd(inputs: list[common.Operand], h0, st: common.Static, seg: "_Segment
     if st.guard:
       outputs.append(_guard_fwd_operand(st, b, nc, lambda i: i))
   scratch = ([common.Operand("s", shape=pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32))]
-             + head_scratch(st, ("vh", "out_heads") if write_out else ("vh",),
-                            q=common.q_scratch(st, write_out))
+             + head_scratch(st, ("vh",) * copies[2] + ("out_heads",) * write_out,
+                            q=copies[0], k=copies[1])
              + _guard_scratch(st, 1))
   res = pallas_call(
       functools.partial(fwd_kernel.fwd_kernel, write_out=write_out, emit=emit_residuals), st,

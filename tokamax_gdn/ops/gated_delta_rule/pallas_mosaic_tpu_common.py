@@ -96,16 +96,6 @@ class Static:
   v5e_forms: bool = False
 
   @property
-  def guard_branched(self) -> bool:
-    # v5e: the forward's sanitising in a branch taken in chunks with a bad
-    # token (`guard._guard_sanitize`); elsewhere selects in every chunk where the
-    # head groups read the tiles (`guard.guard_finite`), cheaper there than a
-    # branch splitting the unrolled head groups. (The backward's gradient
-    # poison branches everywhere: `guard.guard_bwd_tiles`.) On the estimates
-    # selects were cheaper on v6e and tpu7x, the branch on v5e (no bf16 VPU).
-    return self.v5e_forms
-
-  @property
   def group(self) -> int:
     return self.hv // self.hk
 
@@ -200,15 +190,17 @@ class BlockHeads:
         self._ref[:, h * self._d:(h + 1) * self._d] = x
 
 
-def q_scratch(st: Static, write_out: bool) -> bool:
-  """Whether a forward kernel keeps q in the head-major f32 scratch "qh":
-  where it is filled from the packed input (`packed`) or normalised in place
-  (`qk_in_place`, a loop over the heads). Otherwise the head groups read q
-  from its block (`BlockHeads`): the copy cost a store per f32 vreg, and
-  the store slot (one a bundle) is what v5e's forward kernels are short of
-  before their products start (v5e forward estimate -1.4 %); and the states
-  pass (no outputs) reads no q."""
-  return st.packed or (write_out and st.qk_in_place)
+def head_copies(st: Static, write_out: bool) -> tuple[bool, bool, bool]:
+  """Whether a forward kernel keeps q, k and v in the head-major f32 scratch
+  "qh", "kh", "vh": where the packed input fills them (`packed`), and q and
+  k where they are normalised in place (`qk_in_place`, a loop over the
+  heads). Otherwise the head groups read them from their blocks
+  (`BlockHeads`): a copy costs a store per f32 vreg (and its load back), on
+  the store slot v5e's forward kernels are short of, and the NaN guard
+  sanitises them by selects where the head groups read them
+  (`guard.guard_finite`), not in place. The states pass (no outputs) reads
+  no q."""
+  return (st.packed or (write_out and st.qk_in_place), st.packed or st.qk_in_place, st.packed)
 
 
 def store_heads(scr, ref, rows=None):
