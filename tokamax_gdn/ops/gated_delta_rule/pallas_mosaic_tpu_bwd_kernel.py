@@ -57,10 +57,18 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
   gate, masks = kernel_prologue.step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx,
                                params=kernel_prologue.gate_params(r), scan_axis=1)
   causal, strict = masks
-  for ref, scr in ((q_ref, qh_scr), (k_ref, kh_scr), (v_ref, vh_scr), (do_ref, doh_scr)):
-    common.load_heads(ref, scr, st, c_idx)
+  tiles = ((q_ref, qh_scr, st.dim_k), (k_ref, kh_scr, st.dim_k), (v_ref, vh_scr, st.dim_v),
+           (do_ref, doh_scr, st.dim_v))
+  if st.bwd_copies:
+    for ref, scr, _ in tiles:
+      common.load_heads(ref, scr, st, c_idx)
+  else:
+    qh_scr, kh_scr, vh_scr, doh_scr = (common.BlockHeads(ref, d, st, c_idx) for ref, _, d in tiles)
   if st.guard:
-    guard.guard_bwd_rows(r, st, gate, causal, leave)
+    guard.guard_bwd_rows(r, st, gate, causal, leave, qh_scr, kh_scr, vh_scr, doh_scr)
+  # The tiles as the head groups read them: sanitised by the guard in place
+  # in scratch, or here by selects (`common.Static.bwd_copies`).
+  clean = (lambda x: x) if st.bwd_copies else (lambda x: guard.guard_finite(x, st))
   lane = lax.broadcasted_iota(jnp.int32, (1, c), 1)
   # bf16 inputs under `st.f_cols`: the row sums of f ⊙ β (d_gcum's, below)
   # as columns, with β rounded to bf16, laid out as columns once: β's rows
@@ -82,11 +90,13 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
     # The attention scale goes on the queries (the L2 norm's (C, 1) factor), not
     # on every value head's dO: the gradients are the same, dq's scale is
     # `kernel_prologue.normed_vjp`'s (one pass per key head, not per value head).
-    q = {ku: common.finite(kernel_prologue.normed(qh_scr[j], st, st.scale)[0], st) for ku, j in kheads.items()}
-    k = {ku: common.finite(kernel_prologue.normed(kh_scr[j], st)[0], st) for ku, j in kheads.items()}
+    q = {ku: common.finite(kernel_prologue.normed(clean(qh_scr[j]), st, st.scale)[0], st)
+         for ku, j in kheads.items()}
+    k = {ku: common.finite(kernel_prologue.normed(clean(kh_scr[j]), st)[0], st)
+         for ku, j in kheads.items()}
     k_t = {ku: k[ku].T for ku in kheads}
-    v = {u: common.finite(vh_scr[i], st) for u, i in heads.items()}
-    d_o = {u: common.finite(doh_scr[i], st) for u, i in heads.items()}
+    v = {u: common.finite(clean(vh_scr[i]), st) for u, i in heads.items()}
+    d_o = {u: common.finite(clean(doh_scr[i]), st) for u, i in heads.items()}
     # The residuals as stored (bf16 for bf16 inputs): as matmul operands only,
     # not widened to f32 and cast back (S in f32 for ⟨S, dS⟩ is a load of its own).
     s = {u: states_ref[i] for u, i in heads.items()}
@@ -217,8 +227,10 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
       # whose gradients come poisoned), the norms taken again: kept from the
       # start, they took tpu7x's backward past its scoped VMEM limit
       # at C=64, and v6e's estimate gained nothing.
-      dq_heads[j] = kernel_prologue.normed_vjp((q[ku], kernel_prologue.normed(qh_scr[j], st)[1]), dq_acc[ku], st.scale)
-      dk_heads[j] = kernel_prologue.normed_vjp((k[ku], kernel_prologue.normed(kh_scr[j], st)[1]), dk_acc[ku])
+      dq_heads[j] = kernel_prologue.normed_vjp(
+          (q[ku], kernel_prologue.normed(clean(qh_scr[j]), st)[1]), dq_acc[ku], st.scale)
+      dk_heads[j] = kernel_prologue.normed_vjp(
+          (k[ku], kernel_prologue.normed(clean(kh_scr[j]), st)[1]), dk_acc[ku])
     return carry
 
   in_cols = common.run_groups(st, group, jnp.zeros((c, 128), F32))

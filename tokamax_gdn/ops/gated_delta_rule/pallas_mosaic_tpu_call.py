@@ -403,7 +403,8 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
       chunk=chunk, scale=scale, interleave=interleave, newton=newton, sanitize=sanitize,
       guard=guard, pro=pro)
   b, t = q.shape[:2]
-  st = dataclasses.replace(st, unroll_groups=common.unroll_groups(backward=True))
+  st = dataclasses.replace(st, unroll_groups=common.unroll_groups(backward=True),
+                           bwd_copies=common.bwd_head_copies())
   states, tmats = residuals[:2]
   if states.shape[1] != nc:
     raise ValueError(f"residuals for {states.shape[1]} chunks; this call has {nc}.")
@@ -448,7 +449,8 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
                          shape=jax.ShapeDtypeStruct((b, 1, st.hv), F32))
                 for name in ("d_a_log", "d_dt_bias")]
   scratch = ([common.Operand("ds", shape=pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32))]
-             + head_scratch(st, ("vh", "doh"))
+             + head_scratch(st, ("vh", "doh") if st.bwd_copies else (), q=st.bwd_copies,
+                            k=st.bwd_copies)
              + [common.Operand("dg_rows", shape=pltpu.VMEM((st.hv, chunk), F32)),
                 common.Operand("db_rows", shape=pltpu.VMEM((st.hv, chunk), F32))]
              + _guard_scratch(st, 2))

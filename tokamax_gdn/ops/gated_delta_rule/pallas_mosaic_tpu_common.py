@@ -80,6 +80,14 @@ class Static:
   # pieces against f pushed as weights). Columns were cheaper on v6e's
   # estimate, the row on v5e's and tpu7x's (`f_sums_as_columns`).
   f_cols: bool = False
+  # The backward's q, k, v and dO: copied to head-major f32 scratch, the NaN
+  # guard sanitising them there in place in a chunk with a bad token
+  # (`guard._guard_sanitize`), or read from their blocks where the head
+  # groups use them, the guard's selects there (`guard.guard_finite`). The
+  # copies (a store per f32 vreg, on the store slot v5e's backward is short
+  # of) cost v5e's and tpu7x's estimates more, the selects v6e's
+  # (`bwd_head_copies`).
+  bwd_copies: bool = True
   # `requests.gdn_fwd_requests`: q, k, v are lane ranges of one [T, 2 Hk K + Hv V]
   # input and the output is [B, T, Hv V] (heads are lane slices of a block: no
   # relayout); `beta_guard`: k and v read as 0 at tokens whose beta is 0
@@ -343,6 +351,11 @@ def unroll_groups(backward: bool = False) -> bool | int:
   if gdn_config.target_generation().name != "tpu7x":
     return True
   return 2 if backward else False
+
+
+def bwd_head_copies() -> bool:
+  """`Static.bwd_copies` for the target generation."""
+  return gdn_config.target_generation().name == "v6e"
 
 
 def f_sums_as_columns() -> bool:

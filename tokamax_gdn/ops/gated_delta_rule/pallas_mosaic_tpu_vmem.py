@@ -97,7 +97,9 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
   if kernel == "bwd":
     # dq, dk, dv's head-major scratch counted as in the fits (2 key + 1
     # value), though the kernel now writes them into their output blocks
-    # (`bwd_kernel`): that much margin, not refitted.
+    # (`bwd_kernel`): that much margin, not refitted; so are q, k, v and
+    # dO's copies where the kernel reads them from their blocks
+    # (`common.Static.bwd_copies`: v5e and tpu7x).
     scratch = state + 4 * key + 3 * value + rows
     blocks = (4 * key + 3 * value) * itemsize // 4 + residuals
     long = _LONG_BWD_HEADROOM * max(1, hv / 16) if length > _LONG_BWD_FROM else 0
