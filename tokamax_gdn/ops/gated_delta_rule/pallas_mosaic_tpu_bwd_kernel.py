@@ -218,8 +218,16 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
                                            v5e_forms=st.v5e_forms,
                                            weighted=(f_bf16[0], b_cols) if f_cols else None)
     for ku in kheads:
-      both = dot(dqk_sum[ku], k[ku])                                   # [−d_QK K; d_KK K]
-      back = dot(dqk_sum[ku], jnp.concatenate([-q[ku], k[ku]], 0), ta=True)
+      if st.dk_sym:
+        # d_KK is strictly lower triangular: d_KK + d_KKᵀ is exact, and its
+        # product with K gives both of K Kᵀ's terms of dk, C rows through
+        # the MXU fewer than d_KKᵀ K beside d_QKᵀ Q (`Static.dk_sym`).
+        nd_qk, d_kk = dqk_sum[ku][:c], dqk_sum[ku][c:]
+        both = dot(jnp.concatenate([nd_qk, d_kk + common.transposed_tile(d_kk, st)], 0), k[ku])
+        back = -dot(nd_qk, q[ku], ta=True)                              # d_QKᵀ Q
+      else:
+        both = dot(dqk_sum[ku], k[ku])                                 # [−d_QK K; d_KK K]
+        back = dot(dqk_sum[ku], jnp.concatenate([-q[ku], k[ku]], 0), ta=True)
       dq_acc[ku] = dq_acc[ku] - both[:c]
       dk_acc[ku] = dk_acc[ku] + both[c:] + back + dkb_sum[ku].T
     for ku, j in kheads.items():

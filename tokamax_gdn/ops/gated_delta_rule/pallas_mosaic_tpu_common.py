@@ -73,7 +73,7 @@ class Static:
   # took its forward to 21.08 of its 21 MiB scoped VMEM at Qwen3-Next heads,
   # T=4096, by 2 the context-parallel forward to 21.16).
   unroll_groups: bool | int = False
-  interpret: bool = False   # traced for Pallas interpret mode (`_transposed`)
+  interpret: bool = False   # traced for Pallas interpret mode (`transposed_tile`)
   # bf16 inputs: the backward's row sums of f ⊙ β (d_gcum's) as columns of
   # the tile it carries across head groups (`gates.lane_rowsums`: a 128-row
   # product per head), else as a row (`gates.rowsum_row`: 8 rows of β's
@@ -88,6 +88,12 @@ class Static:
   # of) cost v5e's and tpu7x's estimates more, the selects v6e's
   # (`bwd_head_copies`).
   bwd_copies: bool = True
+  # The backward's dk terms of K Kᵀ, d_KK K + d_KKᵀ K, as one product of
+  # d_KK + d_KKᵀ (a transpose on the XLU) or as two (d_KKᵀ K beside d_QKᵀ Q
+  # in one transposed-operand product). One was cheaper on v5e's estimate,
+  # whose MXU time follows the rows it streams, two on v6e's and tpu7x's
+  # (`dk_symmetric`).
+  dk_sym: bool = False
   # `requests.gdn_fwd_requests`: q, k, v are lane ranges of one [T, 2 Hk K + Hv V]
   # input and the output is [B, T, Hv V] (heads are lane slices of a block: no
   # relayout); `beta_guard`: k and v read as 0 at tokens whose beta is 0
@@ -259,7 +265,7 @@ def operand_cat(parts, axis, st: Static):
   return jnp.concatenate([p.astype(st.mm) for p in parts], axis)
 
 
-def _transposed(x, st: Static):
+def transposed_tile(x, st: Static):
   """xᵀ (C×C f32). In interpret mode as products with the identity, exact
   (x's three bf16 pieces): XLA:CPU folds a transpose stored as a residual
   into the backward's transposed-operand product of it, and then cannot run
@@ -288,7 +294,7 @@ def stored_tmat(t, transposed: bool, ref, st: Static):
   if not transposed:
     return residual(t, ref, st)
   if st.v5e_forms or st.interpret:
-    return residual(_transposed(t, st), ref, st)
+    return residual(transposed_tile(t, st), ref, st)
   return t.astype(ref.dtype).T
 
 
@@ -351,6 +357,11 @@ def unroll_groups(backward: bool = False) -> bool | int:
   if gdn_config.target_generation().name != "tpu7x":
     return True
   return 2 if backward else False
+
+
+def dk_symmetric() -> bool:
+  """`Static.dk_sym` for the target generation."""
+  return gdn_config.target_generation().name == "v5e"
 
 
 def bwd_head_copies() -> bool:
