@@ -100,7 +100,8 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
     # The residuals as stored (bf16 for bf16 inputs): as matmul operands only,
     # not widened to f32 and cast back (S in f32 for ⟨S, dS⟩ is a load of its own).
     s = {u: states_ref[i] for u, i in heads.items()}
-    tm = {u: tm_ref[i] for u, i in heads.items()}
+    tm = {u: tm_ref[i] for u, i in heads.items()}     # T'ᵀ where `common.tmat_transposed`
+    tm_t = {u: common.tmat_transposed(st, u) for u in heads}
     dsn = {u: ds_scr[i] for u, i in heads.items()}
     beta = {u: common.head_row(rows_scr, kernel_prologue.BETA, i) for u, i in heads.items()}
     kout = {u: common.head_row(rows_scr, kernel_prologue.KOUT, i) for u, i in heads.items()}
@@ -118,7 +119,7 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
     qkk = {ku: dot(jnp.concatenate([q[ku], k[ku]], 0), k[ku], tb=True)
            for ku in kheads}
     # Forward recompute: [W̃ | Ũ] = T' [K_in | V], V″ = Ũ − W̃ S.
-    wu = {u: dot(tm[u], common.operand_cat([k[kj(u)] * dins[u], v[u]], 1, st))
+    wu = {u: dot(tm[u], common.operand_cat([k[kj(u)] * dins[u], v[u]], 1, st), ta=tm_t[u])
           for u in heads}
     v_new = {u: wu[u][:, dim_k:] - dot(wu[u][:, :dim_k], s[u]) for u in heads}
     ngb = {u: gammas[u] * -beta[u] for u in heads}                      # −Γ ⊙ β_j
@@ -147,7 +148,7 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
     dpk = {u: dot(common.operand_cat([d_o[u], dsn[u]], 0, st), v_new[u], tb=True)
            for u in heads}                                              # [dP̃; d(Kᵀ kout)]
     # WY part: [dK_in | dV] = T'ᵀ [dW̃ | dŨ];  dA' = −[dK_in | dV] [W̃ | Ũ]ᵀ.
-    d_xin = {u: dot(tm[u], common.operand_cat([dqw[u][c:], -nd_vnew[u]], 1, st), ta=True)
+    d_xin = {u: dot(tm[u], common.operand_cat([dqw[u][c:], -nd_vnew[u]], 1, st), ta=not tm_t[u])
              for u in heads}
     n_da = {u: jnp.where(strict, dot(d_xin[u], wu[u], tb=True), 0.0)   # −dA'
             for u in heads}

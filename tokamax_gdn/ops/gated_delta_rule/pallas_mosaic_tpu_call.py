@@ -86,7 +86,7 @@ def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states
                  has_seg=has_seg, has_h0=has_h0, n_states=n_states, v5e_forms=common.v5e_forms(),
                  qk_in_place=gdn_config.target_generation().name == "tpu7x",
                  unroll_groups=common.unroll_groups(), f_cols=common.f_sums_as_columns(),
-                 **pro.static())
+                 paired_tmats=common.paired_tmats(), **pro.static())
 
 
 def head_scratch(st: common.Static, values: tuple[str, ...], q: bool = True,

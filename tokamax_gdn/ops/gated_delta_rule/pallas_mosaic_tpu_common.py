@@ -94,6 +94,12 @@ class Static:
   # whose MXU time follows the rows it streams, two on v6e's and tpu7x's
   # (`dk_symmetric`).
   dk_sym: bool = False
+  # The residual T' of odd heads stored as the inverse gives it, T'ᵀ
+  # (`tmat_transposed`), the backward taking it transposed, or every T'
+  # stored as it is, the forward kernels transposing the odd ones. v5e's
+  # estimate: the former cheaper for both passes; v6e's and tpu7x's: the
+  # backward's products cost more with it (`paired_tmats`).
+  paired_tmats: bool = False
   # `requests.gdn_fwd_requests`: q, k, v are lane ranges of one [T, 2 Hk K + Hv V]
   # input and the output is [B, T, Hv V] (heads are lane slices of a block: no
   # relayout); `beta_guard`: k and v read as 0 at tokens whose beta is 0
@@ -286,12 +292,25 @@ def residual(x, ref, st: Static):
   return (x + 0.0 if st.v5e_forms else x).astype(ref.dtype)
 
 
-def stored_tmat(t, transposed: bool, ref, st: Static):
-  """T' for its residual output `ref`, from `inverse.invert_unit_lower`'s (t,
-  transposed) pair: t, or tᵀ where t is T'ᵀ. On TPU (but v5e forms) the
-  transpose is taken after the cast, in the stored dtype (bf16 for bf16
-  inputs: half the vregs through the XLU)."""
-  if not transposed:
+def tmat_transposed(st: Static, head: int) -> bool:
+  """Whether the residual T' of value head `head` (of a head group) is stored
+  transposed, T'ᵀ, as `inverse.invert_unit_lower` gives every odd matrix of
+  its list (the second of a pair), under `Static.paired_tmats`: with an
+  even GVA group every head group has an even number of heads, so the
+  forward kernels' lists pair heads 2m, 2m+1 and the parity of `head` is
+  that of its index in the chunk. The backward takes it as stored
+  (`numerics.mxu(ta=...)`), so no pass transposes it. An odd group: every
+  T' stored as it is."""
+  return st.paired_tmats and st.group % 2 == 0 and head % 2 == 1
+
+
+def stored_tmat(t, transposed: bool, ref, st: Static, head: int):
+  """T' of value head `head` for its residual output `ref`, from
+  `inverse.invert_unit_lower`'s (t, transposed) pair: t as it is where
+  `tmat_transposed` says so (t is T'ᵀ there), else transposed where t is
+  T'ᵀ. On TPU (but v5e forms) the transpose is taken after the cast, in the
+  stored dtype (bf16 for bf16 inputs: half the vregs through the XLU)."""
+  if transposed == tmat_transposed(st, head):
     return residual(t, ref, st)
   if st.v5e_forms or st.interpret:
     return residual(transposed_tile(t, st), ref, st)
@@ -357,6 +376,11 @@ def unroll_groups(backward: bool = False) -> bool | int:
   if gdn_config.target_generation().name != "tpu7x":
     return True
   return 2 if backward else False
+
+
+def paired_tmats() -> bool:
+  """`Static.paired_tmats` for the target generation."""
+  return gdn_config.target_generation().name == "v5e"
 
 
 def dk_symmetric() -> bool:

@@ -206,7 +206,7 @@ def _fwd_chunk(r: common.Refs, st: common.Static, write_out: bool, emit: bool, r
       s_scr[i] = lam * s[u] + dot(k_t[kj(u)] * common.head_row(rows_scr, kernel_prologue.KOUT, i), v_new[u])
       if emit:
         states_ref[i] = common.residual(s[u], states_ref, st)
-        tm_ref[i] = common.stored_tmat(*tmats[u], tm_ref, st)
+        tm_ref[i] = common.stored_tmat(*tmats[u], tm_ref, st, u)
 
   invert = functools.partial(inverse.invert_unit_lower, newton=st.newton, v5e_forms=st.v5e_forms)
   if st.unroll_groups is True:
