@@ -212,15 +212,25 @@ class BlockHeads:
 
 def head_copies(st: Static, write_out: bool) -> tuple[bool, bool, bool]:
   """Whether a forward kernel keeps q, k and v in the head-major f32 scratch
-  "qh", "kh", "vh": where the packed input fills them (`packed`), and q and
-  k where they are normalised in place (`qk_in_place`, a loop over the
-  heads). Otherwise the head groups read them from their blocks
-  (`BlockHeads`): a copy costs a store per f32 vreg (and its load back), on
-  the store slot v5e's forward kernels are short of, and the NaN guard
-  sanitises them by selects where the head groups read them
-  (`guard.guard_finite`), not in place. The states pass (no outputs) reads
-  no q."""
-  return (st.packed or (write_out and st.qk_in_place), st.packed or st.qk_in_place, st.packed)
+  "qh", "kh", "vh": where the packed input fills them (`packed`), q and k
+  where they are normalised in place (`qk_in_place`, a loop over the
+  heads), and heads narrower than 128 lanes (`lanes_of_heads`). Otherwise
+  the head groups read them from their blocks (`BlockHeads`): a copy costs
+  a store per f32 vreg (and its load back), on the store slot v5e's
+  forward kernels are short of, and the NaN guard sanitises them by selects
+  where the head groups read them (`guard.guard_finite`), not in place. The
+  states pass (no outputs) reads no q."""
+  k_copy = st.packed or st.qk_in_place or not lanes_of_heads(st.dim_k)
+  return (write_out and k_copy or st.packed, k_copy, st.packed or not lanes_of_heads(st.dim_v))
+
+
+def lanes_of_heads(dim: int) -> bool:
+  """Whether heads of `dim` are whole lane tiles of a (C, H D) block, so that
+  `BlockHeads` can read one at a head index the head groups' loop traces
+  (Mosaic cannot prove a narrower head's lane offset aligned: tpu7x's
+  training step at a head dim under 128, its forward's head groups in a
+  loop, failed to compile)."""
+  return dim % 128 == 0
 
 
 def store_heads(scr, ref, rows=None):
@@ -388,9 +398,11 @@ def dk_symmetric() -> bool:
   return gdn_config.target_generation().name == "v5e"
 
 
-def bwd_head_copies() -> bool:
-  """`Static.bwd_copies` for the target generation."""
-  return gdn_config.target_generation().name == "v6e"
+def bwd_head_copies(st: Static) -> bool:
+  """`Static.bwd_copies` for the target generation (always for heads
+  narrower than 128 lanes: `lanes_of_heads`)."""
+  return (gdn_config.target_generation().name == "v6e"
+          or not (lanes_of_heads(st.dim_k) and lanes_of_heads(st.dim_v)))
 
 
 def f_sums_as_columns() -> bool:
