@@ -121,6 +121,22 @@ def test_v5e_forms_match_reference(case):
     tokamax_gdn.config.set_target_chip(None)
 
 
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+def test_heads_of_128_lanes_match_reference(chip):
+  """Heads of 128 lanes, the other cases' are narrower: the kernels read q,
+  k, v (and the backward's dO) from their blocks where the head groups use
+  them (`common.head_copies`, `Static.bwd_copies`: the backward's on v5e and
+  tpu7x), the NaN guard's selects there; v5e's backward takes dk's K Kᵀ
+  terms as one product (`Static.dk_sym`) and the odd heads' T' as stored
+  (`common.tmat_transposed`). bf16 with segments and the prologue."""
+  case = ("d128", 1, 130, 1, 2, 128, 128, jnp.bfloat16, "zeros", True, False, True, True, 64, 2)
+  tokamax_gdn.config.set_target_chip(chip)
+  try:
+    _check_matches_reference(case)
+  finally:
+    tokamax_gdn.config.set_target_chip(None)
+
+
 @pytest.mark.parametrize("l2,dt_bias,dtype,chip", [(False, True, jnp.float32, None),
                                                    (True, False, jnp.bfloat16, "tpu7x")])
 def test_prologue_in_kernel(l2, dt_bias, dtype, chip):

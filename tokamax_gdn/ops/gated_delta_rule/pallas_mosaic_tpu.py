@@ -16,8 +16,8 @@ The NaN guard (`isolation.SegmentGuard`) runs in the kernels
 and cotangents, take each token's bad flags from the head tiles they load (row
 sums of x·0 on the MXU), carry the running flag along the sequential chunk
 axis (reset at segment starts), zero the non-finite values in VMEM (the
-forward by a select where its head groups read a tile, the backward in a chunk
-that has one; `_Static.guard_branched`) and write NaN into the poisoned
+forward by a select where its head groups read a tile, `guard_finite`, the
+backward in a chunk that has one, `_guard_sanitize`) and write NaN into the poisoned
 tokens' outputs, final state and gradients; the states pass hands the backward
 the forward's flags ([B, NC, Hv, C] f32), and the backward carries the "bad
 cotangent at or after" flag in reverse. In XLA, as reductions, selects and
@@ -136,18 +136,22 @@ def _kind(backward: bool) -> str:
 
 
 def _heuristics(ba: op.BoundArguments, backward: bool) -> Config:
-  """C = 128 and up to 16 heads interleaved, as many as VMEM allows.
+  """C = 128 and up to 16 heads interleaved (8 in the backward), as many as
+  VMEM allows.
 
   In libtpu's static cycle estimate more heads interleaved are faster up to
-  16 (not past it), and the backward at C=128 takes half the cycles of C=64:
+  16 in the forward (not past it) and up to 8 in the backward (with its
+  head groups unrolled into one basic block, 8 was faster than 16 on v5e
+  and v6e: fewer live tiles for the scheduler to spill), and the backward
+  at C=128 takes half the cycles of C=64:
   so C=128 with fewer heads first, C=64 only where C=128 does not fit with
   one GVA group (tpu7x's backward at T=4096). The numbers (per-kernel cycles
   of `tokamax-gdn aot` with the config fixed) are in README.md, "Heuristics'
   measurements".
   """
   sh, kind = _shapes(ba), _kind(backward)
-  cfg = _most_interleaved(128, sh, kind)
-  return cfg if _fits(cfg, sh, kind) else _most_interleaved(64, sh, kind)
+  cfg = _most_interleaved(128, sh, kind, start=8 if backward else 16)
+  return cfg if _fits(cfg, sh, kind) else _most_interleaved(64, sh, kind, start=8 if backward else 16)
 
 
 # Autotuning explores configs estimated at most this fraction of the VMEM cap:

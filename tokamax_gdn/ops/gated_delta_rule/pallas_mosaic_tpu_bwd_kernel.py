@@ -57,10 +57,18 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
   gate, masks = kernel_prologue.step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx,
                                params=kernel_prologue.gate_params(r), scan_axis=1)
   causal, strict = masks
-  for ref, scr in ((q_ref, qh_scr), (k_ref, kh_scr), (v_ref, vh_scr), (do_ref, doh_scr)):
-    common.load_heads(ref, scr, st, c_idx)
+  tiles = ((q_ref, qh_scr, st.dim_k), (k_ref, kh_scr, st.dim_k), (v_ref, vh_scr, st.dim_v),
+           (do_ref, doh_scr, st.dim_v))
+  if st.bwd_copies:
+    for ref, scr, _ in tiles:
+      common.load_heads(ref, scr, st, c_idx)
+  else:
+    qh_scr, kh_scr, vh_scr, doh_scr = (common.BlockHeads(ref, d, st, c_idx) for ref, _, d in tiles)
   if st.guard:
-    guard.guard_bwd_rows(r, st, gate, causal, leave)
+    guard.guard_bwd_rows(r, st, gate, causal, leave, qh_scr, kh_scr, vh_scr, doh_scr)
+  # The tiles as the head groups read them: sanitised by the guard in place
+  # in scratch, or here by selects (`common.Static.bwd_copies`).
+  clean = (lambda x: x) if st.bwd_copies else (lambda x: guard.guard_finite(x, st))
   lane = lax.broadcasted_iota(jnp.int32, (1, c), 1)
   # bf16 inputs under `st.f_cols`: the row sums of f ⊙ β (d_gcum's, below)
   # as columns, with β rounded to bf16, laid out as columns once: β's rows
@@ -82,15 +90,18 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
     # The attention scale goes on the queries (the L2 norm's (C, 1) factor), not
     # on every value head's dO: the gradients are the same, dq's scale is
     # `kernel_prologue.normed_vjp`'s (one pass per key head, not per value head).
-    q = {ku: common.finite(kernel_prologue.normed(qh_scr[j], st, st.scale)[0], st) for ku, j in kheads.items()}
-    k = {ku: common.finite(kernel_prologue.normed(kh_scr[j], st)[0], st) for ku, j in kheads.items()}
+    q = {ku: common.finite(kernel_prologue.normed(clean(qh_scr[j]), st, st.scale)[0], st)
+         for ku, j in kheads.items()}
+    k = {ku: common.finite(kernel_prologue.normed(clean(kh_scr[j]), st)[0], st)
+         for ku, j in kheads.items()}
     k_t = {ku: k[ku].T for ku in kheads}
-    v = {u: common.finite(vh_scr[i], st) for u, i in heads.items()}
-    d_o = {u: common.finite(doh_scr[i], st) for u, i in heads.items()}
+    v = {u: common.finite(clean(vh_scr[i]), st) for u, i in heads.items()}
+    d_o = {u: common.finite(clean(doh_scr[i]), st) for u, i in heads.items()}
     # The residuals as stored (bf16 for bf16 inputs): as matmul operands only,
     # not widened to f32 and cast back (S in f32 for ⟨S, dS⟩ is a load of its own).
     s = {u: states_ref[i] for u, i in heads.items()}
-    tm = {u: tm_ref[i] for u, i in heads.items()}
+    tm = {u: tm_ref[i] for u, i in heads.items()}     # T'ᵀ where `common.tmat_transposed`
+    tm_t = {u: common.tmat_transposed(st, u) for u in heads}
     dsn = {u: ds_scr[i] for u, i in heads.items()}
     beta = {u: common.head_row(rows_scr, kernel_prologue.BETA, i) for u, i in heads.items()}
     kout = {u: common.head_row(rows_scr, kernel_prologue.KOUT, i) for u, i in heads.items()}
@@ -108,7 +119,7 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
     qkk = {ku: dot(jnp.concatenate([q[ku], k[ku]], 0), k[ku], tb=True)
            for ku in kheads}
     # Forward recompute: [W̃ | Ũ] = T' [K_in | V], V″ = Ũ − W̃ S.
-    wu = {u: dot(tm[u], common.operand_cat([k[kj(u)] * dins[u], v[u]], 1, st))
+    wu = {u: dot(tm[u], common.operand_cat([k[kj(u)] * dins[u], v[u]], 1, st), ta=tm_t[u])
           for u in heads}
     v_new = {u: wu[u][:, dim_k:] - dot(wu[u][:, :dim_k], s[u]) for u in heads}
     ngb = {u: gammas[u] * -beta[u] for u in heads}                      # −Γ ⊙ β_j
@@ -137,7 +148,7 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
     dpk = {u: dot(common.operand_cat([d_o[u], dsn[u]], 0, st), v_new[u], tb=True)
            for u in heads}                                              # [dP̃; d(Kᵀ kout)]
     # WY part: [dK_in | dV] = T'ᵀ [dW̃ | dŨ];  dA' = −[dK_in | dV] [W̃ | Ũ]ᵀ.
-    d_xin = {u: dot(tm[u], common.operand_cat([dqw[u][c:], -nd_vnew[u]], 1, st), ta=True)
+    d_xin = {u: dot(tm[u], common.operand_cat([dqw[u][c:], -nd_vnew[u]], 1, st), ta=not tm_t[u])
              for u in heads}
     n_da = {u: jnp.where(strict, dot(d_xin[u], wu[u], tb=True), 0.0)   # −dA'
             for u in heads}
@@ -208,8 +219,16 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
                                            v5e_forms=st.v5e_forms,
                                            weighted=(f_bf16[0], b_cols) if f_cols else None)
     for ku in kheads:
-      both = dot(dqk_sum[ku], k[ku])                                   # [−d_QK K; d_KK K]
-      back = dot(dqk_sum[ku], jnp.concatenate([-q[ku], k[ku]], 0), ta=True)
+      if st.dk_sym:
+        # d_KK is strictly lower triangular: d_KK + d_KKᵀ is exact, and its
+        # product with K gives both of K Kᵀ's terms of dk, C rows through
+        # the MXU fewer than d_KKᵀ K beside d_QKᵀ Q (`Static.dk_sym`).
+        nd_qk, d_kk = dqk_sum[ku][:c], dqk_sum[ku][c:]
+        both = dot(jnp.concatenate([nd_qk, d_kk + common.transposed_tile(d_kk, st)], 0), k[ku])
+        back = -dot(nd_qk, q[ku], ta=True)                              # d_QKᵀ Q
+      else:
+        both = dot(dqk_sum[ku], k[ku])                                 # [−d_QK K; d_KK K]
+        back = dot(dqk_sum[ku], jnp.concatenate([-q[ku], k[ku]], 0), ta=True)
       dq_acc[ku] = dq_acc[ku] - both[:c]
       dk_acc[ku] = dk_acc[ku] + both[c:] + back + dkb_sum[ku].T
     for ku, j in kheads.items():
@@ -217,8 +236,10 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
       # whose gradients come poisoned), the norms taken again: kept from the
       # start, they took tpu7x's backward past its scoped VMEM limit
       # at C=64, and v6e's estimate gained nothing.
-      dq_heads[j] = kernel_prologue.normed_vjp((q[ku], kernel_prologue.normed(qh_scr[j], st)[1]), dq_acc[ku], st.scale)
-      dk_heads[j] = kernel_prologue.normed_vjp((k[ku], kernel_prologue.normed(kh_scr[j], st)[1]), dk_acc[ku])
+      dq_heads[j] = kernel_prologue.normed_vjp(
+          (q[ku], kernel_prologue.normed(clean(qh_scr[j]), st)[1]), dq_acc[ku], st.scale)
+      dk_heads[j] = kernel_prologue.normed_vjp(
+          (k[ku], kernel_prologue.normed(clean(kh_scr[j]), st)[1]), dk_acc[ku])
     return carry
 
   in_cols = common.run_groups(st, group, jnp.zeros((c, 128), F32))

@@ -86,13 +86,14 @@ def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states
                  has_seg=has_seg, has_h0=has_h0, n_states=n_states, v5e_forms=common.v5e_forms(),
                  qk_in_place=gdn_config.target_generation().name == "tpu7x",
                  unroll_groups=common.unroll_groups(), f_cols=common.f_sums_as_columns(),
-                 **pro.static())
+                 paired_tmats=common.paired_tmats(), **pro.static())
 
 
-def head_scratch(st: common.Static, values: tuple[str, ...], q: bool = True) -> list[common.Operand]:
-  """Row scratch and head-major f32 copies: q (if `q`), k, then the (Hv, C,
-  V) arrays named in `values`."""
-  heads = ("qh", "kh") if q else ("kh",)
+def head_scratch(st: common.Static, values: tuple[str, ...], q: bool = True,
+                 k: bool = True) -> list[common.Operand]:
+  """Row scratch and head-major f32 copies: q (if `q`), k (if `k`), then the
+  (Hv, C, V) arrays named in `values`."""
+  heads = ("qh",) * q + ("kh",) * k
   return ([common.Operand("rows", shape=pltpu.VMEM((kernel_prologue.N_ROWS, st.hv, st.chunk), F32))]
           + [common.Operand(n, shape=pltpu.VMEM((st.hk, st.chunk, st.dim_k), F32)) for n in heads]
           + [common.Operand(n, shape=pltpu.VMEM((st.hv, st.chunk, st.dim_v), F32)) for n in values])
@@ -300,6 +301,7 @@ def _run_fwd(inputs: list[common.Operand], h0, st: common.Static, seg: "_Segment
   and the scratch; returns (out, final_state, residuals) as `gdn_fwd`."""
   write_out = out_block is not None
   chunk = st.chunk
+  copies = common.head_copies(st, write_out)
   state_spec = _state_spec(st, lambda i: i)
   if st.has_h0:
     inputs.append(common.Operand("h0", h0.astype(F32), block=state_spec))
@@ -319,8 +321,8 @@ def _run_fwd(inputs: list[common.Operand], h0, st: common.Static, seg: "_Segment
     if st.guard:
       outputs.append(_guard_fwd_operand(st, b, nc, lambda i: i))
   scratch = ([common.Operand("s", shape=pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32))]
-             + head_scratch(st, ("vh", "out_heads") if write_out else ("vh",),
-                            q=common.q_scratch(st, write_out))
+             + head_scratch(st, ("vh",) * copies[2] + ("out_heads",) * write_out,
+                            q=copies[0], k=copies[1])
              + _guard_scratch(st, 1))
   res = pallas_call(
       functools.partial(fwd_kernel.fwd_kernel, write_out=write_out, emit=emit_residuals), st,
@@ -401,7 +403,8 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
       chunk=chunk, scale=scale, interleave=interleave, newton=newton, sanitize=sanitize,
       guard=guard, pro=pro)
   b, t = q.shape[:2]
-  st = dataclasses.replace(st, unroll_groups=common.unroll_groups(backward=True))
+  st = dataclasses.replace(st, unroll_groups=common.unroll_groups(backward=True),
+                           bwd_copies=common.bwd_head_copies(st), dk_sym=common.dk_symmetric())
   states, tmats = residuals[:2]
   if states.shape[1] != nc:
     raise ValueError(f"residuals for {states.shape[1]} chunks; this call has {nc}.")
@@ -446,7 +449,8 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
                          shape=jax.ShapeDtypeStruct((b, 1, st.hv), F32))
                 for name in ("d_a_log", "d_dt_bias")]
   scratch = ([common.Operand("ds", shape=pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32))]
-             + head_scratch(st, ("vh", "doh"))
+             + head_scratch(st, ("vh", "doh") if st.bwd_copies else (), q=st.bwd_copies,
+                            k=st.bwd_copies)
              + [common.Operand("dg_rows", shape=pltpu.VMEM((st.hv, chunk), F32)),
                 common.Operand("db_rows", shape=pltpu.VMEM((st.hv, chunk), F32))]
              + _guard_scratch(st, 2))

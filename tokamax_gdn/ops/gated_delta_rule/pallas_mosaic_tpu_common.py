@@ -73,13 +73,33 @@ class Static:
   # took its forward to 21.08 of its 21 MiB scoped VMEM at Qwen3-Next heads,
   # T=4096, by 2 the context-parallel forward to 21.16).
   unroll_groups: bool | int = False
-  interpret: bool = False   # traced for Pallas interpret mode (`_transposed`)
+  interpret: bool = False   # traced for Pallas interpret mode (`transposed_tile`)
   # bf16 inputs: the backward's row sums of f ⊙ β (d_gcum's) as columns of
   # the tile it carries across head groups (`gates.lane_rowsums`: a 128-row
   # product per head), else as a row (`gates.rowsum_row`: 8 rows of β's
   # pieces against f pushed as weights). Columns were cheaper on v6e's
   # estimate, the row on v5e's and tpu7x's (`f_sums_as_columns`).
   f_cols: bool = False
+  # The backward's q, k, v and dO: copied to head-major f32 scratch, the NaN
+  # guard sanitising them there in place in a chunk with a bad token
+  # (`guard._guard_sanitize`), or read from their blocks where the head
+  # groups use them, the guard's selects there (`guard.guard_finite`). The
+  # copies (a store per f32 vreg, on the store slot v5e's backward is short
+  # of) cost v5e's and tpu7x's estimates more, the selects v6e's
+  # (`bwd_head_copies`).
+  bwd_copies: bool = True
+  # The backward's dk terms of K Kᵀ, d_KK K + d_KKᵀ K, as one product of
+  # d_KK + d_KKᵀ (a transpose on the XLU) or as two (d_KKᵀ K beside d_QKᵀ Q
+  # in one transposed-operand product). One was cheaper on v5e's estimate,
+  # whose MXU time follows the rows it streams, two on v6e's and tpu7x's
+  # (`dk_symmetric`).
+  dk_sym: bool = False
+  # The residual T' of odd heads stored as the inverse gives it, T'ᵀ
+  # (`tmat_transposed`), the backward taking it transposed, or every T'
+  # stored as it is, the forward kernels transposing the odd ones. v5e's
+  # estimate: the former cheaper for both passes; v6e's and tpu7x's: the
+  # backward's products cost more with it (`paired_tmats`).
+  paired_tmats: bool = False
   # `requests.gdn_fwd_requests`: q, k, v are lane ranges of one [T, 2 Hk K + Hv V]
   # input and the output is [B, T, Hv V] (heads are lane slices of a block: no
   # relayout); `beta_guard`: k and v read as 0 at tokens whose beta is 0
@@ -94,16 +114,6 @@ class Static:
   # Traced for v5e: the forms libtpu's cycle estimator accepts there (module
   # docstring); the values are the same up to ties in rounding to bf16.
   v5e_forms: bool = False
-
-  @property
-  def guard_branched(self) -> bool:
-    # v5e: the forward's sanitising in a branch taken in chunks with a bad
-    # token (`guard._guard_sanitize`); elsewhere selects in every chunk where the
-    # head groups read the tiles (`guard.guard_finite`), cheaper there than a
-    # branch splitting the unrolled head groups. (The backward's gradient
-    # poison branches everywhere: `guard.guard_bwd_tiles`.) On the estimates
-    # selects were cheaper on v6e and tpu7x, the branch on v5e (no bf16 VPU).
-    return self.v5e_forms
 
   @property
   def group(self) -> int:
@@ -200,15 +210,27 @@ class BlockHeads:
         self._ref[:, h * self._d:(h + 1) * self._d] = x
 
 
-def q_scratch(st: Static, write_out: bool) -> bool:
-  """Whether a forward kernel keeps q in the head-major f32 scratch "qh":
-  where it is filled from the packed input (`packed`) or normalised in place
-  (`qk_in_place`, a loop over the heads). Otherwise the head groups read q
-  from its block (`BlockHeads`): the copy cost a store per f32 vreg, and
-  the store slot (one a bundle) is what v5e's forward kernels are short of
-  before their products start (v5e forward estimate -1.4 %); and the states
-  pass (no outputs) reads no q."""
-  return st.packed or (write_out and st.qk_in_place)
+def head_copies(st: Static, write_out: bool) -> tuple[bool, bool, bool]:
+  """Whether a forward kernel keeps q, k and v in the head-major f32 scratch
+  "qh", "kh", "vh": where the packed input fills them (`packed`), q and k
+  where they are normalised in place (`qk_in_place`, a loop over the
+  heads), and heads narrower than 128 lanes (`lanes_of_heads`). Otherwise
+  the head groups read them from their blocks (`BlockHeads`): a copy costs
+  a store per f32 vreg (and its load back), on the store slot v5e's
+  forward kernels are short of, and the NaN guard sanitises them by selects
+  where the head groups read them (`guard.guard_finite`), not in place. The
+  states pass (no outputs) reads no q."""
+  k_copy = st.packed or st.qk_in_place or not lanes_of_heads(st.dim_k)
+  return (write_out and k_copy or st.packed, k_copy, st.packed or not lanes_of_heads(st.dim_v))
+
+
+def lanes_of_heads(dim: int) -> bool:
+  """Whether heads of `dim` are whole lane tiles of a (C, H D) block, so that
+  `BlockHeads` can read one at a head index the head groups' loop traces
+  (Mosaic cannot prove a narrower head's lane offset aligned: tpu7x's
+  training step at a head dim under 128, its forward's head groups in a
+  loop, failed to compile)."""
+  return dim % 128 == 0
 
 
 def store_heads(scr, ref, rows=None):
@@ -259,7 +281,7 @@ def operand_cat(parts, axis, st: Static):
   return jnp.concatenate([p.astype(st.mm) for p in parts], axis)
 
 
-def _transposed(x, st: Static):
+def transposed_tile(x, st: Static):
   """xᵀ (C×C f32). In interpret mode as products with the identity, exact
   (x's three bf16 pieces): XLA:CPU folds a transpose stored as a residual
   into the backward's transposed-operand product of it, and then cannot run
@@ -280,15 +302,28 @@ def residual(x, ref, st: Static):
   return (x + 0.0 if st.v5e_forms else x).astype(ref.dtype)
 
 
-def stored_tmat(t, transposed: bool, ref, st: Static):
-  """T' for its residual output `ref`, from `inverse.invert_unit_lower`'s (t,
-  transposed) pair: t, or tᵀ where t is T'ᵀ. On TPU (but v5e forms) the
-  transpose is taken after the cast, in the stored dtype (bf16 for bf16
-  inputs: half the vregs through the XLU)."""
-  if not transposed:
+def tmat_transposed(st: Static, head: int) -> bool:
+  """Whether the residual T' of value head `head` (of a head group) is stored
+  transposed, T'ᵀ, as `inverse.invert_unit_lower` gives every odd matrix of
+  its list (the second of a pair), under `Static.paired_tmats`: with an
+  even GVA group every head group has an even number of heads, so the
+  forward kernels' lists pair heads 2m, 2m+1 and the parity of `head` is
+  that of its index in the chunk. The backward takes it as stored
+  (`numerics.mxu(ta=...)`), so no pass transposes it. An odd group: every
+  T' stored as it is."""
+  return st.paired_tmats and st.group % 2 == 0 and head % 2 == 1
+
+
+def stored_tmat(t, transposed: bool, ref, st: Static, head: int):
+  """T' of value head `head` for its residual output `ref`, from
+  `inverse.invert_unit_lower`'s (t, transposed) pair: t as it is where
+  `tmat_transposed` says so (t is T'ᵀ there), else transposed where t is
+  T'ᵀ. On TPU (but v5e forms) the transpose is taken after the cast, in the
+  stored dtype (bf16 for bf16 inputs: half the vregs through the XLU)."""
+  if transposed == tmat_transposed(st, head):
     return residual(t, ref, st)
   if st.v5e_forms or st.interpret:
-    return residual(_transposed(t, st), ref, st)
+    return residual(transposed_tile(t, st), ref, st)
   return t.astype(ref.dtype).T
 
 
@@ -351,6 +386,23 @@ def unroll_groups(backward: bool = False) -> bool | int:
   if gdn_config.target_generation().name != "tpu7x":
     return True
   return 2 if backward else False
+
+
+def paired_tmats() -> bool:
+  """`Static.paired_tmats` for the target generation."""
+  return gdn_config.target_generation().name == "v5e"
+
+
+def dk_symmetric() -> bool:
+  """`Static.dk_sym` for the target generation."""
+  return gdn_config.target_generation().name == "v5e"
+
+
+def bwd_head_copies(st: Static) -> bool:
+  """`Static.bwd_copies` for the target generation (always for heads
+  narrower than 128 lanes: `lanes_of_heads`)."""
+  return (gdn_config.target_generation().name == "v6e"
+          or not (lanes_of_heads(st.dim_k) and lanes_of_heads(st.dim_v)))
 
 
 def f_sums_as_columns() -> bool:

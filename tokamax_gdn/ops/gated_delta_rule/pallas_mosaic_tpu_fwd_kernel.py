@@ -127,13 +127,16 @@ def _fwd_chunk(r: common.Refs, st: common.Static, write_out: bool, emit: bool, r
   else:
     # The states pass (no outputs) reads no queries: they reach the outputs
     # only (the states pass skips their norm and half of [Q; K] Kᵀ). Without
-    # a q scratch (`common.q_scratch`) the head groups read q from its block.
-    if qh_scr is None:
-      qh_scr = common.BlockHeads(q_ref, dim_k, st, c_idx)
-    else:
-      common.load_heads(q_ref, qh_scr, st, c_idx)
-    for ref, scr in ((k_ref, kh_scr), (v_ref, vh_scr)):
-      common.load_heads(ref, scr, st, c_idx)
+    # a scratch copy (`common.head_copies`) the head groups read q, k, v
+    # from their blocks.
+    heads = []
+    for ref, scr, d in ((q_ref, qh_scr, dim_k), (k_ref, kh_scr, dim_k), (v_ref, vh_scr, st.dim_v)):
+      if scr is None:
+        scr = common.BlockHeads(ref, d, st, c_idx)
+      else:
+        common.load_heads(ref, scr, st, c_idx)
+      heads.append(scr)
+    qh_scr, kh_scr, vh_scr = heads
   if st.qk_l2norm and st.qk_in_place:
     def normalise(j, carry):
       if write_out:
@@ -143,7 +146,7 @@ def _fwd_chunk(r: common.Refs, st: common.Static, write_out: bool, emit: bool, r
 
     lax.fori_loop(0, st.hk, normalise, 0)
   if st.guard:
-    guard.guard_fwd_rows(r, st, gate, masks[0], c_idx, write_out, emit)
+    guard.guard_fwd_rows(r, st, gate, masks[0], c_idx, write_out, emit, kh_scr, vh_scr)
   if poison_ref is not None:
     c_iota = lax.broadcasted_iota(jnp.int32, (c, c), 0)
     diag = c_iota == lax.broadcasted_iota(jnp.int32, (c, c), 1)
@@ -203,7 +206,7 @@ def _fwd_chunk(r: common.Refs, st: common.Static, write_out: bool, emit: bool, r
       s_scr[i] = lam * s[u] + dot(k_t[kj(u)] * common.head_row(rows_scr, kernel_prologue.KOUT, i), v_new[u])
       if emit:
         states_ref[i] = common.residual(s[u], states_ref, st)
-        tm_ref[i] = common.stored_tmat(*tmats[u], tm_ref, st)
+        tm_ref[i] = common.stored_tmat(*tmats[u], tm_ref, st, u)
 
   invert = functools.partial(inverse.invert_unit_lower, newton=st.newton, v5e_forms=st.v5e_forms)
   if st.unroll_groups is True:

@@ -46,12 +46,15 @@ def _bad_flag(x):
 
 
 def guard_finite(x, st: "_Static"):
-  """The forward's head tile x (a k or v tile as read from scratch) with NaN /
-  inf as 0 under `st.guard`: a select per tile in every chunk, where the
-  head groups read it. As a branch on the chunk's flags (`_guard_sanitize`)
-  it cost more: the branch splits the unrolled body into basic blocks the
-  scheduler cannot overlap."""
-  if not st.guard or st.guard_branched:
+  """A head tile x (the forward's k or v, the backward's q, k, v or dO
+  without `Static.bwd_copies`, as the head groups read it) with NaN / inf
+  as 0 under `st.guard`: a select per tile in every chunk, where the head
+  groups read it. (In place in scratch in a branch on the
+  chunk's flags, `_guard_sanitize`, it needs the tiles copied to scratch,
+  which cost v5e's forward kernels more than the selects, and the other
+  generations' the branch itself: it splits the unrolled body into basic
+  blocks the scheduler cannot overlap.)"""
+  if not st.guard:
     return x
   return numerics.lhs_masked(jnp.isfinite(x), x, st.v5e_forms)
 
@@ -145,31 +148,30 @@ def guard_state_out(out_ref, s_scr, flags_ref):
 
 
 def guard_fwd_rows(r: "_Refs", st: "_Static", gate: "ChunkGate", causal, c_idx,
-                    write_out: bool, emit: bool):
+                    write_out: bool, emit: bool, kh, vh):
   """The forward's flags of the chunk (`SegmentGuard.running`): a bad k, v,
   gate or beta at or before each token in its segment, or before the chunk
   (`guard_carry`, which this advances to the chunk's last token). Under
   `write_out` `guard_rows` gets the output poison (NaN at those tokens,
   else 0; the query is read as it is: a non-finite one reaches its own
   output only); under `emit` the flags go out for the backward
-  (`guard_fwd`). k, v: the head tiles in scratch (tail rows zeroed;
-  normalised or raw, non-finite at the same rows), left as they are (the
-  head groups read them sanitised, `guard_finite`)."""
+  (`guard_fwd`). `kh`, `vh`: the k and v head tiles as the head groups read
+  them (scratch or `common.BlockHeads`; tail rows zeroed; normalised or raw,
+  non-finite at the same rows), left as they are (the head groups read them
+  sanitised, `guard_finite`)."""
   rows = r.guard_rows
   rows[...] = _guard_gate_rows(r, st, c_idx)
 
   v_bf16 = r.v.dtype == BF16 and not st.v5e_forms
 
   def key_head(j, heads):
-    k_bad = _bad_row(r.kh[j], r.k.dtype == BF16 and not st.v5e_forms)
+    k_bad = _bad_row(kh[j], r.k.dtype == BF16 and not st.v5e_forms)
     for i in heads:
       rows[pl.ds(i, 1), :] = jnp.maximum(rows[pl.ds(i, 1), :],
-                                         jnp.maximum(k_bad, _bad_row(r.vh[i], v_bf16)))
+                                         jnp.maximum(k_bad, _bad_row(vh[i], v_bf16)))
 
   _guard_heads(st, key_head)
   bad = rows[...]
-  if st.guard_branched:
-    _guard_sanitize(bad, (r.kh, r.vh), st)
   c = st.chunk
   mask = jnp.where(causal, 1.0, 0.0).astype(BF16)
   count = numerics.mm(bad.astype(BF16), mask, tb=True)          # Σ_{j <= i, same segment} bad_j
@@ -184,25 +186,29 @@ def guard_fwd_rows(r: "_Refs", st: "_Static", gate: "ChunkGate", causal, c_idx,
     rows[...] = nan_where(running)
 
 
-def guard_bwd_rows(r: "_Refs", st: "_Static", gate: "ChunkGate", causal, leave):
+def guard_bwd_rows(r: "_Refs", st: "_Static", gate: "ChunkGate", causal, leave, qh, kh, vh, doh):
   """The backward's poison of the chunk (`SegmentGuard.gradient_poison`) into
   `guard_rows[0]`, 1 at the tokens whose gradients are NaN: the forward's
   flags (`guard_fwd`), a non-finite query, and a non-finite cotangent (dO,
   or at the row's last token d_final: `guard_carry` at `leave`) of a token
   not poisoned by those, at or after the token in its segment, or after the
-  chunk (`guard_carry`, which this moves back to the chunk's first token)."""
+  chunk (`guard_carry`, which this moves back to the chunk's first token).
+  `qh`, `kh`, `vh`, `doh`: the head tiles as loaded (scratch, sanitised here
+  in place, or `common.BlockHeads`, read through `guard_finite`:
+  `common.Static.bwd_copies`)."""
   c, rows = st.chunk, r.guard_rows
   fwd = r.guard_fwd[...]
 
   def key_head(j, heads):
-    q_bad = _bad_row(r.qh[j])
+    q_bad = _bad_row(qh[j])
     for i in heads:
       before = jnp.maximum(r.guard_fwd[pl.ds(i, 1), :], q_bad)
       rows[0, pl.ds(i, 1), :] = before
-      rows[1, pl.ds(i, 1), :] = _bad_row(r.doh[i]) * (1.0 - before)
+      rows[1, pl.ds(i, 1), :] = _bad_row(doh[i]) * (1.0 - before)
 
   _guard_heads(st, key_head)
-  _guard_sanitize(rows[0] + rows[1], (r.qh, r.kh, r.vh, r.doh), st)
+  if st.bwd_copies:
+    _guard_sanitize(rows[0] + rows[1], (qh, kh, vh, doh), st)
   mask = jnp.where(causal, 1.0, 0.0).astype(BF16)
   count = numerics.mm(rows[1].astype(BF16), mask)                # Σ_{j >= i, same segment} bad_j
   last = (st.t_len - 1) % c

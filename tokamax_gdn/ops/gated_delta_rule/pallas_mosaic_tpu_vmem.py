@@ -97,16 +97,21 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
   if kernel == "bwd":
     # dq, dk, dv's head-major scratch counted as in the fits (2 key + 1
     # value), though the kernel now writes them into their output blocks
-    # (`bwd_kernel`): that much margin, not refitted.
+    # (`bwd_kernel`): that much margin, not refitted; so are q, k, v and
+    # dO's copies where the kernel reads them from their blocks
+    # (`common.Static.bwd_copies`: v5e and tpu7x).
     scratch = state + 4 * key + 3 * value + rows
     blocks = (4 * key + 3 * value) * itemsize // 4 + residuals
     long = _LONG_BWD_HEADROOM * max(1, hv / 16) if length > _LONG_BWD_FROM else 0
     need = scratch + 9 * (2 * key + value) // 4 + blocks + interleave * 12 * tile + long + f32
     return int(need * _V5E_BWD_FACTOR) if v5e_forms else int(need)
   values = 2 if kernel == "fwd" else 1
-  # q's head-major scratch counted as in the fits, also where the kernel now
-  # reads q from its block (`common.q_scratch`: v5e and v6e, and every
-  # states pass): one chunk of q in f32 of margin there, not refitted.
+  # q's, k's and v's head-major scratch counted as in the fits, also where
+  # the kernels now read them from their blocks (`common.head_copies`: all
+  # but the packed input's, and q and k normalised in place on tpu7x): one
+  # chunk of each in f32 of margin there, not refitted (tpu7x, Qwen3-Next
+  # heads, T=4096, C=128, 16 heads: the forward compiled at 17 MiB, not 16,
+  # with v in scratch, at 15, not 14, without).
   scratch = state + 2 * key + values * value + rows
   blocks = (2 * key + values * value) * itemsize // 4
   if kernel == "states":
