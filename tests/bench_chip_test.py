@@ -74,12 +74,15 @@ def test_busy_time_counts_nested_events_once():
   events = [("XLA Ops", "while", 0.0, 100.0), ("XLA Ops", "body.1", 10.0, 30.0),
             ("XLA Ops", "body.2", 50.0, 60.0), ("XLA Ops", "after", 120.0, 10.0),
             ("XLA Ops", "overlap", 125.0, 15.0),
-            ("Other Ops", "dma", 0.0, 40.0), ("XLA Modules", "jit_step", 0.0, 200.0)]
+            ("Other Ops", "dma", 0.0, 40.0), ("XLA Modules", "jit_step", 0.0, 200.0),
+            ("Steps", "1", 0.0, 300.0)]
   ops_only = lambda t: t.endswith("Ops")
   # XLA Ops: [0, 110) ∪ [120, 140) = 130 us; Other Ops: 40 us; per call of 2.
   assert timing.busy_ms(events, 2, ops_only) == pytest.approx((130 + 40) / 2 / 1e3)
   table = timing.op_table(events, 2)
   assert table[0]["name"] == "jit_step" and table[0]["us"] == 100.0
+  # The profiler's step markers are not ops.
+  assert all(r["thread"] != "Steps" for r in table)
 
 
 def test_gmm_floor_counts_every_groups_weights():

@@ -137,10 +137,15 @@ def device_events(fn: Callable[..., Any], *args, calls: int = 3,
 
 def op_table(events, calls: int) -> list[dict[str, Any]]:
   """[{name, thread, us, count}] per (track, name), per call, the largest first.
-  Nested events each count in their own row (a loop and its body's ops)."""
+  Nested events each count in their own row (a loop and its body's ops). The
+  "Steps" track is left out: its events ("0", "1", ...) are the profiler's
+  step markers, spans of the trace rather than device work, and read as ops
+  they outranked the kernels."""
   total = collections.defaultdict(float)
   count = collections.Counter()
   for track, name, _, dur in events:
+    if track.endswith("Steps"):
+      continue
     total[(track, name)] += dur / calls
     count[(track, name)] += 1
   rows = [dict(thread=k[0], name=k[1], us=us, count=count[k] // calls)
