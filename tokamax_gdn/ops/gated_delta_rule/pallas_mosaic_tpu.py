@@ -149,9 +149,9 @@ def _heuristics(ba: op.BoundArguments, backward: bool) -> Config:
   of `tokamax-gdn aot` with the config fixed) are in README.md, "Heuristics'
   measurements".
   """
-  sh, kind = _shapes(ba), _kind(backward)
-  cfg = _most_interleaved(128, sh, kind, start=8 if backward else 16)
-  return cfg if _fits(cfg, sh, kind) else _most_interleaved(64, sh, kind, start=8 if backward else 16)
+  sh, kind, start = _shapes(ba), _kind(backward), 8 if backward else 16
+  cfg = _most_interleaved(128, sh, kind, start=start)
+  return cfg if _fits(cfg, sh, kind) else _most_interleaved(64, sh, kind, start=start)
 
 
 # Autotuning explores configs estimated at most this fraction of the VMEM cap:

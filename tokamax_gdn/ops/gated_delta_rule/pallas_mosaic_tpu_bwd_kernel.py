@@ -57,13 +57,11 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
   gate, masks = kernel_prologue.step_prologue(g_ref, b_ref, st_ref, rows_scr, st, c_idx,
                                params=kernel_prologue.gate_params(r), scan_axis=1)
   causal, strict = masks
-  tiles = ((q_ref, qh_scr, st.dim_k), (k_ref, kh_scr, st.dim_k), (v_ref, vh_scr, st.dim_v),
-           (do_ref, doh_scr, st.dim_v))
-  if st.bwd_copies:
-    for ref, scr, _ in tiles:
-      common.load_heads(ref, scr, st, c_idx)
-  else:
-    qh_scr, kh_scr, vh_scr, doh_scr = (common.BlockHeads(ref, d, st, c_idx) for ref, _, d in tiles)
+  # Without `st.bwd_copies` the call gives no head-major scratch (`head_scratch`).
+  qh_scr, kh_scr, vh_scr, doh_scr = (
+      common.head_tiles(ref, scr, d, st, c_idx)
+      for ref, scr, d in ((q_ref, qh_scr, st.dim_k), (k_ref, kh_scr, st.dim_k),
+                          (v_ref, vh_scr, st.dim_v), (do_ref, doh_scr, st.dim_v)))
   if st.guard:
     guard.guard_bwd_rows(r, st, gate, causal, leave, qh_scr, kh_scr, vh_scr, doh_scr)
   # The tiles as the head groups read them: sanitised by the guard in place

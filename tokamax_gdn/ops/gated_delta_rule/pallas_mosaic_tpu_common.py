@@ -198,7 +198,7 @@ class BlockHeads:
 
   def __setitem__(self, j, x):
     x = x.astype(self._ref.dtype)
-    if isinstance(j, int) or self._d % 128 == 0:
+    if isinstance(j, int) or lanes_of_heads(self._d):
       self._ref[:, _lane_slice(j * self._d, self._d)] = x
       return
     # A traced head index at D under 128 lanes: Mosaic cannot prove such a
@@ -208,6 +208,17 @@ class BlockHeads:
       @pl.when(j == h)
       def _(h=h):
         self._ref[:, h * self._d:(h + 1) * self._d] = x
+
+
+def head_tiles(ref, scr, d: int, st: Static, c_idx):
+  """The heads of a (C, H D) token block as the head groups index them: copied
+  into the head-major f32 scratch `scr` (`load_heads`) where the kernel has
+  that scratch, else read from the block where they are used (`BlockHeads`,
+  `scr` None)."""
+  if scr is None:
+    return BlockHeads(ref, d, st, c_idx)
+  load_heads(ref, scr, st, c_idx)
+  return scr
 
 
 def head_copies(st: Static, write_out: bool) -> tuple[bool, bool, bool]:

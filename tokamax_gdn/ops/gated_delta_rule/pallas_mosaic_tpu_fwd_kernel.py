@@ -129,14 +129,9 @@ def _fwd_chunk(r: common.Refs, st: common.Static, write_out: bool, emit: bool, r
     # only (the states pass skips their norm and half of [Q; K] Kᵀ). Without
     # a scratch copy (`common.head_copies`) the head groups read q, k, v
     # from their blocks.
-    heads = []
-    for ref, scr, d in ((q_ref, qh_scr, dim_k), (k_ref, kh_scr, dim_k), (v_ref, vh_scr, st.dim_v)):
-      if scr is None:
-        scr = common.BlockHeads(ref, d, st, c_idx)
-      else:
-        common.load_heads(ref, scr, st, c_idx)
-      heads.append(scr)
-    qh_scr, kh_scr, vh_scr = heads
+    qh_scr, kh_scr, vh_scr = (
+        common.head_tiles(ref, scr, d, st, c_idx)
+        for ref, scr, d in ((q_ref, qh_scr, dim_k), (k_ref, kh_scr, dim_k), (v_ref, vh_scr, st.dim_v)))
   if st.qk_l2norm and st.qk_in_place:
     def normalise(j, carry):
       if write_out:
