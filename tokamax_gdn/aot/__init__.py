@@ -14,6 +14,7 @@ from tokamax_gdn.aot.compiler import calibration_cases
 from tokamax_gdn.aot.compiler import Case
 from tokamax_gdn.aot.compiler import ChildResult
 from tokamax_gdn.aot.compiler import clear_cycle_dumps
+from tokamax_gdn.aot.compiler import compile_cases
 from tokamax_gdn.aot.compiler import compile_for
 from tokamax_gdn.aot.compiler import compile_in_child
 from tokamax_gdn.aot.compiler import CompileReport

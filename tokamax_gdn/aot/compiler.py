@@ -21,7 +21,7 @@ Rooflines: `TpuGeneration.peak_flops_per_cycle` / `hbm_bytes_per_cycle`
 `roofline_cycles(...)` is on the estimator's own scale.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 import atexit
 import contextlib
 import dataclasses
@@ -291,6 +291,17 @@ class ChildResult:
   error: str | None = None
 
 
+def compile_cases(target: str, cases: Sequence[Case], mesh: Mesh) -> Iterator[ChildResult]:
+  """Compiles each (label, fn, arg_specs) case for `target` in this process,
+  yielding its `ChildResult` in turn (a failed compile: its exception's first
+  line as `error`). What `compile_in_child`'s child runs."""
+  for label, fn, arg_specs in cases:
+    try:
+      yield ChildResult(label, compile_for(target, fn, *arg_specs, mesh=mesh))
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      yield ChildResult(label, None, f"{type(e).__name__}: {str(e).splitlines()[0]}")
+
+
 def compile_in_child(target: str, builder: str, kwargs: dict[str, Any] | None = None, *,
                      cycles: bool = True, timeout: float | None = None,
                      num_devices: int = 1, units: bool = False) -> list[ChildResult]:
@@ -381,12 +392,9 @@ def _child_main() -> None:
     print(_CHILD_LINE + json.dumps(msg), flush=True)
 
   emit(dict(labels=[label for label, _, _ in cases]))
-  for label, fn, arg_specs in cases:
-    try:
-      report = compile_for(request["target"], fn, *arg_specs, mesh=mesh)
-      emit(dict(label=label, report=report.as_row(), error=None))
-    except Exception as e:  # pylint: disable=broad-exception-caught
-      emit(dict(label=label, report=None, error=f"{type(e).__name__}: {str(e).splitlines()[0]}"))
+  for res in compile_cases(request["target"], cases, mesh):
+    emit(dict(label=res.label, report=res.report.as_row() if res.report else None,
+              error=res.error))
 
 
 # ------------------------------------------------------------ roofline

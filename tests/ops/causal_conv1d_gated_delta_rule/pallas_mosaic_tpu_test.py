@@ -225,14 +225,8 @@ def _compile_here(target, builder, **kwargs):
   compiled in this process: an `aot` test runs in a child process of its own
   already (tests/conftest.py), and a second one cost a start of Python, jax
   and libtpu. (Cycle estimates need libtpu started with the dump: a child.)"""
-  results = []
   mesh = aot.target_mesh(target)
-  for label, fn, args in builder(mesh, **kwargs):
-    try:
-      results.append(aot.ChildResult(label, aot.compile_for(target, fn, *args, mesh=mesh)))
-    except Exception as e:  # pylint: disable=broad-exception-caught
-      results.append(aot.ChildResult(label, None, f"{type(e).__name__}: {str(e).splitlines()[0]}"))
-  return results
+  return list(aot.compile_cases(target, builder(mesh, **kwargs), mesh))
 
 
 def test_window_checkpoint_buffers_stay_in_range():
