@@ -344,11 +344,6 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
     states_cfg = pallas._states_config(bwd_cfg, pallas._shapes(ba))   # pylint: disable=protected-access
   raw = list(workload.abstract_inputs(s, NamedSharding(mesh, P())))   # the layer's call
   sds = lambda dims, dtype: aot.spec(mesh, dims, dtype)
-  c = bwd_cfg.chunk_size
-  nc = -(-s.t // c)
-  states = sds((s.b, nc, s.hv, s.k, s.v), s.dtype)
-  tmats = sds((s.b, nc, s.hv, c, c), s.dtype)
-  flags = sds((s.b, nc, s.hv, c), jnp.float32)     # the guard's forward flags
   scale = s.k ** -0.5
 
   def kwargs(cfg, kind):
@@ -380,10 +375,15 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
                            pro=pro(a_log, dt_bias), **kwargs(bwd_cfg, "bwd"))
     return tuple(map(workload.merge_heads, grads[:3])) + tuple(grads[3:])
 
+  # The backward's residual inputs (states, T', the guard's forward flags)
+  # as the states pass gives them on this target: their shapes stated once,
+  # by the kernel wrapper.
+  with aot.on_target(mesh):
+    residuals = [sds(x.shape, x.dtype) for x in jax.eval_shape(states_pass, *raw)]
   label = lambda name, cfg: f"{name} C={cfg.chunk_size} interleave={cfg.interleave}"
   return [(label("gdn_fwd", fwd_cfg), fwd, raw),
           (label("gdn_fwd_states", states_cfg), states_pass, raw),
-          (label("gdn_bwd", bwd_cfg), bwd, raw + [raw[2], states, tmats, flags])]
+          (label("gdn_bwd", bwd_cfg), bwd, raw + [raw[2], *residuals])]
 
 
 # ------------------------------------------------------------ heads over devices
