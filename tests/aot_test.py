@@ -135,6 +135,23 @@ def test_roofline_cycles_are_the_larger_floor():
   assert r["floor_cycles"] == r["hbm_cycles"]
 
 
+def test_a_crash_in_the_cycle_estimator_is_named_as_the_estimates():
+  """libtpu's static cycle estimator aborts on some kernels (v5e, the serving
+  decode's cost model at 64-head specs): the reason a row shows names the
+  estimator, so that it does not read as a kernel that fails to compile."""
+  from tokamax_gdn.aot import compiler  # pylint: disable=g-import-not-at-top
+  stderr = "\n".join([
+      "WARNING: could not determine TPU accelerator type",
+      "F1207 02:56:27.191 3850 llo_execution_graph.cc:132] unexpected edge",
+      "platforms/xla/service/jellyfish/static_llo_profile/llo_execution_graph.cc:132",
+      "E1207 02:56:27.191659 3850 process_state.cc:794] RAW: Raising signal 6"])
+  reason = compiler._crash_reason(stderr)  # pylint: disable=protected-access
+  assert reason.startswith(compiler.ESTIMATOR_ABORTED), reason
+  assert "llo_execution_graph.cc:132" in reason
+  other = compiler._crash_reason("F1207 mosaic.cc:10] Check failed: x == y")  # pylint: disable=protected-access
+  assert other == "F1207 mosaic.cc:10] Check failed: x == y"
+
+
 def test_extrapolate_is_proportional_or_the_line_through_two_points():
   assert report_lib.extrapolate([100], [512], 4096) == 800
   assert report_lib.extrapolate([100, 180], [256, 512], 4096) == 180 + 80 * (4096 - 512) / 256

@@ -362,7 +362,9 @@ def compile_in_child(target: str, builder: str, kwargs: dict[str, Any] | None = 
   if not labels:
     raise RuntimeError(f"AOT child for {builder} failed before compiling ({why}):"
                        f" {_crash_reason(stderr)}")
-  crash = f"child process died ({why}): {_crash_reason(stderr)}"
+  reason = _crash_reason(stderr)
+  crash = (f"{reason} (child process: {why})" if reason.startswith(ESTIMATOR_ABORTED)
+           else f"child process died ({why}): {reason}")
   return [done.get(label, ChildResult(label, None, crash)) for label in labels]
 
 
@@ -371,11 +373,20 @@ _STARTUP_NOISE = ("WARNING", "E0000", "=== Source Location", "learning/", "Faile
                   "I0000")
 
 
+# Where libtpu's static cycle estimator lives: an abort there is the
+# estimate's, not the compile's (the kernel may compile and run on a chip).
+_ESTIMATOR_SOURCE = "static_llo_profile"
+ESTIMATOR_ABORTED = "no cycle estimate: libtpu's static estimator aborted"
+
+
 def _crash_reason(stderr: str) -> str:
   lines = [ln.strip() for ln in stderr.splitlines()
            if ln.strip() and not ln.lstrip().startswith(_STARTUP_NOISE)]
   checks = [ln for ln in lines if "Check failed" in ln]
-  return (checks[0] if checks else " | ".join(lines[-3:]) or "no output")[:300]
+  reason = (checks[0] if checks else " | ".join(lines[-3:]) or "no output")[:300]
+  if any(_ESTIMATOR_SOURCE in ln for ln in lines):
+    return f"{ESTIMATOR_ABORTED} (the compile itself may succeed: time it on a chip): {reason}"
+  return reason
 
 
 def _child_main() -> None:
