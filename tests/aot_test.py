@@ -145,11 +145,11 @@ def test_a_crash_in_the_cycle_estimator_is_named_as_the_estimates():
       "F1207 02:56:27.191 3850 llo_execution_graph.cc:132] unexpected edge",
       "platforms/xla/service/jellyfish/static_llo_profile/llo_execution_graph.cc:132",
       "E1207 02:56:27.191659 3850 process_state.cc:794] RAW: Raising signal 6"])
-  reason = compiler._crash_reason(stderr)  # pylint: disable=protected-access
+  reason = compiler._crash(stderr, "exit code -6")  # pylint: disable=protected-access
   assert reason.startswith(compiler.ESTIMATOR_ABORTED), reason
-  assert "llo_execution_graph.cc:132" in reason
-  other = compiler._crash_reason("F1207 mosaic.cc:10] Check failed: x == y")  # pylint: disable=protected-access
-  assert other == "F1207 mosaic.cc:10] Check failed: x == y"
+  assert "llo_execution_graph.cc:132" in reason and reason.endswith("(child process: exit code -6)")
+  other = compiler._crash("F1207 mosaic.cc:10] Check failed: x == y", "exit code -6")  # pylint: disable=protected-access
+  assert other == "child process died (exit code -6): F1207 mosaic.cc:10] Check failed: x == y"
 
 
 def test_extrapolate_is_proportional_or_the_line_through_two_points():

@@ -362,9 +362,7 @@ def compile_in_child(target: str, builder: str, kwargs: dict[str, Any] | None = 
   if not labels:
     raise RuntimeError(f"AOT child for {builder} failed before compiling ({why}):"
                        f" {_crash_reason(stderr)}")
-  reason = _crash_reason(stderr)
-  crash = (f"{reason} (child process: {why})" if reason.startswith(ESTIMATOR_ABORTED)
-           else f"child process died ({why}): {reason}")
+  crash = _crash(stderr, why)
   return [done.get(label, ChildResult(label, None, crash)) for label in labels]
 
 
@@ -383,10 +381,18 @@ def _crash_reason(stderr: str) -> str:
   lines = [ln.strip() for ln in stderr.splitlines()
            if ln.strip() and not ln.lstrip().startswith(_STARTUP_NOISE)]
   checks = [ln for ln in lines if "Check failed" in ln]
-  reason = (checks[0] if checks else " | ".join(lines[-3:]) or "no output")[:300]
-  if any(_ESTIMATOR_SOURCE in ln for ln in lines):
-    return f"{ESTIMATOR_ABORTED} (the compile itself may succeed: time it on a chip): {reason}"
-  return reason
+  return (checks[0] if checks else " | ".join(lines[-3:]) or "no output")[:300]
+
+
+def _crash(stderr: str, why: str) -> str:
+  """What the cases a child died on show: an abort in libtpu's estimator
+  (`_ESTIMATOR_SOURCE`) as a missing estimate, anything else as the child's
+  death; either with the reason from its stderr."""
+  reason = _crash_reason(stderr)
+  if _ESTIMATOR_SOURCE in stderr:
+    return (f"{ESTIMATOR_ABORTED} (the compile itself may succeed: time it on a chip):"
+            f" {reason} (child process: {why})")
+  return f"child process died ({why}): {reason}"
 
 
 def _child_main() -> None:
