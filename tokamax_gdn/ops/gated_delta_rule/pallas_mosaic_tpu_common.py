@@ -232,7 +232,8 @@ def head_copies(st: Static, write_out: bool) -> tuple[bool, bool, bool]:
   where the head groups read them (`guard.guard_finite`), not in place. The
   states pass (no outputs) reads no q."""
   k_copy = st.packed or st.qk_in_place or not lanes_of_heads(st.dim_k)
-  return (write_out and k_copy or st.packed, k_copy, st.packed or not lanes_of_heads(st.dim_v))
+  return ((write_out and k_copy) or st.packed, k_copy,
+          st.packed or not lanes_of_heads(st.dim_v))
 
 
 def lanes_of_heads(dim: int) -> bool:
