@@ -16,7 +16,9 @@ Without a TPU every test here skips (tests/conftest.py). What it covers:
 - every named serving workload in the serving op's `arg_specs.py` (tokamax's
   TP8 / DP / qwen3_5_35b / verify-window specs) against tokamax's oracle and
   ours, unused pool slots bit-identical, plus the serving op's property
-  tests (NaN isolation, continuation, windows) on the chip;
+  tests (NaN isolation, continuation, windows) on the chip, and batches
+  padded with idle requests bit-identical with the decode kernel's idle
+  tiles skipped and computed;
 - gmm / tgmm at MoE shapes with empty groups, forward and gradients;
 - a config forced past the chip's VMEM: a clear error before any compile,
   and the next call in the process works.
@@ -36,6 +38,7 @@ from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu as gdn_pallas
 from tokamax_gdn.ops.gmm import arg_specs as gmm_specs
 from tokamax_gdn.testing import specs as specs_lib
 from tests import conformance_test
+from tests.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu_test as serving_pallas
 from tests.ops.causal_conv1d_gated_delta_rule import test_base as serving_base
 from tests.tpu import progress as tier_progress
 
@@ -249,6 +252,15 @@ class TestServingPallasOnChip(_ServingOnChip):
                            ids=[c[0] for c in _LIFTED_SPEC_CASES])
   def test_spec_windows_against_tokamax(self, case_id, lay):
     super().test_spec_windows_against_tokamax(case_id, lay)
+
+
+@pytest.mark.parametrize("mode", serving_pallas.SKIP_MODES)
+def test_padded_batch_skips_idle_requests_bit_for_bit(mode, monkeypatch):
+  """The decode kernel's idle tiles and groups skipped, compiled for the
+  chip at TP8's heads: bit-identical to computing them, and the reference's
+  results (`serving_pallas.check_padded_batch_skips_idle`)."""
+  serving_pallas.check_padded_batch_skips_idle(
+      mode, monkeypatch, dims=dict(n_kq=2, n_v=8, d_k=128, d_v=128), interpret=False)
 
 
 class TestServingXlaOnChip(_ServingOnChip):

@@ -3,6 +3,8 @@ interpret mode, the routing between its decode kernel and chunked path, and
 AOT compiles for v5e / v6e / tpu7x at a realistic decode shape whose kernels
 the static cycle estimator must accept."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -331,6 +333,8 @@ _V5E_SPECS = {
     "dp8_ep8_prefill_1024": "gdn_fwd_requests",
     # TP8 verify windows: two requests' windows interleaved (`state_slots`).
     "tp8_spec3_decode_64_ctx1024": "gdn_serve_decode",
+    # 64 requests padded to 512: 56 of the 64 tiles idle (`skip_idle`).
+    "tp8_padded_decode_64_max512": "gdn_serve_decode",
 }
 
 
@@ -568,3 +572,48 @@ def test_decode_kernel_under_the_race_detector(monkeypatch):
         tuple(args))
   assert seen, "the decode kernel did not run"
   _assert_matches_reference(tuple(args), static, conv, rec, out)
+
+
+# Requests 0-2 decode, 3-31 have no tokens (a whole idle tile of 16, two of
+# 8), 32-33 decode and 34 is a short prefill; 35-47 pad the batch.
+_PADDED = dict(lengths=[1] * 3 + [0] * 29 + [1, 1, 4], context_lens=3, max_reqs=48)
+SKIP_MODES = ("resident_out", "two_outputs", "unrolled_bf16_pools", "spec2_windows")
+
+
+def check_padded_batch_skips_idle(mode, monkeypatch, dims=TINY, interpret=True):
+  """Tiles and groups none of whose requests runs compute nothing
+  (`DecodeStatic.skip_idle`): every output row and pool slot bit-identical
+  to the kernel that computes them and selects them away, and both match
+  the reference. Idle requests here are padding and requests with no
+  tokens, whole tiles of them and the tail of running ones. `dims`: the
+  heads; `interpret`: Pallas interpret mode (else compiled for the device)."""
+  tile, rolled, kw = 8, 2, dict(_PADDED, **dims, **F32)
+  if mode == "resident_out":
+    tile = 16
+  elif mode == "two_outputs":
+    monkeypatch.setattr(pallas_mosaic_tpu, "_RESIDENT_OUT_BYTES", 0)
+  elif mode == "unrolled_bf16_pools":
+    rolled, kw = 0, dict(_PADDED, **dims)
+  else:
+    kw = dict(kw, lengths=[3, 2, 1] + [0] * 29 + [3, 1, 5], num_spec_tokens=2)
+  lay = arg_specs.layout(**kw)
+  args, kwargs = make(lay, seed=31)
+  static = {k: v for k, v in kwargs.items() if k in STATIC}
+  arrays = {k: v for k, v in kwargs.items() if k not in STATIC}
+  cfg = pallas_mosaic_tpu.Config(decode_tile=tile, chunk_size=64, min_chunked_tokens=128,
+                                 decode_rolled=rolled)
+  impl = pallas_mosaic_tpu.IMPLEMENTATION.replace(config=cfg)
+  results = {}
+  for skip in (True, False):
+    monkeypatch.setattr(pallas_mosaic_tpu, "_skip_idle", skip)
+    with config.interpret_mode() if interpret else contextlib.nullcontext():
+      results[skip] = jax.jit(lambda a, kw: impl(*a, **kw, **static))(tuple(args), arrays)
+  for got, want in zip(jax.tree.leaves(results[True]), jax.tree.leaves(results[False])):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  (conv, rec), out = results[True]
+  _assert_matches_reference(tuple(args), static, conv, rec, out, arrays)
+
+
+@pytest.mark.parametrize("mode", SKIP_MODES)
+def test_padded_batch_skips_idle_requests_bit_for_bit(mode, monkeypatch):
+  check_padded_batch_skips_idle(mode, monkeypatch)

@@ -70,6 +70,7 @@ _F32 = jnp.float32
 _MIB = 1 << 20
 _all_run: bool | None = None   # None: the real kernel; else full_decode_cost's has_init
 _chunk_cost: bool | None = None   # None: the real kernel; else full_chunk_cost's run
+_skip_idle = True   # `DecodeStatic.skip_idle` (off only to test that it changes no result)
 
 
 @contextlib.contextmanager
@@ -290,6 +291,7 @@ def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool, *, num_re
                                     all_init=_all_run is not False,
                                     v5e_forms=gdn_common.v5e_forms(),
                                     scale_d_k=dims.scale_d_k,
+                                    skip_idle=_skip_idle,
                                     rolled=rolled if tile % max(rolled, 1) == 0 else 0)
 
 

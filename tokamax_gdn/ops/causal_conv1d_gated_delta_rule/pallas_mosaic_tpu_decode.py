@@ -9,7 +9,10 @@ the pools (HBM, `memory_space=ANY`, aliased in place): the step starts one DMA
 per request and state (recurrent [Hv, K, V], conv [W-1, D]) from the read slot
 (scalar-prefetched) and waits for the write-backs at its end. Requests that
 do not run here (invalid, padding, or chunked-path requests) start no DMA at
-all, which keeps every slot they name bit-identical.
+all, which keeps every slot they name bit-identical. A tile, or a group of
+requests within one, none of which runs here computes nothing either
+(`DecodeStatic.skip_idle`): a batch padded to a bucket of requests pays for
+the requests that run, not for the bucket.
 
 One-token decodes (window 1): the tile's conv, gates and q/k run vectorised
 over its requests; then the GDN steps run in groups of `_GROUP` requests: one
@@ -161,6 +164,11 @@ class DecodeStatic:
   rolled: int = 0
   # The d_k of the query scale where the heads are padded (`base.Dims`).
   scale_d_k: int = 0
+  # Tiles and groups of requests none of which runs here compute nothing
+  # (their output rows zeros): a batch padded to its maximum size pays for
+  # its running requests only. Off: they compute on whatever their buffers
+  # hold and their rows are selected away (the tests' bit-for-bit check).
+  skip_idle: bool = True
 
   @property
   def dim(self) -> int:
@@ -784,11 +792,9 @@ def _kernel(*refs, st: DecodeStatic):
       for cp in fills:
         cp.start()
 
-  if n_w > 1:
-    o_rows[...] = jnp.zeros(o_rows.shape, o_rows.dtype)
   pool_f32 = rec_ibuf.dtype == F32
 
-  if n_w == 1:
+  def one_token_steps():
     # One token per request (plain decode): the conv, gates and q/k of the
     # whole tile run vectorised over its requests (rows), and each new state
     # goes straight to its checkpoint buffer. The requests' GDN steps run in
@@ -891,7 +897,18 @@ def _kernel(*refs, st: DecodeStatic):
       else:
         any_read = functools.reduce(jnp.logical_or, [loads(j) for j, _ in group])
         pl.when(any_read)(lambda: group_steps(group, fresh=False))
-        pl.when(jnp.logical_not(any_read))(lambda: group_steps(group, fresh=True))
+        fresh = jnp.logical_not(any_read)
+        if st.skip_idle:
+          # A group none of whose requests runs computes nothing: its rows
+          # are zeros, as a running group's idle requests' are.
+          any_run = functools.reduce(jnp.logical_or, [runs(j) for j, _ in group])
+          fresh = jnp.logical_and(any_run, fresh)
+
+          @pl.when(jnp.logical_not(any_run))
+          def _():
+            for j, _ in group:
+              o_rows[_at(j), :] = jnp.zeros((1, o_rows.shape[1]), o_rows.dtype)
+        pl.when(fresh)(lambda: group_steps(group, fresh=True))
 
       def finish(j, o):
         if st.mid_tokens and not st.all_run:
@@ -962,83 +979,94 @@ def _kernel(*refs, st: DecodeStatic):
           mine = jnp.where(home > 0, mine, o_ref[rows, :].astype(F32))
         o_ref[rows, :] = mine.astype(o_ref.dtype)
 
-  def window_group(group):
-    """The verify windows (or first `window` tokens) of a group of requests,
-    (request, its scratch slot) pairs, each window at once (`_Window`), with
-    no branch or wait between the group's requests. Every request computes
-    every token of the window; a token at or past its length, or of a
-    request that does not run, computes on whatever its rows hold (later
-    tokens never reach earlier ones), and its output row is selected away
-    and its checkpoint lands in a buffer no DMA writes back (c >=
-    checkpoints; c < 0 lands in buffer 0, which the request's real first
-    checkpoint, a later token, overwrites)."""
-    for j, o in group:
-      @when(loads(j))
-      def _():
-        read_conv(j).wait()
-        read_rec(j).wait()
-      zero_unread(j)
+  def window_steps():
+    o_rows[...] = jnp.zeros(o_rows.shape, o_rows.dtype)
 
-    wins = []
-    for j, o in group:
-      if st.all_run:
-        length = n_w
-        ckpt = lambda t: t
+    def window_group(group):
+      """`window_steps_of(group)`, skipped where none of the group's
+      requests runs (its output rows stay zero)."""
+      if st.all_run or not st.skip_idle:
+        window_steps_of(group)
       else:
-        length = meta(LENGTH, j)
-        ckpt = functools.partial(window_checkpoint, length=length,
-                                 checkpoints=meta(CHECKPOINTS, j), window=n_w)
+        any_run = functools.reduce(jnp.logical_or, [runs(j) for j, _ in group])
+        pl.when(any_run)(lambda: window_steps_of(group))
 
-      def s_write(h, t, rows, s, j=j, ckpt=ckpt):
-        rec_obuf[j, ckpt(t), h, rows] = s.astype(rec_obuf.dtype)
-
-      def conv_write(t, w, j=j, ckpt=ckpt):
-        conv_obuf[j, ckpt(t)] = w.astype(conv_obuf.dtype)
-
-      wins.append((j, length, s_write, _Window(
-          st, *window_rows(j), conv_window(j), prm, act_scr.at[o * n_w:(o + 1) * n_w],
-          k_scr.at[o], conv_write)))
-    # Phase by phase over the group's requests and heads (`_Window`).
-    for j, _, _, w in wins:
-      for h in w.heads():
-        w.products(h, first_read(j)(h))
-    for j, length, s_write, w in wins:
-      out = jnp.concatenate([w.solve(h) for h in w.heads()], axis=1)
-      for i in range(st.n_kq):
-        w.checkpoints(i, lambda h, rows, j=j: rec_ibuf[j, h, rows], s_write)
-      if not st.all_run:
-        live = lax.broadcasted_iota(jnp.int32, (n_w, 1), 0) < length
-        out = jnp.where(live, out, 0.0)
-      put_window(j, out)
-
-    for j, o in group:
-      if st.mid_tokens and not st.all_run:
-        @when(jnp.logical_and(runs(j), meta(LENGTH, j) > n_w))
+    def window_steps_of(group):
+      """The verify windows (or first `window` tokens) of a group of requests,
+      (request, its scratch slot) pairs, each window at once (`_Window`), with
+      no branch or wait between the group's requests. Every request computes
+      every token of the window; a token at or past its length, or of a
+      request that does not run, computes on whatever its rows hold (later
+      tokens never reach earlier ones), and its output row is selected away
+      and its checkpoint lands in a buffer no DMA writes back (c >=
+      checkpoints; c < 0 lands in buffer 0, which the request's real first
+      checkpoint, a later token, overwrites)."""
+      for j, o in group:
+        @when(loads(j))
         def _():
-          # A short prefill longer than the window: token by token from its
-          # first token again (block DMAs), keeping its state in float32.
-          length, ckpts = meta(LENGTH, j), meta(CHECKPOINTS, j)
-          win_scr[o] = conv_window(j)
-          _store_state(rec_ibuf.at[j], s_scr.at[o])
+          read_conv(j).wait()
+          read_rec(j).wait()
+        zero_unread(j)
 
-          def store(t):
-            """Checkpoint after token t: slot c = t - (length - ckpts), if c >= 0."""
-            c = t - (length - ckpts)
+      wins = []
+      for j, o in group:
+        if st.all_run:
+          length = n_w
+          ckpt = lambda t: t
+        else:
+          length = meta(LENGTH, j)
+          ckpt = functools.partial(window_checkpoint, length=length,
+                                   checkpoints=meta(CHECKPOINTS, j), window=n_w)
 
-            @when(c >= 0)
-            def _():
-              conv_obuf[j, c] = win_scr[o].astype(conv_obuf.dtype)
-              _store_state(s_scr.at[o], rec_obuf.at[j, c])
+        def s_write(h, t, rows, s, j=j, ckpt=ckpt):
+          rec_obuf[j, ckpt(t), h, rows] = s.astype(rec_obuf.dtype)
 
-          mid_tokens(j, store, o, first=0)
+        def conv_write(t, w, j=j, ckpt=ckpt):
+          conv_obuf[j, ckpt(t)] = w.astype(conv_obuf.dtype)
 
-      for c in range(n_w):
-        @when(writes_ckpt(j, c))
-        def _():
-          for cp in writes(j, c):
-            cp.start()
+        wins.append((j, length, s_write, _Window(
+            st, *window_rows(j), conv_window(j), prm, act_scr.at[o * n_w:(o + 1) * n_w],
+            k_scr.at[o], conv_write)))
+      # Phase by phase over the group's requests and heads (`_Window`).
+      for j, _, _, w in wins:
+        for h in w.heads():
+          w.products(h, first_read(j)(h))
+      for j, length, s_write, w in wins:
+        out = jnp.concatenate([w.solve(h) for h in w.heads()], axis=1)
+        for i in range(st.n_kq):
+          w.checkpoints(i, lambda h, rows, j=j: rec_ibuf[j, h, rows], s_write)
+        if not st.all_run:
+          live = lax.broadcasted_iota(jnp.int32, (n_w, 1), 0) < length
+          out = jnp.where(live, out, 0.0)
+        put_window(j, out)
 
-  if n_w > 1:
+      for j, o in group:
+        if st.mid_tokens and not st.all_run:
+          @when(jnp.logical_and(runs(j), meta(LENGTH, j) > n_w))
+          def _():
+            # A short prefill longer than the window: token by token from its
+            # first token again (block DMAs), keeping its state in float32.
+            length, ckpts = meta(LENGTH, j), meta(CHECKPOINTS, j)
+            win_scr[o] = conv_window(j)
+            _store_state(rec_ibuf.at[j], s_scr.at[o])
+
+            def store(t):
+              """Checkpoint after token t: slot c = t - (length - ckpts), if c >= 0."""
+              c = t - (length - ckpts)
+
+              @when(c >= 0)
+              def _():
+                conv_obuf[j, c] = win_scr[o].astype(conv_obuf.dtype)
+                _store_state(s_scr.at[o], rec_obuf.at[j, c])
+
+            mid_tokens(j, store, o, first=0)
+
+        for c in range(n_w):
+          @when(writes_ckpt(j, c))
+          def _():
+            for cp in writes(j, c):
+              cp.start()
+
     if roll:
       # A request's rows at a traced index: from f32 copies, one (window, L)
       # slab per request (a slab at a leading index is an aligned load and
@@ -1077,6 +1105,21 @@ def _kernel(*refs, st: DecodeStatic):
     if roll:
       for j in range(st.tile):
         o_tile[j * n_w:(j + 1) * n_w, :] = o_win[j].astype(o_tile.dtype)
+
+  steps = one_token_steps if n_w == 1 else window_steps
+  if st.all_run or not st.skip_idle:
+    steps()
+  else:
+    # A tile none of whose requests runs here (the padding of a batch
+    # padded to its maximum size) reads, computes and writes nothing: its
+    # output rows are zeros where they are the tile's own block, untouched
+    # where the output stays in VMEM (zeroed by the first step).
+    tile_runs = functools.reduce(jnp.logical_or, [runs(j) for j in range(st.tile)])
+    pl.when(tile_runs)(steps)
+    if not resident:
+      @pl.when(jnp.logical_not(tile_runs))
+      def _():
+        o_tile[...] = jnp.zeros(o_tile.shape, o_tile.dtype)
 
   if st.direct and not resident:
     @when(first_step)
