@@ -200,19 +200,24 @@ _NAMED = [s.name for s in serving_specs.ARG_SPECS if "tokamax" in s.tags]
 @pytest.fixture(scope="module", autouse=True)
 def _oracles_ahead(request):
   """Computes the selected named workloads' oracles (tokamax's reference and
-  ours) in threads, in test order, while the tests run the implementations:
-  on the chip the oracles were most of a named workload's compile time, and
-  the chip host's cores sat idle. A test waits for its own oracle; an
-  oracle's failure fails its tests. `progress.AHEAD_ENV`=0 turns it off."""
-  names = list(dict.fromkeys(
-      item.callspec.params["name"] for item in request.session.items
-      if getattr(item, "originalname", "") == "test_named_workload"))
+  ours) in threads, in test order, while the tests run the implementations,
+  and then, in the same thread, calls the implementations the selected tests
+  will check on that workload (their compiles): on the chip those compiles
+  were nearly all of a named workload's time, and the chip host's cores sat
+  idle. A test waits for its own oracle and implementation; an oracle's
+  failure fails its tests, an implementation's is raised again by the
+  test's own call. `progress.AHEAD_ENV`=0 turns it off."""
+  warm = {}
+  for item in request.session.items:
+    if getattr(item, "originalname", "") == "test_named_workload":
+      warm.setdefault(item.callspec.params["name"], []).append(item.cls.IMPL)
   workers = (0 if os.environ.get(tier_progress.AHEAD_ENV) == "0"
              else min(8, (os.cpu_count() or 1) - 2))
-  if not names or workers < 1 or jax.devices()[0].platform != "tpu":
+  if not warm or workers < 1 or jax.devices()[0].platform != "tpu":
     yield
     return
-  pool = serving_base.compute_ahead([(n, serving_specs.layout_of(n)) for n in names], workers)
+  pool = serving_base.compute_ahead([(n, serving_specs.layout_of(n)) for n in warm], workers,
+                                    warm=warm, call=serving_base.ServingTestBase().call)
   yield
   serving_base.stop_ahead(pool)
 

@@ -1,6 +1,7 @@
 """`test_base.compute_ahead`: oracles computed in threads ahead of the tests
-(the on-chip tier's named workloads) are the ones `expected` returns, and an
-oracle's failure there is raised in the test that wants it."""
+(the on-chip tier's named workloads) are the ones `expected` returns, an
+oracle's failure there is raised in the test that wants it, and an
+implementation warmed there is not compiled again by the test's call."""
 
 import jax
 import numpy as np
@@ -47,6 +48,28 @@ def test_an_oracle_failing_ahead_fails_the_test_that_wants_it():
     with pytest.raises(Exception) as raised:
       test_base.expected("ahead_broken", lay, *test_base.tokamax_oracle(lay))
     # Raised there, in the thread, and handed over here.
-    assert test_base._AHEAD["ahead_broken"].exception() is raised.value  # pylint: disable=protected-access
+    assert test_base._AHEAD["ahead_broken"].oracle.exception() is raised.value  # pylint: disable=protected-access
   finally:
     test_base.stop_ahead(pool)
+
+
+class _Xla(test_base.ServingTestBase):
+  IMPL = "xla"
+
+
+def test_implementations_warmed_ahead_are_not_compiled_again():
+  (cid, lay) = CASES[0]
+  cid = cid + "_warm"
+  pool = test_base.compute_ahead([(cid, lay)], workers=1, warm={cid: ["xla"]},
+                                 call=_Xla().call)
+  try:
+    test_base.wait_warm(cid, "xla")
+    (args, kwargs), _, _ = test_base.expected(cid, lay, *test_base.tokamax_oracle(lay))
+  finally:
+    test_base.stop_ahead(pool)
+  static = tuple(sorted((k, v) for k, v in kwargs.items() if k in test_base.STATIC))
+  (fn,) = [f for key, f in test_base._JITTED.items()  # pylint: disable=protected-access
+           if key[0] == "xla" and key[2] == static]
+  assert fn._cache_size() == 1   # pylint: disable=protected-access
+  _Xla()._check_against_ours_and_tokamax(cid, lay, *test_base.tokamax_oracle(lay))  # pylint: disable=protected-access
+  assert fn._cache_size() == 1   # pylint: disable=protected-access

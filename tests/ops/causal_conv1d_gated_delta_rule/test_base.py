@@ -17,6 +17,7 @@ Shapes are tokamax's layouts (`arg_specs.layout`) scaled down for CPU.
 import concurrent.futures
 import contextlib
 import threading
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +69,7 @@ def expected(case_id, lay, tokamax_fn, tokamax_jit=True):
   with _AHEAD_LOCK:
     ahead = _AHEAD.get(case_id)
   if ahead is not None:
-    ahead.result()
+    ahead.oracle.result()
   if case_id not in _EXPECTED:
     _compute_expected(case_id, lay, tokamax_fn, tokamax_jit)
   return _EXPECTED[case_id]
@@ -86,29 +87,76 @@ def _compute_expected(case_id, lay, tokamax_fn, tokamax_jit):
   _EXPECTED[case_id] = (args, kwargs), _host(theirs), _host(ours)
 
 
-def compute_ahead(cases, workers: int) -> concurrent.futures.ThreadPoolExecutor:
+class _Ahead(NamedTuple):
+  """A case `compute_ahead` took: its thread's task, the oracles' future and
+  one future per implementation warmed there."""
+
+  task: concurrent.futures.Future
+  oracle: concurrent.futures.Future
+  warm: dict[str, concurrent.futures.Future]
+
+
+def _work_ahead(case_id, lay, oracle, warm, call):
+  """A `compute_ahead` thread's work on one case: its oracles, then `call`
+  of each implementation in `warm` on its inputs (compiled, and run once)."""
+  try:
+    _compute_expected(case_id, lay, *tokamax_oracle(lay))
+  except BaseException as e:  # pylint: disable=broad-exception-caught
+    oracle.set_exception(e)
+    for done in warm.values():
+      done.set_result(None)
+    return
+  oracle.set_result(None)
+  args, kwargs = _EXPECTED[case_id][0]
+  for impl, done in warm.items():
+    try:
+      call(args, kwargs, impl)
+    except Exception:  # pylint: disable=broad-exception-caught
+      pass    # the test's own call of it raises this again, in the test
+    done.set_result(None)
+
+
+def compute_ahead(cases, workers: int, warm=None, call=None
+                  ) -> concurrent.futures.ThreadPoolExecutor:
   """Starts computing `expected` for `cases` ([(case_id, layout)], in the
   order the tests will want them) in `workers` threads; returns the pool
   (shut it down when the tests are done: what has not started is dropped).
+  `warm` (case_id -> the implementations its tests will call) and `call`
+  (`ServingTestBase.call`): once a case's oracles are done, its thread also
+  calls those implementations on its inputs, so that each one's compile is
+  done there too (`wait_warm`).
 
-  For the on-chip tier: there the oracles (tokamax's reference and ours)
-  are most of a named workload's compile time, and the chip host has cores
-  to compile them side by side while the tests run the implementations."""
+  For the on-chip tier: there the oracles (tokamax's reference and ours) and
+  the implementations' programs are most of a named workload's time, all of
+  it compiles, and the chip host has cores to compile them side by side
+  while the tests run."""
   pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="oracle")
   for case_id, lay in cases:
     with _AHEAD_LOCK:
       if case_id in _AHEAD or case_id in _EXPECTED:
         continue
-      _AHEAD[case_id] = pool.submit(_compute_expected, case_id, lay, *tokamax_oracle(lay))
+      oracle = concurrent.futures.Future()
+      impls = {impl: concurrent.futures.Future() for impl in (warm or {}).get(case_id, ())}
+      task = pool.submit(_work_ahead, case_id, lay, oracle, impls, call)
+      _AHEAD[case_id] = _Ahead(task, oracle, impls)
   return pool
+
+
+def wait_warm(case_id, impl) -> None:
+  """Waits for `compute_ahead`'s call of `impl` on the case, if it took one
+  (so that the test's call finds it compiled, not compiling it again beside)."""
+  with _AHEAD_LOCK:
+    ahead = _AHEAD.get(case_id)
+  if ahead is not None and impl in ahead.warm:
+    ahead.warm[impl].result()
 
 
 def stop_ahead(pool: concurrent.futures.ThreadPoolExecutor) -> None:
   """Drops what `compute_ahead` has not started (a later `expected` computes
   it itself) and waits for what is running."""
   with _AHEAD_LOCK:
-    for case_id, future in list(_AHEAD.items()):
-      if future.cancel():
+    for case_id, ahead in list(_AHEAD.items()):
+      if ahead.task.cancel():
         del _AHEAD[case_id]
   pool.shutdown(wait=True)
 
@@ -212,15 +260,18 @@ class ServingTestBase:
     static = {k: v for k, v in kwargs.items() if k in STATIC}
     arrays = {k: v for k, v in kwargs.items() if k not in STATIC}
     key = (impl, config.target_generation().name, tuple(sorted(static.items())))
-    if key not in _JITTED:
-      _JITTED[key] = jax.jit(lambda a, kw: api.causal_conv1d_gated_delta_rule(
-          *a, **kw, **static, implementation=impl))
+    with _AHEAD_LOCK:     # (`compute_ahead`'s threads call it too)
+      if key not in _JITTED:
+        _JITTED[key] = jax.jit(lambda a, kw: api.causal_conv1d_gated_delta_rule(
+            *a, **kw, **static, implementation=impl))
+      fn = _JITTED[key]
     with self.context():
-      return jax.block_until_ready(_JITTED[key](args, arrays))
+      return jax.block_until_ready(fn(args, arrays))
 
   def _check_against_ours_and_tokamax(self, case_id, lay, tokamax_fn, tokamax_jit=True):
     (args, kwargs), (t_pools, t_out), (r_pools, r_out) = expected(case_id, lay, tokamax_fn,
                                                                   tokamax_jit)
+    wait_warm(case_id, self.IMPL)
     (conv, rec), out = ((r_pools, r_out) if self.IMPL == "reference" else
                         _host(self.call(args, kwargs)))
     conv_in, rec_in = np.asarray(args[3]), np.asarray(args[4])
