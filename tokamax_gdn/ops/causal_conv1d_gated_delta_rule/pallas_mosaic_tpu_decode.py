@@ -1253,7 +1253,7 @@ def decode(index, xs, bs, as_, taps, bias, a_log, dt_bias, conv_pool, rec_pool, 
   res = pl.pallas_call(
       functools.partial(_kernel, st=dataclasses.replace(st, interpret=True) if interpret else st),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=n_idx, grid=(r_pad // tile,), in_specs=in_specs,
+          num_scalar_prefetch=n_idx, grid=(grid_steps(st, index, t_len),), in_specs=in_specs,
           out_specs=out_specs, scratch_shapes=scratch),
       out_shape=out_shape,
       input_output_aliases=aliases,
@@ -1270,6 +1270,26 @@ def decode(index, xs, bs, as_, taps, bias, a_log, dt_bias, conv_pool, rec_pool, 
   else:
     (out, conv_pool, rec_pool), out_mid = res, None
   return out, out_mid, conv_pool, rec_pool
+
+
+def grid_steps(st: DecodeStatic, index, t_len: int):
+  """The grid's steps: one per tile of requests, R_padded / tile; in direct
+  mode, where tiles lie wholly past the call's token rows, as many as the
+  valid requests and the token rows need (traced: a dynamic grid).
+
+  Only the tiles holding valid requests (r < distribution[2]) can run, and
+  in direct mode only the first ceil(T / tile) tiles' output rows are the
+  op's: a batch padded to a bucket of requests (64 of 512) visits its 8
+  tiles, not 64, where a grid step that skips its tile still costs ~1 us on
+  the v5e chip. Static where no tile lies past the token rows (a full
+  decode batch: no scalar op before the kernel), for the cost model, and
+  without `skip_idle`."""
+  steps = padded_requests(st) // st.tile
+  lo = max(1, -(-t_len // st.tile))
+  if not st.direct or st.all_run or not st.skip_idle or lo >= steps:
+    return steps
+  valid = jnp.clip(index[2][2], 0, st.num_requests)
+  return jnp.clip((valid + st.tile - 1) // st.tile, lo, steps).astype(jnp.int32)
 
 
 def _store_state(src, dst) -> None:
