@@ -6,6 +6,7 @@ import jax
 import pytest
 
 from tokamax_gdn import cli
+from tokamax_gdn.cli import bench_chip
 from tokamax_gdn.benchmarks import on_chip
 from tokamax_gdn.benchmarks import timing
 from tokamax_gdn.benchmarks import workload
@@ -66,6 +67,18 @@ def test_serving_rows_report_device_time():
   [r] = rows
   # On CPU the profile has no TPU track: device time 0, but the column is there.
   assert r["ms"] > 0 and r["device_ms"] == 0.0 and r["device_over_floor"] == 0.0
+
+
+def test_serving_profile_lists_ops(capsys):
+  # `bench --profile`: each serving row keeps its profile's largest ops. On
+  # CPU the profile has no TPU track: no ops, but the list is there.
+  [r] = on_chip.serving_rows(FLOORS, ["tiny_decode_8_ctx"], ("xla",), tokamax=False, n=2, ops=5)
+  assert r["ops"] == []
+  [r] = on_chip.serving_rows(FLOORS, ["tiny_decode_8_ctx"], ("xla",), tokamax=False, n=2)
+  assert "ops" not in r
+  bench_chip._print_ops([dict(spec="s", impl="i", device_ms=0.05, ops=[  # pylint: disable=protected-access
+      dict(name="gdn_serve_decode", thread="XLA Ops", us=37.4, count=1)])])
+  assert "gdn_serve_decode" in capsys.readouterr().out
 
 
 def test_busy_time_counts_nested_events_once():

@@ -211,10 +211,12 @@ def _is_ops_track(track: str) -> bool:
 
 def serving_rows(floors: timing.Floors, spec_names: Sequence[str],
                  impls: Sequence[str] = (PALLAS, "xla"), tokamax: bool = True,
-                 n: int = 20, log: Callable[[str], None] = _quiet) -> list[dict[str, Any]]:
+                 n: int = 20, log: Callable[[str], None] = _quiet, ops: int = 0
+                 ) -> list[dict[str, Any]]:
   """One row per (workload, implementation): ms against the workload's HBM
   floor (`serving_aot.hbm_bytes`), pools donated and fed back; `device_ms`,
-  the device ops' time of one call from a profile."""
+  the device ops' time of one call from a profile; with `ops` > 0, `ops`:
+  that profile's `ops` largest kernels and XLA ops (`timing.op_table`)."""
   from tokamax_gdn.benchmarks import serving  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.aot import serving as serving_aot  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs  # pylint: disable=g-import-not-at-top
@@ -250,6 +252,8 @@ def serving_rows(floors: timing.Floors, spec_names: Sequence[str],
         events = timing.device_events(call, calls=PROFILE_CALLS)
         row["device_ms"] = timing.busy_ms(events, PROFILE_CALLS, _is_ops_track)
         row["device_over_floor"] = row["device_ms"] / floor
+        if ops:
+          row["ops"] = timing.op_table(events, PROFILE_CALLS)[:ops]
       except Exception as e:  # pylint: disable=broad-except
         row.update(ms=None, error=_error(e))
       rows.append(row)

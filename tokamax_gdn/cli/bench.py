@@ -64,7 +64,8 @@ def add_arguments(parser) -> None:
   parser.add_argument("--lengths", default="4096,32768",
                       help="TPU, gated_delta_rule: sequence lengths of the layer shape")
   parser.add_argument("--profile", action="store_true",
-                      help="TPU, gated_delta_rule: device time per kernel and XLA op")
+                      help="TPU, gated_delta_rule and causal_conv1d_gated_delta_rule: device"
+                      " time per kernel and XLA op")
   parser.add_argument("--model", help="generate: model preset name or .yml path (default"
                       f" {common.DEFAULT_MODEL})")
   parser.add_argument("--batches", help="generate: comma-separated request counts (default"

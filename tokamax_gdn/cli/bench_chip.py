@@ -117,7 +117,7 @@ def run(args, specs) -> int:
   if args.op == "causal_conv1d_gated_delta_rule":
     impls = [s for s in (args.impls or f"{on_chip.PALLAS},xla").split(",") if s]
     rows = on_chip.serving_rows(floors, [s.name for s in specs], impls, n=args.reps,
-                                   log=_log)
+                                   log=_log, ops=_PROFILE_OPS if args.profile else 0)
     from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs  # pylint: disable=g-import-not-at-top
     mixed = on_chip.mixed_vs_parts(floors, rows, arg_specs.PARTS, n=args.reps, log=_log)
     if args.json:
@@ -125,6 +125,7 @@ def run(args, specs) -> int:
       return 0
     _emit(args, "chip-serving", f"causal_conv1d_gated_delta_rule on {floors.device_kind}",
           rows, _SERVING_COLUMNS, floors_line)
+    _print_ops(rows)
     if mixed:
       _emit(args, "chip-serving-mixed", "mixed serving calls against their parts run as"
             f" separate calls on {floors.device_kind}", mixed, _MIXED_COLUMNS, floors_line)
@@ -136,6 +137,20 @@ def run(args, specs) -> int:
   _emit(args, "chip-gmm", f"gmm / tgmm, MoE shapes (bf16, 64 groups) on {floors.device_kind}",
         rows, _GMM_COLUMNS, floors_line)
   return 0
+
+
+# Kernels and XLA ops listed per serving row under --profile.
+_PROFILE_OPS = 12
+
+
+def _print_ops(rows) -> None:
+  """Each row's profile ops (`serving_rows(ops=...)`), where it has them."""
+  for r in rows:
+    if r.get("ops") is not None:
+      ops = [dict(name=o["name"], thread=o["thread"], us=f"{o['us']:.1f}", count=o["count"])
+             for o in r["ops"]]
+      common.print_table(ops, title=f"{r['spec']} {r['impl']}: device ops {r['device_ms']:.3f} ms"
+                                    " per call")
 
 
 def generate(args, on_tpu: bool) -> int:
