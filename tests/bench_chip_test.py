@@ -69,6 +69,23 @@ def test_serving_rows_report_device_time():
   assert r["ms"] > 0 and r["device_ms"] == 0.0 and r["device_over_floor"] == 0.0
 
 
+def test_serving_programs_compile_first_and_a_failure_is_its_row():
+  lines = []
+  rows = on_chip.serving_rows(FLOORS, ["tiny_decode_8_ctx", "tiny_mixed_padded_ctx"],
+                              ("xla", "no_such_impl"), tokamax=False, n=2, log=lines.append,
+                              compile_workers=2)
+  assert [(r["spec"], r["impl"]) for r in rows] == [
+      (s, i) for s in ("tiny_decode_8_ctx", "tiny_mixed_padded_ctx")
+      for i in ("xla", "no_such_impl")]
+  ok = [r for r in rows if r["impl"] == "xla"]
+  assert all(r["ms"] > 0 and r["compile_s"] > 0 for r in ok)
+  bad = [r for r in rows if r["impl"] == "no_such_impl"]
+  assert all(r["ms"] is None and "no_such_impl" in r["error"] for r in bad)
+  # Every compile is done (or failed) before the first call is timed.
+  first_timed = min(i for i, l in enumerate(lines) if " ms" in l)
+  assert sum(("compiled in" in l or "compile failed" in l) for l in lines[:first_timed]) == 4
+
+
 def test_serving_profile_lists_ops(capsys):
   # `bench --profile`: each serving row keeps its profile's largest ops. On
   # CPU the profile has no TPU track: no ops, but the list is there.

@@ -20,6 +20,7 @@ with the reason instead of a time, so a table says what was tried.
 
 from collections.abc import Callable, Sequence
 import dataclasses
+import os
 import time
 import traceback
 from typing import Any
@@ -209,18 +210,58 @@ def _is_ops_track(track: str) -> bool:
 # Serving
 
 
+def _compile_serving(spec_names: Sequence[str], impls: Sequence[str], workers: int,
+                     log: Callable[[str], None]) -> dict[tuple[str, str], Any]:
+  """Every (workload, implementation) program `serving_rows` times, compiled
+  from abstract arguments (no device memory) in `workers` threads before any
+  is timed: {(spec, impl): future of (compiled, seconds)}. On the chip host
+  the compiles were most of a serving bench's time (a 64-head decode: 52 s),
+  one after another while its other cores sat idle; timing after them all
+  keeps the compiles off the host while the calls are timed."""
+  import concurrent.futures  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.benchmarks import serving  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs  # pylint: disable=g-import-not-at-top
+
+  def compile_one(spec_name, impl):
+    args, kwargs = arg_specs.by_name(spec_name).abstract()
+    arrays = {k: v for k, v in kwargs.items() if k not in arg_specs.STATIC}
+    start = time.perf_counter()
+    try:
+      compiled = serving._jitted(impl, kwargs).lower(  # pylint: disable=protected-access
+          args[3], args[4], args[:3] + args[5:], arrays).compile()
+    except Exception as e:
+      log(f"serving {spec_name} {impl}: compile failed ({_error(e)[:120]})")
+      raise
+    secs = time.perf_counter() - start
+    log(f"serving {spec_name} {impl}: compiled in {secs:.1f} s")
+    return compiled, secs
+
+  jobs = [(s, i) for s in spec_names for i in impls]
+  log(f"serving: compiling {len(jobs)} programs in {workers} threads")
+  with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+    out = {job: pool.submit(compile_one, *job) for job in jobs}
+  return out
+
+
 def serving_rows(floors: timing.Floors, spec_names: Sequence[str],
                  impls: Sequence[str] = (PALLAS, "xla"), tokamax: bool = True,
-                 n: int = 20, log: Callable[[str], None] = _quiet, ops: int = 0
-                 ) -> list[dict[str, Any]]:
+                 n: int = 20, log: Callable[[str], None] = _quiet, ops: int = 0,
+                 compile_workers: int | None = None) -> list[dict[str, Any]]:
   """One row per (workload, implementation): ms against the workload's HBM
   floor (`serving_aot.hbm_bytes`), pools donated and fed back; `device_ms`,
   the device ops' time of one call from a profile; with `ops` > 0, `ops`:
-  that profile's `ops` largest kernels and XLA ops (`timing.op_table`)."""
+  that profile's `ops` largest kernels and XLA ops (`timing.op_table`).
+
+  Every program is compiled first, in `compile_workers` threads (default:
+  the host's cores less two, at most 8; `_compile_serving`): `compile_s` is
+  each one's compile time beside the others'."""
   from tokamax_gdn.benchmarks import serving  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.aot import serving as serving_aot  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs  # pylint: disable=g-import-not-at-top
   names = list(impls) + ([serving.TOKAMAX] if tokamax else [])
+  if compile_workers is None:
+    compile_workers = max(1, min(8, (os.cpu_count() or 1) - 2))
+  programs = _compile_serving(spec_names, names, compile_workers, log)
   rows = []
   for spec_name in spec_names:
     spec = arg_specs.by_name(spec_name)
@@ -232,14 +273,9 @@ def serving_rows(floors: timing.Floors, spec_names: Sequence[str],
     for impl in names:
       row = dict(table="serving", spec=spec_name, shape=serving.describe(spec), impl=impl,
                  hbm_bytes=hbm, floor_ms=floor)
-      log(f"serving {spec_name} {impl}: compiling")
       try:
-        fn = serving._jitted(impl, kwargs)  # pylint: disable=protected-access
-        pools = (args[3].copy(), args[4].copy())
-        start = time.perf_counter()
-        compiled = fn.lower(*pools, rest, arrays).compile()
-        row["compile_s"] = time.perf_counter() - start
-        state = [pools]
+        compiled, row["compile_s"] = programs[spec_name, impl].result()
+        state = [(args[3].copy(), args[4].copy())]
 
         def call():
           state[0], out = compiled(*state[0], rest, arrays)
