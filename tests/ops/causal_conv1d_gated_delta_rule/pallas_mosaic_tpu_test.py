@@ -575,8 +575,10 @@ def test_decode_kernel_under_the_race_detector(monkeypatch):
 
 
 # Requests 0-2 decode, 3-31 have no tokens (a whole idle tile of 16, two of
-# 8), 32-33 decode and 34 is a short prefill; 35-47 pad the batch.
-_PADDED = dict(lengths=[1] * 3 + [0] * 29 + [1, 1, 4], context_lens=3, max_reqs=48)
+# 8), 32-33 decode and 34 is a short prefill; 35-63 pad the batch, so that
+# the skipping kernel's dynamic grid stops short of the padded tiles (3 of
+# 4 tiles of 16, 5 of 8 tiles of 8).
+_PADDED = dict(lengths=[1] * 3 + [0] * 29 + [1, 1, 4], context_lens=3, max_reqs=64)
 SKIP_MODES = ("resident_out", "two_outputs", "unrolled_bf16_pools", "spec2_windows")
 
 
