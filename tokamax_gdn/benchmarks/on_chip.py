@@ -215,9 +215,9 @@ def _compile_serving(spec_names: Sequence[str], impls: Sequence[str], workers: i
   """Every (workload, implementation) program `serving_rows` times, compiled
   from abstract arguments (no device memory) in `workers` threads before any
   is timed: {(spec, impl): future of (compiled, seconds)}. On the chip host
-  the compiles were most of a serving bench's time (a 64-head decode: 52 s),
-  one after another while its other cores sat idle; timing after them all
-  keeps the compiles off the host while the calls are timed."""
+  the compiles were most of a serving bench's time, one after another while
+  its other cores sat idle; timing after them all keeps the compiles off the
+  host while the calls are timed."""
   import concurrent.futures  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.benchmarks import serving  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs  # pylint: disable=g-import-not-at-top

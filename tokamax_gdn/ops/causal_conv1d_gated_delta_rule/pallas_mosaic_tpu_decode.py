@@ -1143,7 +1143,8 @@ def padded_requests(st: DecodeStatic) -> int:
 
 def decode(index, xs, bs, as_, taps, bias, a_log, dt_bias, conv_pool, rec_pool, qkv=None,
            b=None, a=None, *, st: DecodeStatic, interpret=False, vmem_limit_bytes=None):
-  """Runs the decode kernel over R_padded = `padded_requests(st)` requests.
+  """Runs the decode kernel over R_padded = `padded_requests(st)` requests
+  (the tiles of them `grid_steps` visits).
 
   index: the call's int32 index arrays (query_start_loc [R + 1],
     state_indices, distribution [3], seq_lens, then read_state_indices and
@@ -1280,8 +1281,8 @@ def grid_steps(st: DecodeStatic, index, t_len: int):
   Only the tiles holding valid requests (r < distribution[2]) can run, and
   in direct mode only the first ceil(T / tile) tiles' output rows are the
   op's: a batch padded to a bucket of requests (64 of 512) visits its 8
-  tiles, not 64, where a grid step that skips its tile still costs ~1 us on
-  the v5e chip. Static where no tile lies past the token rows (a full
+  tiles, not 64, where a grid step that skips its tile still pays for its
+  pipeline step and block copies (README, "chip-serving-padded"). Static where no tile lies past the token rows (a full
   decode batch: no scalar op before the kernel), for the cost model, and
   without `skip_idle`."""
   steps = padded_requests(st) // st.tile
