@@ -182,6 +182,11 @@ class DecodeStatic:
   def scale(self) -> float:
     return (self.scale_d_k or self.d_k) ** -0.5
 
+  @property
+  def skips_idle(self) -> bool:
+    """`skip_idle`, except in the cost model (`all_run`: nothing is idle)."""
+    return self.skip_idle and not self.all_run
+
 
 # Rows of the per-step int32 metadata (SMEM scratch [_META, tile]), derived
 # in the kernel from the call's index arrays (`_step_metadata`).
@@ -664,6 +669,10 @@ def _kernel(*refs, st: DecodeStatic):
   def runs(j):
     return True if st.all_run else meta(LENGTH, j) > 0
 
+  def any_runs(js):
+    """Whether any of requests `js` runs here (traced; `skips_idle` only)."""
+    return functools.reduce(jnp.logical_or, [runs(j) for j in js])
+
   def init_of(j):
     return st.all_init if st.all_run else meta(HAS_INIT, j) > 0
 
@@ -898,10 +907,10 @@ def _kernel(*refs, st: DecodeStatic):
         any_read = functools.reduce(jnp.logical_or, [loads(j) for j, _ in group])
         pl.when(any_read)(lambda: group_steps(group, fresh=False))
         fresh = jnp.logical_not(any_read)
-        if st.skip_idle:
+        if st.skips_idle:
           # A group none of whose requests runs computes nothing: its rows
           # are zeros, as a running group's idle requests' are.
-          any_run = functools.reduce(jnp.logical_or, [runs(j) for j, _ in group])
+          any_run = any_runs([j for j, _ in group])
           fresh = jnp.logical_and(any_run, fresh)
 
           @pl.when(jnp.logical_not(any_run))
@@ -985,11 +994,10 @@ def _kernel(*refs, st: DecodeStatic):
     def window_group(group):
       """`window_steps_of(group)`, skipped where none of the group's
       requests runs (its output rows stay zero)."""
-      if st.all_run or not st.skip_idle:
-        window_steps_of(group)
+      if st.skips_idle:
+        pl.when(any_runs([j for j, _ in group]))(lambda: window_steps_of(group))
       else:
-        any_run = functools.reduce(jnp.logical_or, [runs(j) for j, _ in group])
-        pl.when(any_run)(lambda: window_steps_of(group))
+        window_steps_of(group)
 
     def window_steps_of(group):
       """The verify windows (or first `window` tokens) of a group of requests,
@@ -1107,14 +1115,14 @@ def _kernel(*refs, st: DecodeStatic):
         o_tile[j * n_w:(j + 1) * n_w, :] = o_win[j].astype(o_tile.dtype)
 
   steps = one_token_steps if n_w == 1 else window_steps
-  if st.all_run or not st.skip_idle:
+  if not st.skips_idle:
     steps()
   else:
     # A tile none of whose requests runs here (the padding of a batch
     # padded to its maximum size) reads, computes and writes nothing: its
     # output rows are zeros where they are the tile's own block, untouched
     # where the output stays in VMEM (zeroed by the first step).
-    tile_runs = functools.reduce(jnp.logical_or, [runs(j) for j in range(st.tile)])
+    tile_runs = any_runs(range(st.tile))
     pl.when(tile_runs)(steps)
     if not resident:
       @pl.when(jnp.logical_not(tile_runs))
@@ -1287,7 +1295,7 @@ def grid_steps(st: DecodeStatic, index, t_len: int):
   without `skip_idle`."""
   steps = padded_requests(st) // st.tile
   lo = max(1, -(-t_len // st.tile))
-  if not st.direct or st.all_run or not st.skip_idle or lo >= steps:
+  if not st.direct or not st.skips_idle or lo >= steps:
     return steps
   valid = jnp.clip(index[2][2], 0, st.num_requests)
   return jnp.clip((valid + st.tile - 1) // st.tile, lo, steps).astype(jnp.int32)
