@@ -67,6 +67,19 @@ def test_serving_rows_report_device_time():
   [r] = rows
   # On CPU the profile has no TPU track: device time 0, but the column is there.
   assert r["ms"] > 0 and r["device_ms"] == 0.0 and r["device_over_floor"] == 0.0
+  assert r["pool_layout"] == "auto"
+
+
+def test_serving_rows_time_either_pool_layout():
+  # "auto": the pools placed in the layouts the program picked, fed back call
+  # after call; "default": the runtime's. Both run the same calls.
+  for layout in ("auto", "default"):
+    [r] = on_chip.serving_rows(FLOORS, ["tiny_decode_8_ctx"], ("xla",), tokamax=False, n=2,
+                               pool_layout=layout)
+    assert r["ms"] > 0 and r["pool_layout"] == layout, r
+  with pytest.raises(ValueError, match="pool_layout"):
+    on_chip.serving_rows(FLOORS, ["tiny_decode_8_ctx"], ("xla",), tokamax=False, n=2,
+                         pool_layout="row_major")
 
 
 def test_serving_programs_compile_first_and_a_failure_is_its_row():
@@ -131,8 +144,8 @@ def test_mixed_call_against_its_parts(monkeypatch):
   times = dict(a=1.0, b=0.5)
   asked = []
 
-  def fake_rows(floors, names, impls, tokamax, n, log):
-    del floors, tokamax, n, log
+  def fake_rows(floors, names, impls, tokamax, n, log, pool_layout):
+    del floors, tokamax, n, log, pool_layout
     asked.append((list(names), list(impls)))
     return [dict(spec=s, impl=i, ms=times.get(s)) for s in names for i in impls]
 

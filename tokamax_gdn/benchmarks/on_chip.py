@@ -211,7 +211,8 @@ def _is_ops_track(track: str) -> bool:
 
 
 def _compile_serving(spec_names: Sequence[str], impls: Sequence[str], workers: int,
-                     log: Callable[[str], None]) -> dict[tuple[str, str], Any]:
+                     log: Callable[[str], None],
+                     pool_layout: str = "auto") -> dict[tuple[str, str], Any]:
   """Every (workload, implementation) program `serving_rows` times, compiled
   from abstract arguments (no device memory) in `workers` threads before any
   is timed: {(spec, impl): future of (compiled, seconds)}. On the chip host
@@ -227,7 +228,7 @@ def _compile_serving(spec_names: Sequence[str], impls: Sequence[str], workers: i
     arrays = {k: v for k, v in kwargs.items() if k not in arg_specs.STATIC}
     start = time.perf_counter()
     try:
-      compiled = serving._jitted(impl, kwargs).lower(  # pylint: disable=protected-access
+      compiled = serving._jitted(impl, kwargs, pool_layout).lower(  # pylint: disable=protected-access
           args[3], args[4], args[:3] + args[5:], arrays).compile()
     except Exception as e:
       log(f"serving {spec_name} {impl}: compile failed ({_error(e)[:120]})")
@@ -246,7 +247,8 @@ def _compile_serving(spec_names: Sequence[str], impls: Sequence[str], workers: i
 def serving_rows(floors: timing.Floors, spec_names: Sequence[str],
                  impls: Sequence[str] = (PALLAS, "xla"), tokamax: bool = True,
                  n: int = 20, log: Callable[[str], None] = _quiet, ops: int = 0,
-                 compile_workers: int | None = None) -> list[dict[str, Any]]:
+                 compile_workers: int | None = None,
+                 pool_layout: str = "auto") -> list[dict[str, Any]]:
   """One row per (workload, implementation): ms against the workload's HBM
   floor (`serving_aot.hbm_bytes`), pools donated and fed back; `device_ms`,
   the device ops' time of one call from a profile; with `ops` > 0, `ops`:
@@ -254,14 +256,18 @@ def serving_rows(floors: timing.Floors, spec_names: Sequence[str],
 
   Every program is compiled first, in `compile_workers` threads (default:
   the host's cores less two, at most 8; `_compile_serving`): `compile_s` is
-  each one's compile time beside the others'."""
+  each one's compile time beside the others'. `pool_layout` (`serving.
+  POOL_LAYOUTS`): "auto", the pools placed once in the layouts XLA picks for
+  each program (as an engine allocates them), or "default", the runtime's."""
   from tokamax_gdn.benchmarks import serving  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.aot import serving as serving_aot  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs  # pylint: disable=g-import-not-at-top
+  if pool_layout not in serving.POOL_LAYOUTS:
+    raise ValueError(f"pool_layout={pool_layout!r}; valid: {serving.POOL_LAYOUTS}")
   names = list(impls) + ([serving.TOKAMAX] if tokamax else [])
   if compile_workers is None:
     compile_workers = max(1, min(8, (os.cpu_count() or 1) - 2))
-  programs = _compile_serving(spec_names, names, compile_workers, log)
+  programs = _compile_serving(spec_names, names, compile_workers, log, pool_layout)
   rows = []
   for spec_name in spec_names:
     spec = arg_specs.by_name(spec_name)
@@ -272,10 +278,15 @@ def serving_rows(floors: timing.Floors, spec_names: Sequence[str],
     floor = floors.floor_ms(0.0, hbm)
     for impl in names:
       row = dict(table="serving", spec=spec_name, shape=serving.describe(spec), impl=impl,
-                 hbm_bytes=hbm, floor_ms=floor)
+                 pool_layout=pool_layout, hbm_bytes=hbm, floor_ms=floor)
       try:
         compiled, row["compile_s"] = programs[spec_name, impl].result()
-        state = [(args[3].copy(), args[4].copy())]
+        formats = compiled.input_formats[0][:2]
+        if jax.tree.leaves(compiled.output_formats)[:2] != list(formats):
+          # Each call would relayout its pools: not a steady state to time.
+          raise ValueError(f"pool layouts differ in and out of the call: {formats} vs"
+                           f" {jax.tree.leaves(compiled.output_formats)[:2]}")
+        state = [tuple(jax.device_put(p, f) for p, f in zip(args[3:5], formats))]
 
         def call():
           state[0], out = compiled(*state[0], rest, arrays)
@@ -299,7 +310,8 @@ def serving_rows(floors: timing.Floors, spec_names: Sequence[str],
 
 def mixed_vs_parts(floors: timing.Floors, rows: Sequence[dict[str, Any]],
                    parts: dict[str, Sequence[str]], n: int = 20,
-                   log: Callable[[str], None] = _quiet) -> list[dict[str, Any]]:
+                   log: Callable[[str], None] = _quiet,
+                   pool_layout: str = "auto") -> list[dict[str, Any]]:
   """For each mixed workload among `rows` (`serving_rows`' output) that
   `parts` lists: the mixed call's time against the sum of its parts run as
   separate calls (`serving_rows` of the parts, same implementation), per
@@ -308,7 +320,7 @@ def mixed_vs_parts(floors: timing.Floors, rows: Sequence[dict[str, Any]],
   for mixed in dict.fromkeys(r["spec"] for r in rows if r["spec"] in parts):
     impls = [r["impl"] for r in rows if r["spec"] == mixed]
     part_rows = serving_rows(floors, list(dict.fromkeys(parts[mixed])), impls, tokamax=False,
-                             n=n, log=log)
+                             n=n, log=log, pool_layout=pool_layout)
     for impl in impls:
       [m] = [r for r in rows if r["spec"] == mixed and r["impl"] == impl]
       ms = {r["spec"]: r.get("ms") for r in part_rows if r["impl"] == impl}

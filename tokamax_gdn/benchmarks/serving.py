@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import jax
+from jax.experimental.layout import Format, Layout
 
 from tokamax_gdn import registry
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs
@@ -28,7 +29,23 @@ def _tokamax_xla():
   return tokamax_api.IMPLEMENTATIONS["xla"]
 
 
-def _jitted(impl, kwargs):
+# Pool layouts a benchmark may ask for: "auto" lets XLA pick the pools'
+# layouts for the program (`Layout.AUTO`), and the caller places its pools in
+# them once (`jax.device_put(pool, compiled.input_formats...)`), as an engine
+# that allocates its pools for its compiled step does; "default" keeps the
+# runtime's default layout at the jit boundary. On a TPU the default layout
+# of a [slots, W-1, D] bf16 conv pool puts the W-1 axis outermost, and a
+# kernel that reads the pool row-major then costs an XLA relayout of the
+# whole pool into the call and back out of it.
+POOL_LAYOUTS = ("auto", "default")
+
+
+def _jitted(impl, kwargs, pool_layout: str = "default"):
+  """The op as an engine's step: both pools donated and returned. With
+  `pool_layout` "auto" the pools' layouts are XLA's choice for the program
+  (lower and compile it, then place the pools in `input_formats`)."""
+  if pool_layout not in POOL_LAYOUTS:
+    raise ValueError(f"pool_layout={pool_layout!r}; valid: {POOL_LAYOUTS}")
   static = {k: v for k, v in kwargs.items() if k in arg_specs.STATIC}
   if impl == TOKAMAX:
     op = _tokamax_xla()
@@ -39,7 +56,11 @@ def _jitted(impl, kwargs):
   def step(conv, rec, rest, kw):
     return op(*rest[:3], conv, rec, *rest[3:], **kw, **static)
 
-  return jax.jit(step, donate_argnums=(0, 1))
+  if pool_layout == "default":
+    return jax.jit(step, donate_argnums=(0, 1))
+  auto = Format(Layout.AUTO)
+  return jax.jit(step, donate_argnums=(0, 1), in_shardings=(auto, auto, None, None),
+                 out_shardings=((auto, auto), None))
 
 
 def describe(spec) -> str:

@@ -66,6 +66,10 @@ def add_arguments(parser) -> None:
   parser.add_argument("--profile", action="store_true",
                       help="TPU, gated_delta_rule and causal_conv1d_gated_delta_rule: device"
                       " time per kernel and XLA op")
+  parser.add_argument("--pool-layout", choices=("auto", "default"), default="auto",
+                      help="TPU, causal_conv1d_gated_delta_rule: the pools' layout, XLA's choice"
+                      " for each program (auto: the pools placed in it once, as an engine"
+                      " allocates them) or the runtime's default at the jit boundary")
   parser.add_argument("--model", help="generate: model preset name or .yml path (default"
                       f" {common.DEFAULT_MODEL})")
   parser.add_argument("--batches", help="generate: comma-separated request counts (default"

@@ -21,7 +21,7 @@ _GDN_COLUMNS = dict(t="T", impl="impl", pass_="pass", ms="ms", floor_ms="floor m
                     temp_mib="temp MiB", compile_s="compile s", error="error")
 _FIXED_COLUMNS = dict(impl="impl", pass_="pass", intercept_ms="intercept ms",
                       ms_per_4096_tokens="ms / 4096 tokens", lengths="lengths")
-_SERVING_COLUMNS = dict(spec="workload", shape="shape", impl="impl", ms="ms",
+_SERVING_COLUMNS = dict(spec="workload", shape="shape", impl="impl", pool_layout="pools", ms="ms",
                         device_ms="device ms", floor_ms="HBM floor ms", over_floor="x floor",
                         device_over_floor="device x floor", compile_s="compile s",
                         error="error")
@@ -117,9 +117,11 @@ def run(args, specs) -> int:
   if args.op == "causal_conv1d_gated_delta_rule":
     impls = [s for s in (args.impls or f"{on_chip.PALLAS},xla").split(",") if s]
     rows = on_chip.serving_rows(floors, [s.name for s in specs], impls, n=args.reps,
-                                   log=_log, ops=_PROFILE_OPS if args.profile else 0)
+                                   log=_log, ops=_PROFILE_OPS if args.profile else 0,
+                                   pool_layout=args.pool_layout)
     from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs  # pylint: disable=g-import-not-at-top
-    mixed = on_chip.mixed_vs_parts(floors, rows, arg_specs.PARTS, n=args.reps, log=_log)
+    mixed = on_chip.mixed_vs_parts(floors, rows, arg_specs.PARTS, n=args.reps, log=_log,
+                                   pool_layout=args.pool_layout)
     if args.json:
       common.print_json(report | dict(rows=rows, mixed=mixed))
       return 0

@@ -13,6 +13,7 @@ import pytest
 import tokamax_gdn
 from tokamax_gdn import aot
 from tokamax_gdn import config
+from tokamax_gdn.aot import serving as aot_serving
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_vmem as gdn_vmem
@@ -350,6 +351,33 @@ def test_serving_compiles_for_v5e():
   for r, kernel in zip(res, kernels):
     if kernel is not None:
       assert r.report.pallas_calls.get(kernel) == 1, (r.label, r.report.pallas_calls)
+
+
+@pytest.mark.aot
+def test_pools_in_the_programs_layouts_are_not_copied_on_v5e():
+  """With the pools' layouts left to XLA (`Layout.AUTO`, as the serving bench
+  and an engine that allocates its pools for its compiled step place them),
+  the padded decode's program copies neither pool; at the runtime's default
+  layout it relays the whole conv pool out into the kernel and back (on the
+  chip two copies, as long as the kernel, for a 513-slot pool)."""
+  import re  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.benchmarks import serving  # pylint: disable=g-import-not-at-top
+  name = "tp8_padded_decode_64_max512"
+  mesh = aot.target_mesh("v5e")
+  args, arrays, _ = aot_serving._abstract(arg_specs.by_name(name), mesh)  # pylint: disable=protected-access
+  _, kwargs = arg_specs.by_name(name).abstract()
+  rest = args[:3] + args[5:]
+  conv = "bf16[%s]" % ",".join(map(str, args[3].shape))
+  copies = {}
+  for layout in serving.POOL_LAYOUTS:
+    with aot.on_target(mesh):
+      hlo = serving._jitted("pallas_mosaic_tpu", kwargs, layout).lower(  # pylint: disable=protected-access
+          args[3], args[4], rest, arrays).compile().as_text()
+    assert hlo.count("gdn_serve_decode") >= 1
+    copies[layout] = [l for l in hlo.splitlines()
+                      if re.search(r"= %s\{[^}]*\} copy\(" % re.escape(conv), l)]
+  assert copies["auto"] == [], copies["auto"]
+  assert len(copies["default"]) == 2, copies["default"]
 
 
 @pytest.mark.parametrize("case", ["gva_1to4_bf16_pools", "chunked"])
