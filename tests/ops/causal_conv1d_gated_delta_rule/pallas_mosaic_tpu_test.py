@@ -334,8 +334,9 @@ _V5E_SPECS = {
     "dp8_ep8_prefill_1024": "gdn_fwd_requests",
     # TP8 verify windows: two requests' windows interleaved (`state_slots`).
     "tp8_spec3_decode_64_ctx1024": "gdn_serve_decode",
-    # 64 requests padded to 512: 56 of the 64 tiles idle (`skip_idle`).
-    "tp8_padded_decode_64_max512": "gdn_serve_decode",
+    # (64 requests padded to 512, the kernel's dynamic grid and idle skip:
+    # `test_pools_in_the_programs_layouts_are_not_copied_on_v5e` compiles
+    # that call as it runs, where `aot_serving.cases` takes the cost model.)
 }
 
 
@@ -373,7 +374,7 @@ def test_pools_in_the_programs_layouts_are_not_copied_on_v5e():
     with aot.on_target(mesh):
       hlo = serving._jitted("pallas_mosaic_tpu", kwargs, layout).lower(  # pylint: disable=protected-access
           args[3], args[4], rest, arrays).compile().as_text()
-    assert hlo.count("gdn_serve_decode") >= 1
+    assert aot.pallas_calls(hlo).get("gdn_serve_decode") == 1, aot.pallas_calls(hlo)
     copies[layout] = [l for l in hlo.splitlines()
                       if re.search(r"= %s\{[^}]*\} copy\(" % re.escape(conv), l)]
   assert copies["auto"] == [], copies["auto"]
