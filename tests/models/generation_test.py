@@ -134,3 +134,56 @@ def test_init_cache_bad_inputs():
     init_cache(CFG, slots=1, max_len=4)
   with pytest.raises(ValueError, match="max_len"):
     init_cache(CFG, slots=2, max_len=0)
+
+
+def test_step_places_the_cache_once_and_keeps_it_placed():
+  # The first call copies `init_cache`'s arrays into the program's layouts
+  # where they differ; the returned cache is in them, so the next call uses
+  # it as it is (no copy of any array).
+  from tokamax_gdn.models import generation  # pylint: disable=g-import-not-at-top
+  params = _params()
+  cache = init_cache(CFG, 3, 8)
+  args = (jnp.array([1, 2], jnp.int32), jnp.array([0, 1, 2], jnp.int32),
+          jnp.array([1, 2], jnp.int32), jnp.array([2, 2, 2], jnp.int32))
+  _, cache = step(params, cache, *args, CFG, implementation="xla")
+  _, formats = generation._program(params, cache, args, generation.statics(CFG, "xla"))  # pylint: disable=protected-access
+  assert [x.format for x in jax.tree.leaves(cache)] == jax.tree.leaves(formats)
+  placed = generation._placed(cache, formats)  # pylint: disable=protected-access
+  assert all(a is b for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(cache)))
+
+
+@pytest.mark.aot
+def test_decode_step_does_not_relayout_the_gdn_pools_on_v5e():
+  """A decode step of a model with 128-lane heads and bf16 pools, compiled
+  for v5e as `step` compiles it (the cache's layouts XLA's choice): no copy
+  of a conv pool. At the runtime's default layout the step relaid each one
+  out into the serving kernel and back (XLA's default for a [65, 3, 512]
+  bf16 pool puts the 3-row axis outermost; at 17 slots it did not)."""
+  import re  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn import aot  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.models import generation  # pylint: disable=g-import-not-at-top
+  gdn = layers.GatedDeltaNetConfig(hidden_size=128, num_k_heads=1, num_v_heads=2,
+                                   head_k_dim=128, head_v_dim=128)
+  cfg = models.ModelConfig(gdn=gdn, num_layers=2, full_attention_interval=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                           vocab_size=256)
+  mesh = aot.target_mesh("v5e")
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), tree)
+
+  b = 64
+  params = abstract(jax.eval_shape(lambda: models.init_params(jax.random.key(0), cfg,
+                                                              jnp.bfloat16)))
+  cache = abstract(jax.eval_shape(lambda: init_cache(cfg, b + 1, 32, jnp.bfloat16)))
+  args = abstract(tuple(jax.ShapeDtypeStruct(s, jnp.int32) for s in ((b,), (b + 1,), (b,), (3,))))
+  with aot.on_target(mesh):
+    compiled, _ = generation._program(  # pylint: disable=protected-access
+        params, cache, args, generation.statics(cfg, "pallas_mosaic_tpu", jnp.bfloat16))
+  hlo = compiled.as_text()
+  assert aot.pallas_calls(hlo).get("gdn_serve_decode") == 1, aot.pallas_calls(hlo)
+  conv = "bf16[%s]" % ",".join(map(str, cache.gdn[0][0].shape))
+  copies = [l for l in hlo.splitlines() if re.search(r"= %s\{[^}]*\} copy\(" % re.escape(conv), l)]
+  assert copies == [], copies

@@ -4,7 +4,7 @@ of each step's device time (`tokamax-gdn bench --op generate`).
 
 `generate` is one prefill `step` (every prompt's tokens in one ragged call)
 and then one decode `step` per new token (one token per request). Each row
-times one of those calls as `generate` issues it: `generation._jit_step`
+times one of those calls as `generate` issues it: `generation._program`
 compiled once for the row's shapes, the cache donated and fed back, calls
 dispatched back to back (`timing.wall_ms`), so the figure is the step's
 steady state, not the host's round trip.
@@ -140,15 +140,13 @@ def _profile_split(call: Callable[[], Any], hlo_text: str, calls: int = PROFILE_
 
 
 def _compile_step(params, cache, args, cfg: ModelConfig, impl: str, dtype):
-  """`generation.step`'s jitted function as `step` calls it with
-  `implementation=impl`, compiled for these shapes: (compiled, seconds)."""
-  static = generation._static  # pylint: disable=protected-access
+  """The program `generation.step` runs for these shapes with
+  `implementation=impl` (the cache in the layouts XLA picks for it):
+  (compiled, the cache's formats, seconds)."""
   start = time.perf_counter()
-  compiled = generation._jit_step.lower(  # pylint: disable=protected-access
-      params, cache, *args, cfg=cfg,
-      serving_impl=static(registry.for_op(impl, generation.SERVING_OP)),
-      gmm_impl=static(registry.for_op(impl, "gmm")), dtype=jnp.dtype(dtype)).compile()
-  return compiled, time.perf_counter() - start
+  compiled, formats = generation._program(  # pylint: disable=protected-access
+      params, cache, args, generation.statics(cfg, impl, jnp.dtype(dtype)))
+  return compiled, formats, time.perf_counter() - start
 
 
 def _phase_row(floors: timing.Floors, cfg: ModelConfig, params, impl: str, batch: int,
@@ -170,13 +168,14 @@ def _phase_row(floors: timing.Floors, cfg: ModelConfig, params, impl: str, batch
   args = (tokens, qsl, slots, dist)
   if decode:
     cache = cache._replace(lengths=jnp.asarray([0] + [p] * b, jnp.int32))
-  compiled, compile_s = _compile_step(params, cache, args, cfg, impl, dtype)
-  state = [cache]
+  compiled, formats, compile_s = _compile_step(params, cache, args, cfg, impl, dtype)
+  state = [generation._placed(cache, formats)]  # pylint: disable=protected-access
 
   def call():
     c = state[0]
     if not decode:       # a fresh prefill every call: no slot has seen a token
-      c = c._replace(lengths=jnp.zeros((b + 1,), jnp.int32))
+      c = generation._placed(  # pylint: disable=protected-access
+          c._replace(lengths=jnp.zeros((b + 1,), jnp.int32)), formats)
     logits, state[0] = compiled(params, c, *args)
     return logits, state[0]
 

@@ -21,7 +21,12 @@ are padding. A `GenerationCache` holds what requests carry from call to call:
 Slot 0 is the null slot that padding requests and tokens point at; request r
 of `generate` uses slot r + 1. The cache keeps one array per block, not
 stacked as the params are, so that each is donated to the jitted step and
-the serving op updates it in place.
+the serving op updates it in place. Each step program is compiled with the
+cache's layouts left to XLA (`Layout.AUTO`), and the cache is placed in them
+on its first call (`_program`): at the runtime's default layout a bf16 conv
+pool has its W-1 axis outermost, and each call relaid every GDN block's pool
+out into the serving kernel and back (an ahead-of-time v5e compile of the
+qwen3.5-tiny decode step at 64 requests had six such copies; none now).
 
 Everything else in a block (norms, projections, the MoE) is per token, so a
 token gets the logits `models.forward` gives it on the whole sequence. The
@@ -34,6 +39,7 @@ import math
 from typing import NamedTuple, Sequence
 
 import jax
+from jax.experimental.layout import Format, Layout
 import jax.numpy as jnp
 import numpy as np
 
@@ -182,8 +188,46 @@ def _step(params, cache: GenerationCache, tokens, query_start_loc, state_indices
   return logits, GenerationCache(tuple(gdn_pools), tuple(kv), lengths)
 
 
-_jit_step = jax.jit(_step, static_argnames=("cfg", "serving_impl", "gmm_impl", "dtype"),
-                    donate_argnames=("cache",))
+_AUTO = Format(Layout.AUTO)
+# Compiled step programs by (static arguments, argument shapes), the most
+# recently used last: a server sees a handful of (N, R) shapes.
+_PROGRAMS: dict = {}
+_MAX_PROGRAMS = 16
+
+
+def _signature(tree):
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple((x.shape, jnp.dtype(x.dtype), getattr(x, "sharding", None))
+                        for x in leaves)
+
+
+def _program(params, cache: GenerationCache, args, statics: dict):
+  """`_step` compiled for these arguments, the cache donated and its layouts
+  (in and out alike) XLA's choice for the program: (compiled, the cache's
+  formats, a pytree like `cache`)."""
+  key = (tuple(sorted(statics.items())), _signature((params, cache, args)))
+  prog = _PROGRAMS.get(key)
+  if prog is None:
+    fn = jax.jit(functools.partial(_step, **statics), donate_argnums=(1,),
+                 in_shardings=(None, _AUTO) + (None,) * len(args), out_shardings=(None, _AUTO))
+    compiled = fn.lower(params, cache, *args).compile()
+    formats = compiled.input_formats[0][1]
+    if jax.tree.leaves(compiled.output_formats[1]) != jax.tree.leaves(formats):
+      # Not seen; it would make every call relayout the cache it is given.
+      raise AssertionError("the step's cache layouts differ in and out")
+    prog = (compiled, formats)
+    while len(_PROGRAMS) >= _MAX_PROGRAMS:
+      _PROGRAMS.pop(next(iter(_PROGRAMS)))
+  else:
+    del _PROGRAMS[key]
+  _PROGRAMS[key] = prog
+  return prog
+
+
+def _placed(cache: GenerationCache, formats) -> GenerationCache:
+  """`cache` in `formats`: arrays already there as they are (the steady
+  state, each call's cache being the last one's), others copied once."""
+  return jax.tree.map(lambda x, f: x if x.format == f else jax.device_put(x, f), cache, formats)
 
 
 def _static(implementation):
@@ -201,7 +245,10 @@ def step(params, cache: GenerationCache, tokens: jax.Array, query_start_loc: jax
   The layout is the serving op's (module docstring): request r's tokens
   continue slot state_indices[r] from position `cache.lengths` of that
   slot; a slot just reset (length 0) starts from zeros. `cache` is donated:
-  use the returned one. Jitted (one compile per N, R and config).
+  use the returned one. One compiled program per N, R and config, the
+  cache in the layouts XLA picks for it (a cache elsewhere, as
+  `init_cache` makes it, is copied into them once; the returned one is in
+  them).
 
   Args:
     implementation: as `models.forward` takes it: a name, a sequence, or
@@ -217,11 +264,16 @@ def step(params, cache: GenerationCache, tokens: jax.Array, query_start_loc: jax
         f"Expected tokens [N], query_start_loc [R + 1], state_indices [R] and distribution [3];"
         f" got shapes {tuple(tokens.shape)}, {tuple(query_start_loc.shape)},"
         f" {tuple(state_indices.shape)}, {tuple(distribution.shape)}.")
-  return _jit_step(
-      params, cache, tokens, query_start_loc, state_indices, distribution, cfg=cfg,
-      serving_impl=_static(registry.for_op(implementation, SERVING_OP)),
-      gmm_impl=_static(registry.for_op(implementation, "gmm")),
-      dtype=None if dtype is None else jnp.dtype(dtype))
+  args = (tokens, query_start_loc, state_indices, distribution)
+  compiled, formats = _program(params, cache, args, statics(cfg, implementation, dtype))
+  return compiled(params, _placed(cache, formats), *args)
+
+
+def statics(cfg: ModelConfig, implementation=None, dtype=None) -> dict:
+  """The static arguments of a step program (`_program`)."""
+  return dict(cfg=cfg, serving_impl=_static(registry.for_op(implementation, SERVING_OP)),
+              gmm_impl=_static(registry.for_op(implementation, "gmm")),
+              dtype=None if dtype is None else jnp.dtype(dtype))
 
 
 @jax.jit
