@@ -59,7 +59,23 @@ def check_forward_and_grads():
     raise AssertionError("; ".join(errors))
 
 
-CHECKS = {"forward_and_grads": check_forward_and_grads}
+def check_generate_with_params_on_a_mesh():
+  # Params replicated over the mesh (as after sharded training) and a cache
+  # `init_cache` leaves uncommitted: `generate` compiles its steps with the
+  # cache's layouts left to XLA and places the cache beside the params.
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), (sharding.DATA, sharding.MODEL))
+  params = models.init_params(jax.random.key(0), CFG)
+  placed = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  prompts = [[1, 2, 3], [4, 5]]
+  want, want_logits = models.generate(params, prompts, CFG, 3, implementation="xla")
+  got, got_logits = models.generate(placed, prompts, CFG, 3, implementation="xla")
+  if not np.array_equal(got, want) or rel_rms(got_logits, want_logits) > 2e-5:
+    raise AssertionError(f"tokens {got.tolist()} vs {want.tolist()}, logits rel_rms"
+                         f" {rel_rms(got_logits, want_logits):.2e}")
+
+
+CHECKS = {"forward_and_grads": check_forward_and_grads,
+          "generate_with_params_on_a_mesh": check_generate_with_params_on_a_mesh}
 
 if __name__ == "__main__":
   if len(jax.devices()) < 8:

@@ -31,6 +31,6 @@ def results():
   pytest.fail(f"sharding_checks.py gave no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
-@pytest.mark.parametrize("name", ["forward_and_grads"])
+@pytest.mark.parametrize("name", ["forward_and_grads", "generate_with_params_on_a_mesh"])
 def test_sharded_decoder_matches_unsharded(results, name):
   assert results[name] == "ok", results[name]

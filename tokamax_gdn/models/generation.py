@@ -210,7 +210,13 @@ def _program(params, cache: GenerationCache, args, statics: dict):
   if prog is None:
     fn = jax.jit(functools.partial(_step, **statics), donate_argnums=(1,),
                  in_shardings=(None, _AUTO) + (None,) * len(args), out_shardings=(None, _AUTO))
-    compiled = fn.lower(params, cache, *args).compile()
+    # The cache as shapes: jit refuses concrete arrays whose layout is not the
+    # AUTO it is asked to pick; uncommitted ones (`init_cache`'s) follow the
+    # params' devices, as they would into a plain jit.
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=(
+            x.sharding if getattr(x, "committed", True) else None)), cache)
+    compiled = fn.lower(params, shapes, *args).compile()
     formats = compiled.input_formats[0][1]
     if jax.tree.leaves(compiled.output_formats[1]) != jax.tree.leaves(formats):
       # Not seen; it would make every call relayout the cache it is given.
