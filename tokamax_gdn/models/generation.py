@@ -204,7 +204,10 @@ def _signature(tree):
 def _program(params, cache: GenerationCache, args, statics: dict):
   """`_step` compiled for these arguments, the cache donated and its layouts
   (in and out alike) XLA's choice for the program: (compiled, the cache's
-  formats, a pytree like `cache`)."""
+  formats as a pytree like `cache`). A cache that `init_cache` left
+  uncommitted and the committed one a step returns share the key (their
+  sharding on one device is the same); on a mesh the second is a second
+  compile."""
   key = (tuple(sorted(statics.items())), _signature((params, cache, args)))
   prog = _PROGRAMS.get(key)
   if prog is None:
