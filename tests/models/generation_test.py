@@ -159,7 +159,6 @@ def test_decode_step_does_not_relayout_the_gdn_pools_on_v5e():
   of a conv pool. At the runtime's default layout the step relaid each one
   out into the serving kernel and back (XLA's default for a [65, 3, 512]
   bf16 pool puts the 3-row axis outermost; at 17 slots it did not)."""
-  import re  # pylint: disable=g-import-not-at-top
   from tokamax_gdn import aot  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.models import generation  # pylint: disable=g-import-not-at-top
   gdn = layers.GatedDeltaNetConfig(hidden_size=128, num_k_heads=1, num_v_heads=2,
@@ -185,5 +184,5 @@ def test_decode_step_does_not_relayout_the_gdn_pools_on_v5e():
   hlo = compiled.as_text()
   assert aot.pallas_calls(hlo).get("gdn_serve_decode") == 1, aot.pallas_calls(hlo)
   conv = "bf16[%s]" % ",".join(map(str, cache.gdn[0][0].shape))
-  copies = [l for l in hlo.splitlines() if re.search(r"= %s\{[^}]*\} copy\(" % re.escape(conv), l)]
+  copies = aot.copies(hlo, conv)
   assert copies == [], copies

@@ -18,6 +18,7 @@ from tokamax_gdn.aot.compiler import compile_cases
 from tokamax_gdn.aot.compiler import compile_for
 from tokamax_gdn.aot.compiler import compile_in_child
 from tokamax_gdn.aot.compiler import CompileReport
+from tokamax_gdn.aot.compiler import copies
 from tokamax_gdn.aot.compiler import copy
 from tokamax_gdn.aot.compiler import dense_matmul
 from tokamax_gdn.aot.compiler import enable_cycle_estimates

@@ -214,6 +214,15 @@ def pallas_calls(hlo_text: str) -> dict[str, int]:
   return out
 
 
+def copies(hlo_text: str, array: str) -> list[str]:
+  """The copy instructions of an (optimised) HLO module's text whose result
+  is `array`, an HLO array type without its layout ("bf16[65,3,512]"): the
+  relayouts XLA put around a call, e.g. of a pool whose layout at the jit
+  boundary is not the one a kernel takes."""
+  pattern = re.compile(r"= %s\{[^}]*\} copy\(" % re.escape(array))
+  return [line for line in hlo_text.splitlines() if pattern.search(line)]
+
+
 def _read_cycles(paths) -> dict[str, int]:
   out = {}
   for p in sorted(paths):

@@ -361,7 +361,6 @@ def test_pools_in_the_programs_layouts_are_not_copied_on_v5e():
   the padded decode's program copies neither pool; at the runtime's default
   layout it relays the whole conv pool out into the kernel and back (on the
   chip two copies, as long as the kernel, for a 513-slot pool)."""
-  import re  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.benchmarks import serving  # pylint: disable=g-import-not-at-top
   name = "tp8_padded_decode_64_max512"
   mesh = aot.target_mesh("v5e")
@@ -375,8 +374,7 @@ def test_pools_in_the_programs_layouts_are_not_copied_on_v5e():
       hlo = serving._jitted("pallas_mosaic_tpu", kwargs, layout).lower(  # pylint: disable=protected-access
           args[3], args[4], rest, arrays).compile().as_text()
     assert aot.pallas_calls(hlo).get("gdn_serve_decode") == 1, aot.pallas_calls(hlo)
-    copies[layout] = [l for l in hlo.splitlines()
-                      if re.search(r"= %s\{[^}]*\} copy\(" % re.escape(conv), l)]
+    copies[layout] = aot.copies(hlo, conv)
   assert copies["auto"] == [], copies["auto"]
   assert len(copies["default"]) == 2, copies["default"]
 
