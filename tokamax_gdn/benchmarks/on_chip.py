@@ -262,8 +262,8 @@ def serving_rows(floors: timing.Floors, spec_names: Sequence[str],
   from tokamax_gdn.benchmarks import serving  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.aot import serving as serving_aot  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs  # pylint: disable=g-import-not-at-top
-  if pool_layout not in serving.POOL_LAYOUTS:
-    raise ValueError(f"pool_layout={pool_layout!r}; valid: {serving.POOL_LAYOUTS}")
+  # Here, not only in the compile threads, where an error becomes each row's.
+  serving.check_pool_layout(pool_layout)
   names = list(impls) + ([serving.TOKAMAX] if tokamax else [])
   if compile_workers is None:
     compile_workers = max(1, min(8, (os.cpu_count() or 1) - 2))

@@ -40,12 +40,16 @@ def _tokamax_xla():
 POOL_LAYOUTS = ("auto", "default")
 
 
+def check_pool_layout(pool_layout: str) -> None:
+  if pool_layout not in POOL_LAYOUTS:
+    raise ValueError(f"pool_layout={pool_layout!r}; valid: {POOL_LAYOUTS}")
+
+
 def _jitted(impl, kwargs, pool_layout: str = "default"):
   """The op as an engine's step: both pools donated and returned. With
   `pool_layout` "auto" the pools' layouts are XLA's choice for the program
   (lower and compile it, then place the pools in `input_formats`)."""
-  if pool_layout not in POOL_LAYOUTS:
-    raise ValueError(f"pool_layout={pool_layout!r}; valid: {POOL_LAYOUTS}")
+  check_pool_layout(pool_layout)
   static = {k: v for k, v in kwargs.items() if k in arg_specs.STATIC}
   if impl == TOKAMAX:
     op = _tokamax_xla()
