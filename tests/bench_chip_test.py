@@ -2,6 +2,8 @@
 run on CPU at tiny shapes with given floors: rows, ratios, failures as rows,
 progress lines, and the record section the command writes."""
 
+import time
+
 import jax
 import pytest
 
@@ -13,6 +15,29 @@ from tokamax_gdn.benchmarks import workload
 
 FLOORS = timing.Floors("cpu", "v5e", mxu_flops=1e11, hbm_bytes=1e10, peak_flops=197e12,
                        peak_hbm=819e9)
+
+
+class _Latent:
+  """A result whose wait takes `latency_s`: the latency after a burst's last
+  call (a device's pipeline fill and the host's round trip), paid once per wait."""
+
+  def __init__(self, latency_s):
+    self.latency_s = latency_s
+
+  def block_until_ready(self):
+    time.sleep(self.latency_s)
+    return self
+
+
+def test_wall_ms_steady_state_leaves_out_the_bursts_latency():
+  # 2 ms per call plus 60 ms per wait: one burst of 4 calls would read 17 ms a call.
+  def call():
+    time.sleep(0.002)
+    return _Latent(0.06)
+
+  ms = timing.wall_ms(call, n=4, warm=0)
+  assert 1.8 < ms < 4.0, ms
+  assert timing.timed_calls(4) == 12 and timing.timed_calls(4, sync=True) == 4
 
 
 def test_wall_ms_steady_state_and_sync():

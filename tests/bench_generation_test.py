@@ -75,8 +75,11 @@ def test_rows_arithmetic_floor_and_failures_as_rows():
     if r["phase"] == "prefill":
       assert r.get("floor_ms") is None
       continue
-    # Timed decode call i attends over PROMPT + WARM + i + 1 positions.
-    kv_positions = PROMPT + generation.WARM + (N - 1) / 2 + 1
+    # Timed decode call i attends over PROMPT + WARM + i + 1 positions; the
+    # steady state is the slope between bursts over calls [0, N) and [N, 3N):
+    # for a cost linear in i, the cost at i = (Σ_{N..3N-1} i - Σ_{0..N-1} i) / N.
+    index = (sum(range(N, 3 * N)) - sum(range(N))) / N
+    kv_positions = PROMPT + generation.WARM + index + 1
     assert r["kv_positions"] == kv_positions
     assert r["hbm_bytes"] == pytest.approx(_decode_bytes(cfg, b, kv_positions))
     assert r["hbm_bytes"] == pytest.approx(r["weight_bytes"] + r["state_bytes"] + r["kv_bytes"])

@@ -154,7 +154,7 @@ def _phase_row(floors: timing.Floors, cfg: ModelConfig, params, impl: str, batch
                ) -> dict[str, Any]:
   """One (batch, phase) row; raises on failure (the caller makes it a row)."""
   b, p = batch, prompt_len
-  calls = WARM + n + (1 + PROFILE_CALLS if profiled else 0)
+  calls = WARM + timing.timed_calls(n) + (1 + PROFILE_CALLS if profiled else 0)
   decode = phase == "decode"
   # The last decode call writes position p + calls - 1.
   cache = generation.init_cache(cfg, b + 1, p + (calls if decode else 0), dtype, state_dtype)
@@ -183,8 +183,9 @@ def _phase_row(floors: timing.Floors, cfg: ModelConfig, params, impl: str, batch
   row = dict(tokens=num_tokens, ms=ms, tokens_per_s=num_tokens / (ms / 1e3),
              compile_s=compile_s)
   if decode:
-    # Timed call i (0-based, after WARM) attends over p + WARM + i + 1 positions.
-    kv_positions = p + WARM + (n - 1) / 2 + 1
+    # Timed call i (0-based, after WARM) attends over p + WARM + i + 1
+    # positions; the steady state is the cost at `timing.steady_index(n)`.
+    kv_positions = p + WARM + timing.steady_index(n) + 1
     hbm = decode_hbm_bytes(cfg, params, b, kv_positions, cache)
     floor = floors.floor_ms(0.0, hbm["total"])
     row.update(kv_positions=kv_positions, hbm_bytes=hbm["total"], weight_bytes=hbm["weights"],

@@ -77,7 +77,8 @@ def _floors_line(floors, trip: float) -> str:
       f" {floors.hbm_bytes / 1e9:.0f} GB/s measured in this run (peaks"
       f" {(floors.peak_flops or 0) / 1e12:.0f} TFLOP/s, {(floors.peak_hbm or 0) / 1e9:.0f} GB/s);"
       f" floor = essential FLOPs or minimal HBM bytes at the measured rates. Times are steady"
-      f" state (calls issued back to back); a synchronous call adds the host round trip,"
+      f" state (the per-call slope between bursts of n and 2n calls issued back to back,"
+      f" `timing.wall_ms`); a synchronous call adds the host round trip,"
       f" {trip:.3f} ms here.")
 
 
