@@ -11,7 +11,7 @@ chunk 64, the NaN guard) were picked from libtpu's static estimates; this
 compiles `gdn_fwd` (with outputs), the VJP's states pass and `gdn_bwd` at the
 Qwen3-Next layer's heads (Hk 16, Hv 32, K = V = 128, bf16, the prologue in
 the kernels) once per variant, each in a program of its own, and prints ms
-per call (the lower of two 30-call bursts' means). A variant patches the
+per call (the lower of two `timing.wall_ms(n=30)` steady states). A variant patches the
 `pallas_mosaic_tpu_common` function that makes the choice while it is
 traced. Each figure holds XLA's copies of the [B, T, H, D] arguments into
 the kernels' [B, T, H D] layout, the same for every variant of a kernel:
@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from tokamax_gdn import config as gdn_config
+from tokamax_gdn.benchmarks import timing
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_call as call
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_common as common
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_prologue as kp
@@ -56,23 +57,19 @@ d_out = jax.random.normal(ks[7], (1, T, HV, D), bf)
 SCALE = D ** -0.5
 LIMIT = None if INTERP else kernel_vmem_limit(gdn_config.target_generation())
 
-ORIG = {n: getattr(common, n) for n in
-        ("unroll_groups", "paired_tmats", "dk_symmetric", "bwd_head_copies", "f_sums_as_columns")}
+# Variant keyword -> the `pallas_mosaic_tpu_common` function that makes that choice.
+KNOBS = dict(unroll="unroll_groups", paired="paired_tmats", dksym="dk_symmetric",
+             copies="bwd_head_copies", fcols="f_sums_as_columns")
+ORIG = {n: getattr(common, n) for n in KNOBS.values()}
 
 
 @contextlib.contextmanager
 def patched(**kn):
+  """The choices in `kn` fixed while the kernels are traced (each function
+  returns its value whatever it is asked)."""
   try:
-    if "unroll" in kn:
-      common.unroll_groups = lambda backward=False, x=kn["unroll"]: x
-    if "paired" in kn:
-      common.paired_tmats = lambda x=kn["paired"]: x
-    if "dksym" in kn:
-      common.dk_symmetric = lambda x=kn["dksym"]: x
-    if "copies" in kn:
-      common.bwd_head_copies = lambda st, x=kn["copies"]: x
-    if "fcols" in kn:
-      common.f_sums_as_columns = lambda x=kn["fcols"]: x
+    for knob, value in kn.items():
+      setattr(common, KNOBS[knob], lambda *_, x=value, **__: x)
     yield
   finally:
     for n, f in ORIG.items():
@@ -176,17 +173,6 @@ def comp(item):
     return name, None, a, time.time() - s, f"{type(e).__name__}: {str(e)[:300]}"
 
 
-def _burst_mean(fn, a, n):
-  """ms per call of one burst of `n` calls issued back to back, after two."""
-  for _ in range(2):
-    jax.block_until_ready(fn(*a))
-  start = time.perf_counter()
-  for _ in range(n):
-    out = fn(*a)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - start) / n * 1e3
-
-
 with cf.ThreadPoolExecutor(8) as ex:
   compiled = list(ex.map(comp, lowered))
 print(f"compiled in {time.time() - t0:.1f} s", flush=True)
@@ -196,7 +182,7 @@ for name, c, a, secs, err in compiled:
     print(f"{name}: {err}", flush=True)
     rows.append(dict(name=name, error=err))
     continue
-  ms = min(_burst_mean(c, a, 30 if not INTERP else 2) for _ in range(2))
+  ms = min(timing.wall_ms(c, *a, n=30 if not INTERP else 2) for _ in range(2))
   rows.append(dict(name=name, ms=ms, compile_s=secs))
   print(f"{name:24s} {ms:8.4f} ms  (compile {secs:.1f} s)", flush=True)
 print(json.dumps(rows))
