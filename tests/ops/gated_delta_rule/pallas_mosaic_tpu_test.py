@@ -166,6 +166,16 @@ def test_unrolled_groups_match_reference(monkeypatch):
                             True, True, 64, 3))
 
 
+@pytest.mark.parametrize("case", [CASES[3], CASES[5]], ids=["f32_B2_groups", "bf16_seg"])
+def test_backward_through_vnew_matches_reference(monkeypatch, case):
+  """The backward's WY part through V″ = T' (V − K_in S) (`Static.bwd_vnew`,
+  v5e's form; v6e's here, so without v5e's other forms): dV = T'ᵀ dV″,
+  dK_in = −dV Sᵀ and dA' = −dV V″ᵀ give the reference gradients, float32
+  with an initial state, segments and two head groups, and bf16."""
+  monkeypatch.setattr(pk_common, "bwd_through_vnew", lambda: True)
+  _check_matches_reference(case)
+
+
 def _check_matches_reference(case, **options):
   (_, b, t, hk, hv, dk, dv, dtype, gate_mode, raw_gate, init, segments, l2, chunk,
    interleave) = case

@@ -404,7 +404,8 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
       guard=guard, pro=pro)
   b, t = q.shape[:2]
   st = dataclasses.replace(st, unroll_groups=common.unroll_groups(backward=True),
-                           bwd_copies=common.bwd_head_copies(st), dk_sym=common.dk_symmetric())
+                           bwd_copies=common.bwd_head_copies(st), dk_sym=common.dk_symmetric(),
+                           bwd_vnew=common.bwd_through_vnew())
   states, tmats = residuals[:2]
   if states.shape[1] != nc:
     raise ValueError(f"residuals for {states.shape[1]} chunks; this call has {nc}.")

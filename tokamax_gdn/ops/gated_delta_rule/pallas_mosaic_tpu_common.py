@@ -100,6 +100,13 @@ class Static:
   # estimate: the former cheaper for both passes; v6e's and tpu7x's: the
   # backward's products cost more with it (`paired_tmats`).
   paired_tmats: bool = False
+  # The backward's WY part through V″ = T' (V − K_in S), the forward kernels'
+  # form (`bwd_kernel._wy_through_vnew`: products of 128-deep contractions
+  # only, 3 of ~17.5 per head fewer), or through [W̃ | Ũ] = T' [K_in | V]
+  # (`bwd_kernel._wy_stacked`: stacked 256-deep contractions). v5e's 128×128
+  # MXUs take the former (8 % fewer cycles on its estimate), the 256-deep
+  # MXUs of v6e and tpu7x the latter (`bwd_through_vnew`).
+  bwd_vnew: bool = False
   # `requests.gdn_fwd_requests`: q, k, v are lane ranges of one [T, 2 Hk K + Hv V]
   # input and the output is [B, T, Hv V] (heads are lane slices of a block: no
   # relayout); `beta_guard`: k and v read as 0 at tokens whose beta is 0
@@ -402,6 +409,11 @@ def unroll_groups(backward: bool = False) -> bool | int:
 
 def paired_tmats() -> bool:
   """`Static.paired_tmats` for the target generation."""
+  return gdn_config.target_generation().name == "v5e"
+
+
+def bwd_through_vnew() -> bool:
+  """`Static.bwd_vnew` for the target generation."""
   return gdn_config.target_generation().name == "v5e"
 
 
