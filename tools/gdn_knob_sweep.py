@@ -5,10 +5,15 @@ On a TPU (from the repo root; on the v5e chip host through our runtime,
 
   python tools/gdn_knob_sweep.py [T] [--only SUBSTRING ...] [--interpret]
 
+(`--only`: the variants whose names hold one of the substrings, and the
+default of each kernel among them.)
+
 The kernels' static choices (interleave, head groups unrolled, the
 backward's head copies, one-product dk, f's row sums as columns, paired T',
-chunk 64, the NaN guard) were picked from libtpu's static estimates; this
-compiles `gdn_fwd` (with outputs), the VJP's states pass and `gdn_bwd` at the
+chunk 64, the NaN guard, the backward's WY part through V″ or stacked, the
+v5e forms (`common.Static.v5e_forms`: forms libtpu's v5e estimator
+accepts), and every choice as for v6e) were picked from libtpu's static
+estimates; this compiles `gdn_fwd` (with outputs), the VJP's states pass and `gdn_bwd` at the
 Qwen3-Next layer's heads (Hk 16, Hv 32, K = V = 128, bf16, the prologue in
 the kernels) once per variant, each in a program of its own, and prints ms
 per call (the lower of two `timing.wall_ms(n=30)` steady states). A variant patches the
@@ -59,7 +64,11 @@ LIMIT = None if INTERP else kernel_vmem_limit(gdn_config.target_generation())
 
 # Variant keyword -> the `pallas_mosaic_tpu_common` function that makes that choice.
 KNOBS = dict(unroll="unroll_groups", paired="paired_tmats", dksym="dk_symmetric",
-             copies="bwd_head_copies", fcols="f_sums_as_columns")
+             copies="bwd_head_copies", fcols="f_sums_as_columns", v5e_forms="v5e_forms",
+             vnew="bwd_through_vnew")
+# Every choice as for v6e (bf16 forms, f's sums as columns, the backward's
+# head copies, two-product dk, T' unpaired, its WY part stacked), on this chip.
+AS_V6E = dict(v5e_forms=False, fcols=True, copies=True, dksym=False, paired=False, vnew=False)
 ORIG = {n: getattr(common, n) for n in KNOBS.values()}
 
 
@@ -110,6 +119,7 @@ V = [
     ("fwd nounroll", "fwd", 128, 16, True, dict(unroll=False)),
     ("fwd c64", "fwd", 64, 16, True, {}),
     ("fwd c64 ilv32", "fwd", 64, 32, True, {}),
+    ("fwd bf16 forms", "fwd", 128, 16, True, dict(v5e_forms=False)),
     ("states", "states", 128, 32, True, {}),
     ("states noguard", "states", 128, 32, False, {}),
     ("states ilv16", "states", 128, 16, True, {}),
@@ -117,6 +127,8 @@ V = [
     ("states unroll2", "states", 128, 32, True, dict(unroll=2)),
     ("states unpaired", "states", 128, 32, True, dict(paired=False)),
     ("states c64", "states", 64, 32, True, {}),
+    ("states bf16 forms", "states", 128, 32, True, dict(v5e_forms=False)),
+    ("states as v6e", "states", 128, 32, True, AS_V6E),
     ("bwd", "bwd", 128, 8, True, {}),
     ("bwd noguard", "bwd", 128, 8, False, {}),
     ("bwd ilv4", "bwd", 128, 4, True, {}),
@@ -128,11 +140,15 @@ V = [
     ("bwd nodksym", "bwd", 128, 8, True, dict(dksym=False)),
     ("bwd fcols", "bwd", 128, 8, True, dict(fcols=True)),
     ("bwd unpaired", "bwd", 128, 8, True, dict(paired=False)),
+    ("bwd stacked WY", "bwd", 128, 8, True, dict(vnew=False)),
     ("bwd c64", "bwd", 64, 8, True, {}),
     ("bwd c64 ilv16", "bwd", 64, 16, True, {}),
+    ("bwd bf16 forms", "bwd", 128, 8, True, dict(v5e_forms=False)),
+    ("bwd as v6e", "bwd", 128, 8, True, AS_V6E),
 ]
-if ONLY:
-  V = [x for x in V if any(o in x[0] for o in ONLY)]
+if ONLY:   # the chosen variants, and the default of each kernel they vary (rel's base)
+  chosen = [x for x in V if any(o in x[0] for o in ONLY)]
+  V = [x for x in V if x in chosen or (x[0] == x[1] and any(c[1] == x[1] for c in chosen))]
 
 t0 = time.time()
 # Residuals per (chunk, guard, paired): computed eagerly with the base states pass.
