@@ -105,3 +105,29 @@ def test_profiled_split_adds_up(short_run):
   assert split["gdn"] + split["gmm/tgmm"] + split["rest"] == pytest.approx(split["step"])
   assert np.isfinite(result.history[1]["loss"])     # the profiled step ran the update
   assert result.history[2]["loss"] != result.history[1]["loss"]
+
+
+def test_layers_unrolled_up_to_the_limit_and_scanned_past_it():
+  """`StepConfig.scan` None: a Python loop over at most `UNROLL_MAX_LAYERS`
+  layers, `lax.scan` past it; an explicit choice wins; the step
+  takes it (its program has the layers' loops only when they are scanned)."""
+  from tokamax_gdn.training import step as step_lib  # pylint: disable=g-import-not-at-top
+  limit = step_lib.UNROLL_MAX_LAYERS
+  at, past = (dataclasses.replace(TOY, num_layers=n) for n in (limit, limit + 2))
+  assert not step_lib.scan_layers(at, StepConfig())
+  assert step_lib.scan_layers(past, StepConfig())
+  assert step_lib.scan_layers(at, StepConfig(scan=True))
+  assert not step_lib.scan_layers(past, StepConfig(scan=False))
+  task = RecallTask(num_pairs=2, num_queries=2, num_keys=4, num_values=4)
+  batch = task.batch(jax.random.key(0), 2)
+
+  def loops(cfg, step_cfg):
+    params = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg))
+    opt = make_optimizer(1e-2, 10)
+    step = make_train_step(cfg, opt, step_cfg, donate=False)
+    return step.lower(params, jax.eval_shape(opt.init, params), batch).as_text().count(
+        "stablehlo.while")
+
+  # (The ops have loops of their own: the layers' scan adds to them.)
+  assert loops(TOY, StepConfig(implementation="xla")) < loops(
+      TOY, StepConfig(implementation="xla", scan=True))
