@@ -54,11 +54,13 @@ def _check_compiles(target, shape):
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("target", ["v5e", "v6e", "tpu7x"])
+@pytest.mark.parametrize("target", ["v6e", "tpu7x"])
 def test_gdn_training_step_compiles_at_the_qwen_shape(target):
   """Forward, states pass and backward at Qwen3-Next's per-chip shape (T=4096,
   Hk=16, Hv=32, K=V=128, bf16) with the heuristics: block shapes, layouts and
-  VMEM (tpu7x has half the VMEM of v5e/v6e) must all hold."""
+  VMEM (tpu7x has half the VMEM of v5e/v6e) must all hold. (v5e runs this
+  step on the chip: tests/tpu's GDN layer test and `tokamax-gdn bench`; here
+  its 64-value-head and float32 compiles below.)"""
   (shape,) = QWEN
   _check_compiles(target, shape)
 
