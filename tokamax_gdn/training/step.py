@@ -33,7 +33,7 @@ class StepConfig:
   remat, remat_policy: `models.forward`'s (a `jax.checkpoint` per block, and
     what it keeps).
   scan: `models.forward`'s (`lax.scan` over the layers, or a Python loop);
-    None: `scan_layers(cfg)`, a loop for models of at most
+    None: `scan_layers`'s choice, a loop for models of at most
     `UNROLL_MAX_LAYERS` layers.
   """
 
@@ -47,11 +47,10 @@ class StepConfig:
 # Under `lax.scan` the backward's residuals of every layer are written into
 # arrays stacked over the layers and read back from them (dynamic-update-slice
 # and dynamic-slice copies, and relayouts between the stacked and the per-layer
-# layouts): on the v5e chip that was 16 ms of a 59 ms qwen3.5-tiny step
-# (4 layers, T = 4096; docs/performance.md "chip-train-scan"). A Python loop
-# keeps each layer's residuals where they were made, at the cost of a compile
-# that grows with the depth (33 -> 40 s there); past this many layers the scan
-# keeps the compile time flat.
+# layouts): on the v5e chip a quarter of a small model's step
+# (docs/performance.md "chip-train-scan"). A Python loop keeps each layer's
+# residuals where they were made, at the cost of a compile that grows with the
+# depth; past this many layers the scan keeps the compile time flat.
 UNROLL_MAX_LAYERS = 8
 
 
@@ -67,7 +66,8 @@ def loss_fn(params, batch, cfg: ModelConfig, step_cfg: StepConfig = StepConfig()
   tokens, targets, mask = batch
   logits, stats = decoder.forward(
       params, tokens, cfg, implementation=step_cfg.implementation, dtype=step_cfg.dtype,
-      remat=step_cfg.remat, scan=scan_layers(cfg, step_cfg), mesh=mesh, remat_policy=step_cfg.remat_policy)
+      remat=step_cfg.remat, scan=scan_layers(cfg, step_cfg), mesh=mesh,
+      remat_policy=step_cfg.remat_policy)
   logp = jax.nn.log_softmax(logits, axis=-1)
   nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
   weight = mask.astype(jnp.float32)
