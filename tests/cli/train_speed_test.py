@@ -111,3 +111,37 @@ def test_rows_with_a_tpu_split():
   table = {r["part"]: r["device_time"] for r in train.split_rows(split)}
   assert table["attention core"] == "1.0 ms (10%)" and table["device total"] == "10.0 ms"
   assert "v5e's bf16 peak 200 TFLOP/s" in train.rates_line(rates)
+
+
+def test_top_ops_table_per_implementation(model, monkeypatch):
+  """--top-ops N: measure_step is asked for N rows and each implementation's
+  rows are printed as a table; an implementation without them (no device
+  track) gets a line saying it needs a TPU."""
+  from tokamax_gdn.training import flops, measure  # pylint: disable=g-import-not-at-top
+  asked = []
+  top = [dict(instruction="fusion.3", bucket="rest", ms=1.5, share=0.25, events=3.0,
+              **{"pass": "bwd"}, op="dynamic_update_slice", source="decoder.py:loop")]
+
+  def fake(cfg, task, impl, *, top_ops=0, **kw):
+    asked.append(top_ops)
+    return measure.StepMeasurement(
+        implementation=impl, batch_size=kw["batch_size"], seq_len=task.seq_len,
+        flops=flops.StepFlops(1.0, 0.0, 0.0), compile_seconds=1.0, step_seconds=0.01,
+        split=None, top_ops=top if impl == "xla" else None)
+
+  monkeypatch.setattr(measure, "measure_step", fake)
+  rc, tables, out = _run(["--model", model, "--compare-impls", "xla,reference", "--steps", "2",
+                          "--batch", "2", "--seq-len", "8", "--top-ops", "5"])
+  assert rc == 0 and asked == [5, 5]
+  assert tables[1] == [dict(top[0], ms="1.500", share="25.0%", events="3")]
+  assert "xla: the 1 instructions with the most device time" in out
+  assert "reference: --top-ops needs a TPU" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--top-ops", "3"], "add --compare-impls"),
+    (["--compare-impls", "xla", "--top-ops", "-1"], ">= 1"),
+])
+def test_top_ops_refuses(argv, message):
+  with pytest.raises(ValueError, match=message):
+    train.run(_parse(argv))

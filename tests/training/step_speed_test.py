@@ -95,7 +95,7 @@ ENTRY %main.1 (p: f32[8]) -> f32[8] {
   %tokamax_gdn_gmm.76 = f32[8] custom-call(f32[8] %p), custom_call_target="tpu_custom_call", metadata={op_name="x" metadata_payload="tokamax:{\"op\":{\"__type\":\"tokamax_gdn.ops.gmm.pallas_mosaic_tpu.PallasMosaicTpuGmm\"}}"}
   %ragged-dot-none.10 = f32[8] ragged-dot(f32[8] %p, f32[8] %p, s32[2] %g), metadata={op_name="x"}
   %convolution.9 = f32[8] convolution(f32[8] %p, f32[8] %p), metadata={op_name="x" stack_frame_id=1}
-  %convolution.10 = f32[8] convolution(f32[8] %p, f32[8] %p), metadata={op_name="x" stack_frame_id=2}
+  %convolution.10 = f32[8] convolution(f32[8] %p, f32[8] %p), metadata={op_name="jit(step)/transpose(jvp())/while/body/...h,hp->...p/dot_general" stack_frame_id=2}
   %while.3 = (f32[8]) while((f32[8]) %t), condition=%c, body=%b
   ROOT %add.1 = f32[8] add(f32[8] %p, f32[8] %p)
 }
@@ -183,3 +183,41 @@ def test_self_times_of_nested_events():
   inner = _ev(1, 1, "i", 5.5, 1)
   got = {e["name"]: t for e, t in ss.self_times([outer, a, b, inner])}
   assert got == {"o": 5, "a": 3, "b": 1, "i": 1}
+
+
+def test_top_instructions_of_a_trace():
+  """Per instruction, most device time first: a loop's event counts its own
+  time; an instruction run twice a call sums (and counts its events); names
+  resolve through `long_name`; pass and op come from JAX's op name, source
+  from the innermost frame; a kernel the module does not name keeps its
+  event name and goes by kernel name."""
+  events = _meta(1, 1, "/device:TPU:0", "XLA Ops") + _meta(9, 1, "/host:CPU", "python")
+  for call in range(2):
+    t0 = 1000 * call
+    events += [
+        _ev(1, 1, "while.3", t0, 100),            # 10 us of its own
+        _ev(1, 1, "gdn_bwd.18", t0, 40),
+        _ev(1, 1, "mm", t0 + 40, 15, long_name="%convolution.10 = f32[8] convolution(...)"),
+        _ev(1, 1, "mm", t0 + 55, 15, long_name="%convolution.10 = f32[8] convolution(...)"),
+        _ev(1, 1, "gdn_fwd_states.7", t0 + 70, 20),   # not in the module
+        _ev(1, 1, "fusion.7", t0 + 100, 5),
+        _ev(9, 1, "gdn_bwd.18", t0, 500),         # host: not the device
+    ]
+  rows = ss.top_instructions(events, _HLO, n=4, calls=2)
+  assert [r["instruction"] for r in rows] == ["gdn_bwd.18", "convolution.10",
+                                              "gdn_fwd_states.7", "while.3"]
+  by = {r["instruction"]: r for r in rows}
+  assert by["gdn_bwd.18"]["ms"] == pytest.approx(0.040)
+  assert by["gdn_bwd.18"]["share"] == pytest.approx(40 / 105)
+  assert by["gdn_bwd.18"]["bucket"] == ss.GDN and by["gdn_fwd_states.7"]["bucket"] == ss.GDN
+  mm = by["convolution.10"]
+  assert mm["ms"] == pytest.approx(0.030) and mm["events"] == 2
+  assert (mm["bucket"], mm["pass"], mm["op"], mm["source"]) == (
+      ss.REST, "bwd", "dot_general", "blocks.py:matmul")
+  assert by["gdn_fwd_states.7"]["source"] == "" and by["while.3"]["ms"] == pytest.approx(0.010)
+  assert len(ss.top_instructions(events, _HLO, n=20, calls=2)) == 5
+
+
+def test_top_instructions_off_tpu_is_none():
+  events = _meta(1, 1, "/host:CPU", "tf_XLACpu") + [_ev(1, 1, "fusion.1", 0, 5)]
+  assert ss.top_instructions(events, _HLO) is None

@@ -9,6 +9,7 @@ a last line with the (teacher-forced) recall accuracy.
   tokamax-gdn train [--model qwen3.5-micro] [--steps N] [--impl xla|pallas_mosaic_tpu]
                     [--batch B --seq-len T] [--dtype bfloat16] [--interpret] [--lr LR]
                     [--seed S] [--json] [--profile-step] [--compare-impls IMPL,IMPL]
+                    [--top-ops N]
 
 With `--interpret` (Pallas TPU kernels in interpret mode on CPU) it runs
 `INTERPRET_STEPS` steps at a toy shape, then the same steps with `xla`, and
@@ -23,7 +24,10 @@ track: it says the split needs a TPU). `--compare-impls pallas_mosaic_tpu,xla`
 trains nothing: it measures `--steps` (default `COMPARE_STEPS`) steps of each
 implementation in one process (`training.measure`) and prints one row per
 implementation: step time, tokens/s, MFU and the split (exit code 1 if one
-failed; its row says why).
+failed; its row says why). `--top-ops N` adds, per implementation, the N
+instructions with the most device time in its profiled step, with their
+bucket, pass (forward or backward), jnp operation and source line
+(`training.step_split.top_instructions`): where the split's "rest" goes.
 The library it drives is `tokamax_gdn.training`.
 """
 
@@ -79,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  help=f"train nothing: time --steps steps (default {COMPARE_STEPS}) of each"
                       " implementation in one process and print one row each: tokens/s, MFU,"
                       " the step's split")
+  p.add_argument("--top-ops", type=int, default=0, metavar="N",
+                 help="with --compare-impls: also list each implementation's N instructions"
+                      " with the most device time in the profiled step, with their split"
+                      " bucket, pass and source line (needs a TPU)")
 
 
 def _pct(x: float | None) -> str:
@@ -229,7 +237,7 @@ def run_compare(args: argparse.Namespace, print_table=common.print_table) -> int
     log(f"{impl}: compiling and timing {steps} steps (batch {batch}, T = {task.seq_len})")
     results.append(measure.measure_step(cfg, task, impl, batch_size=batch, steps=steps,
                                         dtype=_dtype(args), seed=args.seed,
-                                        learning_rate=args.lr))
+                                        learning_rate=args.lr, top_ops=args.top_ops))
   rows = compare_rows(results, rates)
   rc = 1 if any(m.error for m in results) else 0
   flops = results[0].flops
@@ -250,11 +258,37 @@ def run_compare(args: argparse.Namespace, print_table=common.print_table) -> int
     print(NO_SPLIT.format(kind=rates.device_kind))
   else:
     print("split: device time per step and its share of the device total (training.step_split)")
+  for m in results if args.top_ops else ():
+    if m.error:
+      continue
+    if m.top_ops is None:
+      print(f"{m.implementation}: --top-ops needs a TPU (no device op track on"
+            f" {rates.device_kind})")
+      continue
+    print(f"{m.implementation}: the {len(m.top_ops)} instructions with the most device time"
+          " in the profiled step")
+    print_table(top_ops_rows(m.top_ops), TOP_OPS_COLUMNS)
   return rc
+
+
+TOP_OPS_COLUMNS = {"instruction": "instruction", "ms": "ms", "share": "share",
+                   "events": "events", "bucket": "bucket", "pass": "pass", "op": "op",
+                   "source": "source"}
+
+
+def top_ops_rows(top_ops: list[dict]) -> list[dict[str, str]]:
+  """`step_split.top_instructions` rows as printed cells."""
+  return [dict(r, ms=f"{r['ms']:.3f}", share=f"{r['share']:.1%}", events=f"{r['events']:g}")
+          for r in top_ops]
 
 
 def run(args: argparse.Namespace, print_table=common.print_table) -> int:
   """Runs the command; returns the exit code. `print_table(rows)` prints rows."""
+  if getattr(args, "top_ops", 0) < 0:
+    raise ValueError(f"--top-ops {args.top_ops}: give a number of instructions >= 1")
+  if getattr(args, "top_ops", 0) and not getattr(args, "compare_impls", None):
+    raise ValueError("--top-ops lists the profiled step of --compare-impls: add"
+                     " --compare-impls IMPL[,IMPL]")
   if getattr(args, "compare_impls", None):
     common.require_positive(args, "batch", "steps", "seq_len")
     return run_compare(args, print_table)

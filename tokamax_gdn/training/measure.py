@@ -35,8 +35,9 @@ from tokamax_gdn.training.data import RecallTask
 class StepMeasurement:
   """One implementation's step. `split`: device seconds per bucket of one
   step (`step_split.BUCKETS` and "device", their sum), None off TPU or when
-  not profiled. `error`: why there is no measurement (then the times are
-  None)."""
+  not profiled. `top_ops`: `step_split.top_instructions` of the profiled
+  step when asked for (`measure_step(top_ops=N)`), None off TPU. `error`:
+  why there is no measurement (then the times are None)."""
 
   implementation: str
   batch_size: int
@@ -45,6 +46,7 @@ class StepMeasurement:
   compile_seconds: float | None = None
   step_seconds: float | None = None
   split: dict[str, float] | None = None
+  top_ops: list[dict[str, Any]] | None = None
   error: str | None = None
 
   @property
@@ -91,11 +93,14 @@ def _error(e: BaseException) -> str:
 def measure_step(cfg: ModelConfig, task: RecallTask, implementation: Any, *, batch_size: int,
                  steps: int = 10, warmup: int = 2, dtype: Any = None, seed: int = 0,
                  learning_rate: float = 1e-3, profile_calls: int = 1,
-                 step_cfg: step_lib.StepConfig | None = None) -> StepMeasurement:
+                 step_cfg: step_lib.StepConfig | None = None,
+                 top_ops: int = 0) -> StepMeasurement:
   """Measures one implementation's training step (module docstring).
 
   dtype: activation dtype (None: the params', float32), as
   `StepConfig.dtype`; `step_cfg` overrides both it and `implementation`.
+  top_ops: list that many instructions of the profiled step, most device
+  time first (`StepMeasurement.top_ops`).
   """
   m = StepMeasurement(implementation=str(implementation), batch_size=batch_size,
                       seq_len=task.seq_len,
@@ -128,7 +133,10 @@ def measure_step(cfg: ModelConfig, task: RecallTask, implementation: Any, *, bat
     m.step_seconds = (time.perf_counter() - t0) / steps
     if profile_calls:
       events = profile.trace_calls(call, profile_calls)
-      m.split = step_split.device_split(events, compiled.as_text(), calls=profile_calls)
+      text = compiled.as_text()
+      m.split = step_split.device_split(events, text, calls=profile_calls)
+      if top_ops:
+        m.top_ops = step_split.top_instructions(events, text, n=top_ops, calls=profile_calls)
   except Exception as e:  # pylint: disable=broad-except
     m.error = _error(e)
   finally:

@@ -60,6 +60,7 @@ _KERNEL_PATTERNS = (
 )
 
 _FRAME_ID = re.compile(r"\bstack_frame_id=(\d+)")
+_OP_NAME = re.compile(r'\bop_name="([^"]*)"')
 _TABLE_ROW = re.compile(r"^(\d+)\s+(.*)$")
 _FIELDS = re.compile(r"(\w+)=(\d+)")
 _SUFFIX = re.compile(r"\.\d+$")
@@ -73,6 +74,7 @@ class Instruction:
   op_type: str | None          # the tokamax Op class that emitted it
   file: str | None             # innermost source frame
   function: str | None
+  op_name: str = ""            # JAX's name for it (`jit(step)/transpose(jvp())/.../dot_general`)
 
 
 def _frames(lines: list[str]) -> dict[int, tuple[str, str]]:
@@ -117,8 +119,9 @@ def parse_hlo(hlo_text: str) -> dict[str, Instruction]:
     t = profile.OP_TYPE.search(line)
     f = _FRAME_ID.search(line)
     file, function = frames.get(int(f.group(1)), (None, None)) if f else (None, None)
+    o = _OP_NAME.search(line)
     out[name] = Instruction(opcode=profile.opcode(rhs), op_type=t.group(1) if t else None,
-                            file=file, function=function)
+                            file=file, function=function, op_name=o.group(1) if o else "")
   return out
 
 
@@ -159,19 +162,27 @@ def classify_name(name: str, instructions: dict[str, Instruction] | None = None)
   return _kernel_bucket(name) or REST
 
 
-def resolve_event(e: dict[str, Any], instructions: dict[str, Instruction]) -> tuple[str, bool]:
-  """(the bucket of a trace event, whether it was attributed): by the
-  instruction of the module that its `hlo_op` or `long_name` argument
-  (`%fusion.3 = ...`) or its name names, else by kernel name; not attributed
-  when neither finds it (it is then `rest`)."""
-  name = str(e.get("name", ""))
+def event_instruction(e: dict[str, Any], instructions: dict[str, Instruction]) -> str | None:
+  """The name of the module's instruction a trace event ran: the one its
+  `hlo_op` or `long_name` argument (`%fusion.3 = ...`) or its name names;
+  None when none of them is in `instructions`."""
   args = e.get("args") or {}
   long_name = args.get("long_name", "")
   m = re.match(r"^\s*%?([\w.\-]+)\s*=", long_name) if isinstance(long_name, str) else None
-  for candidate in (args.get("hlo_op"), m.group(1) if m else None, name):
+  for candidate in (args.get("hlo_op"), m.group(1) if m else None, str(e.get("name", ""))):
     if isinstance(candidate, str) and candidate.lstrip("%") in instructions:
-      return classify_instruction(instructions[candidate.lstrip("%")]), True
-  bucket = _kernel_bucket(name)
+      return candidate.lstrip("%")
+  return None
+
+
+def resolve_event(e: dict[str, Any], instructions: dict[str, Instruction]) -> tuple[str, bool]:
+  """(the bucket of a trace event, whether it was attributed): by its
+  instruction (`event_instruction`), else by kernel name; not attributed
+  when neither finds it (it is then `rest`)."""
+  name = event_instruction(e, instructions)
+  if name is not None:
+    return classify_instruction(instructions[name]), True
+  bucket = _kernel_bucket(str(e.get("name", "")))
   return (bucket, True) if bucket else (REST, False)
 
 
@@ -245,6 +256,52 @@ def device_split(events: list[dict[str, Any]], hlo_text: str | None = None, *, c
   split["device"] = sum(split[b] for b in BUCKETS)
   split["attributed"] = attributed / split["device"] if split["device"] else 0.0
   return split
+
+
+def _pass_of(op_name: str) -> str:
+  """"bwd" for an instruction of a VJP's transpose, "fwd" for one of the
+  forward's linearisation, else "" (the optimizer, the loss's glue)."""
+  if "transpose(" in op_name:
+    return "bwd"
+  return "fwd" if "jvp(" in op_name else ""
+
+
+def top_instructions(events: list[dict[str, Any]], hlo_text: str | None = None, *, n: int = 20,
+                     calls: int = 1, device_substring: str = "TPU") -> list[dict[str, Any]] | None:
+  """The `n` instructions of the module (or kernels, by event name) with the
+  most device time in one call, from the trace `events` of `calls` calls of
+  the compiled module whose text is `hlo_text`; None when the trace has no
+  device op track (not on a TPU). What `device_split` sums per bucket, listed:
+  where a bucket's time goes (`tokamax-gdn train --compare-impls ... --top-ops N`).
+
+  Each row: `instruction`, its `bucket`, `ms` and `share` of the device total
+  for one call, `events` per call (an instruction inside a loop runs once per
+  iteration), `pass` ("fwd" / "bwd" / "", from JAX's op name), `op` (the
+  last part of that name: the jnp operation it came from) and `source` (its
+  innermost source frame, file and function)."""
+  ops = device_op_events(events, device_substring)
+  if not ops:
+    return None
+  instructions = parse_hlo(hlo_text) if hlo_text else {}
+  total = collections.defaultdict(float)
+  count = collections.Counter()
+  device = 0.0
+  for e, us in self_times(ops):
+    name = event_instruction(e, instructions) or str(e.get("name", "")).lstrip("%")
+    total[name] += us
+    count[name] += 1
+    device += us
+  rows = []
+  for name in sorted(total, key=lambda k: -total[k])[:n]:
+    ins = instructions.get(name)
+    file = ((ins.file or "") if ins else "").replace("\\", "/")
+    rows.append(dict(
+        instruction=name, bucket=classify_name(name, instructions),
+        ms=total[name] * 1e-3 / calls, share=total[name] / device if device else 0.0,
+        events=count[name] / calls, **{"pass": _pass_of(ins.op_name) if ins else ""},
+        op=(ins.op_name.rsplit("/", 1)[-1] if ins else ""),
+        source=(f"{file.rsplit('/', 1)[-1]}:{ins.function}" if ins and file else "")))
+  return rows
 
 
 def bucket_totals(ops: Iterable[tuple[str, float]],
