@@ -4,7 +4,8 @@
 Runs `tokamax-gdn aot --train-step --model qwen3.5-tiny` (`cli.main`, in the
 child process tests/conftest.py runs `aot` tests in, so libtpu is never loaded
 into the pytest worker, a known abort risk) and checks it compiles with the
-Mosaic kernels and reports memory per device.
+Mosaic kernels and reports memory per device, the params and AdamW moments
+sharded as `models.sharding` says (only the experts split over "model").
 tpu7x here (50-60 CPU-s, 80-90 s wall on a shared 2-core machine); v5e is the same
 command with `--target v5e` (docs/maxtext.md; measured: compiles, 1138 MiB of
 arguments and 1427 MiB of temporaries per device), left out of CI for time.
@@ -15,6 +16,7 @@ import re
 import pytest
 
 from tokamax_gdn import cli
+from tokamax_gdn.models import ModelConfig
 
 CMD = ["aot", "--train-step", "--model", "qwen3.5-tiny", "--mesh", "2x2", "--seq-len", "256"]
 
@@ -25,7 +27,15 @@ def test_qwen3_5_tiny_train_step_compiles_for_tpu7x(capsys):
   out = capsys.readouterr().out
   kernels = int(re.search(r"(\d+) Mosaic kernel calls", out).group(1))
   assert kernels >= 6, out       # GDN fwd/bwd, conv fwd/bwd, gmm/tgmm as Mosaic kernels
-  mib = {m.group(1).strip(): int(m.group(2))
-         for m in re.finditer(r"^(arguments.*?|temporaries|outputs.*?)\s+(\d+)\s*$", out, re.M)}
+  mib = {m.group(1).strip(): float(m.group(2))
+         for m in re.finditer(r"^(arguments.*?|temporaries|outputs.*?)\s+([\d.]+)\s*$", out, re.M)}
   assert len(mib) == 3 and all(v > 0 for v in mib.values()), out
+  # Params + AdamW moments (f32) split over "model" only for the experts: at
+  # least their replicated part and half the experts' must be on every device.
+  params = float(re.search(r"\(([\d.]+) M params", out).group(1)) * 1e6
+  cfg = ModelConfig.load("qwen3.5-tiny")
+  experts = cfg.num_layers * 3 * cfg.num_experts * cfg.hidden_size * cfg.moe_intermediate_size
+  replicated = 3 * 4 * (params - experts) + 3 * 4 * experts / 2
+  arguments = next(v for k, v in mib.items() if k.startswith("arguments"))
+  assert arguments * 2**20 >= 0.999 * replicated, (arguments, replicated / 2**20, out)
   print(out)
