@@ -258,6 +258,9 @@ def device_split(events: list[dict[str, Any]], hlo_text: str | None = None, *, c
   return split
 
 
+_UNNAMED = Instruction(opcode="", op_type=None, file=None, function=None)
+
+
 def _pass_of(op_name: str) -> str:
   """"bwd" for an instruction of a VJP's transpose, "fwd" for one of the
   forward's linearisation, else "" (the optimizer, the loss's glue)."""
@@ -293,14 +296,15 @@ def top_instructions(events: list[dict[str, Any]], hlo_text: str | None = None, 
     device += us
   rows = []
   for name in sorted(total, key=lambda k: -total[k])[:n]:
-    ins = instructions.get(name)
-    file = ((ins.file or "") if ins else "").replace("\\", "/")
+    # A kernel the module does not name: no op name or source to show.
+    ins = instructions.get(name, _UNNAMED)
+    file = (ins.file or "").replace("\\", "/")
     rows.append(dict(
         instruction=name, bucket=classify_name(name, instructions),
         ms=total[name] * 1e-3 / calls, share=total[name] / device if device else 0.0,
-        events=count[name] / calls, **{"pass": _pass_of(ins.op_name) if ins else ""},
-        op=(ins.op_name.rsplit("/", 1)[-1] if ins else ""),
-        source=(f"{file.rsplit('/', 1)[-1]}:{ins.function}" if ins and file else "")))
+        events=count[name] / calls, **{"pass": _pass_of(ins.op_name)},
+        op=ins.op_name.rsplit("/", 1)[-1],
+        source=f"{file.rsplit('/', 1)[-1]}:{ins.function}" if file else ""))
   return rows
 
 
