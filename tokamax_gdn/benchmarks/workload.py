@@ -8,7 +8,7 @@ so autotuning (`tokamax-gdn autotune`) tunes the cache entries the layer looks
 up and `tokamax-gdn aot` compiles what the layer runs.
 
 Roofline of the chunked algorithm, per token and value head at chunk C, head
-dims K, V (forward; the notation of `math.md`):
+dims K, V (forward; the notation of `docs/gdn_math.md`):
 
   FLOPs = 2 (C K [K Kᵀ] + C K [Q Kᵀ] + C K [W = T K̃] + C V [U = T Ṽ]
              + 3 K V [W S, Q S, K_outᵀ V′] + C V [P V′])

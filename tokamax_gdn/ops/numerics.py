@@ -5,7 +5,7 @@ TPU precision: bf16 MXU products with f32 accumulation (`mm`, `mxu`), f32
 values split into bf16 pieces (`split`, `split_bf16`, `stacked_bf16`,
 `rounded_bf16`, `round_bf16`), and `lhs_masked`. `v5e_forms` arguments select
 forms libtpu's v5e cycle estimator accepts (same values up to ties in rounding
-to bf16; `gated_delta_rule/pallas_mosaic_tpu.md`, "v5e forms").
+to bf16; `docs/gdn_pallas_tpu.md`, "v5e forms").
 """
 
 import functools
@@ -22,7 +22,7 @@ def two_sum(a, b):
 
   Plain array arithmetic, so it runs inside Pallas kernels as well as in XLA;
   the compensated in-chunk cumsums of both GDN kernels are built on it
-  (math.md, "The compensated cumsum").
+  (docs/gdn_math.md, "The compensated cumsum").
   """
   s = a + b
   b_virtual = s - a

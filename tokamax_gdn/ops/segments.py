@@ -8,7 +8,7 @@ b starts from initial_state[b, n] and ends in final_state[b, n]; segments from
 the N-th on start from zeros (`state_of_segment`) and their end states are not
 kept (`store_segment_state`). Chunked backends run per-segment states on a
 re-layout where every segment n < N starts at a chunk boundary
-(`align_segments`; math.md, "Per-segment states").
+(`align_segments`; docs/gdn_math.md, "Per-segment states").
 
 The one home of these rules: the reference, both chunked backends, context
 parallelism and causal_conv1d's windows read them from here.
@@ -89,7 +89,7 @@ def store_segment_state(states: jax.Array, segment: jax.Array, x: jax.Array,
 class SegmentLayout:
   """Packed segments re-laid so that each starts at a chunk boundary.
 
-  Built by `align_segments` (see there and math.md, "Per-segment states").
+  Built by `align_segments` (see there and docs/gdn_math.md, "Per-segment states").
   In the aligned layout of static length Ta = round_up(T + N (C - 1), C),
   segments 0..N (N = `num_states`) each start at a chunk boundary and are
   followed by pad tokens up to the next one; segments past N follow each other

@@ -230,7 +230,7 @@ def test_overflowing_segment_does_not_reach_the_next_chunk(impl, chunk):
   chunk boundary (32, at chunk 16): segment 1 starts from zeros selected in,
   not from the inf state multiplied by a zero decay (0 * inf = NaN), forward
   and backward. (Inside a chunk the matmuls still mix an overflowed
-  segment's rows with zero coefficients: math.md, "Segments".)"""
+  segment's rows with zero coefficients: docs/gdn_math.md, "Segments".)"""
   t, cut = 48, 32
   r = np.random.default_rng(5)
   k = np.tile(r.standard_normal(8), (1, t, 1, 1))

@@ -4,7 +4,7 @@ Each stage is called on the layout it has inside the kernels (heads in
 sublanes, tokens in lanes), jitted on CPU (the stages are jnp/lax code; in
 Pallas interpret mode they run the same ops, only ~100x slower), and checked
 against the function of `xla_chunked_kernel` that computes the same quantity
-of math.md, or against float64 NumPy where the xla stage is less exact.
+of docs/gdn_math.md, or against float64 NumPy where the xla stage is less exact.
 """
 
 import jax
@@ -26,7 +26,7 @@ def _call(fn, *args):
 def _gates(seed, h, c, mode):
   r = np.random.default_rng(seed)
   g = -np.logaddexp(0.0, r.standard_normal((h, c)) - 1.0)
-  if mode == "floor_then_tiny":   # math.md: the in-chunk cumsum precision case
+  if mode == "floor_then_tiny":   # docs/gdn_math.md: the in-chunk cumsum precision case
     g = np.where(np.arange(c) < c // 2, -29.5, -1e-5 * r.random((h, c)))
   elif mode == "zeros":
     g = np.where(r.random((h, c)) < 0.5, 0.0, g)

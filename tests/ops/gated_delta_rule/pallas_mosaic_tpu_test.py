@@ -42,7 +42,7 @@ def _inputs(seed, *, b, t, hk, hv, dk, dv, dtype, gate_mode, raw_gate, init, seg
       g = np.where(r.random(g.shape) < 0.5, 0.0, g)
     elif gate_mode == "minus80":
       g = np.where(r.random(g.shape) < 0.3, -80.0, g)
-    elif gate_mode == "floor_then_tiny":   # the cumsum-precision case (math.md)
+    elif gate_mode == "floor_then_tiny":   # the cumsum-precision case (docs/gdn_math.md)
       g = np.where(np.arange(t)[None, :, None] % 128 < 64, -29.0, -1e-5 * r.random(g.shape))
   kwargs = {}
   if init:

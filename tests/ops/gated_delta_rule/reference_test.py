@@ -10,7 +10,7 @@ from tokamax_gdn.ops.gated_delta_rule.arg_specs import random_inputs
 
 
 def numpy_gdn(q, k, v, g, beta, *, scale, h0, l2norm, a_log, dt_bias, seg):
-  """math.md's recurrence, written out in float64."""
+  """docs/gdn_math.md's recurrence, written out in float64."""
   q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
   b, t, hk, dk = q.shape
   hv, dv = v.shape[2:]

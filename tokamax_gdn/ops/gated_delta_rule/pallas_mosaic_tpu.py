@@ -1,7 +1,7 @@
 """Pallas Mosaic TPU gated delta rule: Op wrapper (config, heuristics, VMEM, VJP).
 
 The kernels live in `pallas_mosaic_tpu_*.py`, one module per concept (their TPU-specific design
-in `pallas_mosaic_tpu.md`; the math in `math.md`).
+in `docs/gdn_pallas_tpu.md`; the math in `docs/gdn_math.md`).
 
 The shared prologue (q/k L2-norm, gate activation -exp(a_log)·softplus(g+dt_bias),
 the -30 floor) runs inside the kernels (`prologue_in_core`, `kernel.Prologue`):

@@ -3,7 +3,7 @@
 `bwd_kernel` recomputes Γ and the WY factors from the forward's residuals
 (the state entering each chunk and T') and produces every gradient of the
 chunk, d log-decay per token included (a reverse segmented cumsum in-kernel).
-Algebra: `math.md` ("Backward"); TPU design: `pallas_mosaic_tpu.md`.
+Algebra: `docs/gdn_math.md` ("Backward"); TPU design: `docs/gdn_pallas_tpu.md`.
 """
 
 import functools
@@ -144,7 +144,7 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
     # and on dO Sᵀ.
     d_oin = {u: d_o[u] * dins_v[u] for u in heads}
     if st.bwd_vnew:
-      # WY part through V″ = T' (V − K_in S) (math.md, "Backward"):
+      # WY part through V″ = T' (V − K_in S) (docs/gdn_math.md, "Backward"):
       # dV = T'ᵀ dV″, dK_in = −dV Sᵀ, dS gets −K_inᵀ dV (= W̃ᵀ (−dV″)), and
       # −dA' = [dK_in | dV] [W̃ | Ũ]ᵀ = dV (Ũ − W̃ S)ᵀ = dV V″ᵀ. n_dv = −dV.
       n_dv = {u: dot(tm[u], nd_vnew[u], ta=not tm_t[u]) for u in heads}
@@ -202,7 +202,7 @@ def bwd_kernel(*refs, names: tuple[str, ...], st: common.Static):
       dk_in = dk_s[u] * dins[u]
       dq_acc[ku] = acc(dq_acc, ku, dq_s[u])
       dk_acc[ku] = acc(dk_acc, ku, dk_in)
-      # Per-token parts of dβ and d_gcum (math.md), as rows.
+      # Per-token parts of dβ and d_gcum (docs/gdn_math.md), as rows.
       d_kout = jnp.sum(d_kb * k_t[ku], axis=0, keepdims=True)          # d(decay_out β)_j
       decay_out = common.head_row(rows_scr, kernel_prologue.DECAY_OUT, i)
       d_dout = d_kout * kout[u]                                          # d decay_out · decay_out

@@ -2,8 +2,8 @@
 
 They move per-segment inputs to the chunk-aligned layout (`Segments`),
 build the static config and the named operands (blocks, scratch), and call
-the kernels through `pallas_call`. Algebra: `math.md`; design:
-`pallas_mosaic_tpu.md`.
+the kernels through `pallas_call`. Algebra: `docs/gdn_math.md`; design:
+`docs/gdn_pallas_tpu.md`.
 """
 
 import dataclasses

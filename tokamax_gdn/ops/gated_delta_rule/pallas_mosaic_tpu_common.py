@@ -5,7 +5,7 @@
 `store_heads` move heads between (C, H D) token blocks and head-major scratch;
 the `code_*` helpers read the per-segment chunk codes; `v5e_forms()`,
 `normalize_interleave` and `default_newton` pick the static config.
-Algebra: `math.md`; layout and v5e forms: `pallas_mosaic_tpu.md`.
+Algebra: `docs/gdn_math.md`; layout and v5e forms: `docs/gdn_pallas_tpu.md`.
 """
 
 import dataclasses

@@ -3,8 +3,8 @@
 `fwd_kernel` picks how the chunk enters and leaves the state (initial state,
 per-segment codes, or a serving work item), `_fwd_step` loads and stores the
 state, `_fwd_chunk` computes the chunk's outputs and the state update with
-the factored-beta WY form, head groups stage-major. Algebra: `math.md`
-("Forward"); TPU design: `pallas_mosaic_tpu.md`.
+the factored-beta WY form, head groups stage-major. Algebra: `docs/gdn_math.md`
+("Forward"); TPU design: `docs/gdn_pallas_tpu.md`.
 """
 
 import functools
@@ -156,7 +156,7 @@ def _fwd_chunk(r: common.Refs, st: common.Static, write_out: bool, emit: bool, r
     beta = {u: common.head_row(rows_scr, kernel_prologue.BETA, i) for u, i in heads.items()}
     # Γ and decay_in from the compensated G for float32 inputs; for bfloat16
     # inputs from its float32 part alone, as in the backward (`bwd_kernel`,
-    # math.md "The compensated cumsum"): one transpose (XLU) and three vector
+    # docs/gdn_math.md "The compensated cumsum"): one transpose (XLU) and three vector
     # passes less per head.
     gammas, dins = {}, {}
     for u, i in heads.items():

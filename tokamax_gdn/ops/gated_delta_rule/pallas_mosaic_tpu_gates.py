@@ -4,8 +4,8 @@ Rows hold heads in sublanes and tokens in lanes. `chunk_cumsum` is the
 compensated, segment-restarted in-chunk cumsum; `chunk_gate` turns a chunk's
 log-decays into G, decay_out, decay_chunk and the causal masks; `gamma_decay_in`
 broadcasts one head's gates to Γ and decay_in tiles; `rowsum_row` and
-`lane_rowsums` take row sums on the MXU. Algebra: `math.md` ("Notation", "The
-compensated cumsum"); TPU layout: `pallas_mosaic_tpu.md`.
+`lane_rowsums` take row sums on the MXU. Algebra: `docs/gdn_math.md` ("Notation", "The
+compensated cumsum"); TPU layout: `docs/gdn_pallas_tpu.md`.
 """
 
 import dataclasses
@@ -57,7 +57,7 @@ def chunk_cumsum(x, starts, axis: int = 1):
 
 @dataclasses.dataclass(frozen=True)
 class ChunkGate:
-  """`chunk_gate` of math.md for every head of a grid step."""
+  """`chunk_gate` of docs/gdn_math.md for every head of a grid step."""
 
   g_hi: jax.Array          # (H, C) gcum = g_hi + g_lo
   g_lo: jax.Array

@@ -4,7 +4,7 @@
 lanes), per chunk: which tokens see a non-finite input in their segment, the
 tiles sanitised, and the outputs, final state and gradients of those tokens
 made NaN in VMEM, so a NaN in one packed segment never reaches another.
-Semantics: `math.md` ("Non-finite inputs").
+Semantics: `docs/gdn_math.md` ("Non-finite inputs").
 """
 
 from jax import lax

@@ -2,8 +2,8 @@
 
 `invert_unit_lower` inverts a list of strictly lower-triangular C×C matrices
 level by level (2×2 diagonal blocks, then block merges, then optional Newton
-steps), two matrices per MXU tile. Algebra: `math.md` ("The inverse");
-precision and pairing: `pallas_mosaic_tpu.md`.
+steps), two matrices per MXU tile. Algebra: `docs/gdn_math.md` ("The inverse");
+precision and pairing: `docs/gdn_pallas_tpu.md`.
 """
 
 import math

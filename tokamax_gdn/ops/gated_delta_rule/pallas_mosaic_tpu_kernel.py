@@ -1,7 +1,7 @@
 """The Pallas Mosaic TPU kernels of the chunked gated delta rule, by name.
 
-The kernels live in one module per concept (`pallas_mosaic_tpu.md` is their
-design, `math.md` their algebra):
+The kernels live in one module per concept (`docs/gdn_pallas_tpu.md` is their
+design, `docs/gdn_math.md` their algebra):
 
 - `pallas_mosaic_tpu_gates`: per-token gate stages (cumsum, Γ, decays);
 - `pallas_mosaic_tpu_inverse`: the triangular inverse T';

@@ -5,7 +5,7 @@ head tile, `log_decay` activates and floors the gate, `beta_block` takes
 beta's sigmoid, `packed_heads` reads the heads of a packed serving block, and
 `step_prologue` writes a chunk's gate rows (`G_HI`, ...) into row scratch.
 `normed_vjp` and `log_decay_vjp` are the backward's halves. `Prologue` is the
-host-side switch. Math: `prologue.py`, `math.md`; design: `pallas_mosaic_tpu.md`.
+host-side switch. Math: `prologue.py`, `docs/gdn_math.md`; design: `docs/gdn_pallas_tpu.md`.
 """
 
 import dataclasses

@@ -4,7 +4,7 @@
 token row: q, k, v are lane ranges of one qkv input, the grid is a list of
 work items (`_item_table`: a C-token block and a request touching it), and
 states come from and go to slots of a state pool in place. Algebra:
-`math.md`; design: `pallas_mosaic_tpu.md`.
+`docs/gdn_math.md`; design: `docs/gdn_pallas_tpu.md`.
 """
 
 import dataclasses

@@ -1,7 +1,7 @@
 """Chunked (WY / UT) gated delta rule in pure JAX, with an analytical backward.
 
 The Op part: config, heuristics, autotuning space and the VJP wiring. The
-chunk algebra (math.md in this folder: notation, forward and backward
+chunk algebra (docs/gdn_math.md: notation, forward and backward
 equations) is in `xla_chunked_kernel.py`, one function per stage, with the
 block and chunk scans.
 """

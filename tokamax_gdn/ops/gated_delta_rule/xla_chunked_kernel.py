@@ -1,10 +1,10 @@
-"""Chunked gated delta rule in pure JAX: the stages of math.md and their scans.
+"""Chunked gated delta rule in pure JAX: the stages of docs/gdn_math.md and their scans.
 
-The notation, the forward and the backward equations are in `math.md` (this
-folder); every quantity has the name it has there (`gcum`, `gamma`,
+The notation, the forward and the backward equations are in `docs/gdn_math.md`;
+every quantity has the name it has there (`gcum`, `gamma`,
 `decay_in`, `decay_out`, `decay_chunk`, `a`, `tmat`, `k_beta`, `v_beta`, `w`,
 `u`, `v_new`, `p`, `k_out`, `out`, `s_next`; gradients `d_<name>`), and the
-stage functions are math.md's:
+stage functions are docs/gdn_math.md's:
 
   chunk_gate        -> gcum, gamma, decay_in, decay_out, decay_chunk, masks
   invert_unit_lower -> tmat
@@ -122,7 +122,7 @@ def _t(x):
 
 
 # ----------------------------------------------------------------------------
-# Stages (math.md).
+# Stages (docs/gdn_math.md).
 # ----------------------------------------------------------------------------
 
 
@@ -164,7 +164,7 @@ class ChunkGate:
 
 def compensated_cumsum(g: jax.Array, restart: jax.Array | None):
   """In-chunk cumsum of g [..., C] as an (hi, lo) pair, restarted where
-  `restart` (bool, broadcastable) is set: math.md, "The compensated cumsum".
+  `restart` (bool, broadcastable) is set: docs/gdn_math.md, "The compensated cumsum".
 
   An `associative_scan` whose combine adds with TwoSum: hi is the float32
   cumsum and lo collects the rounding errors, so hi + lo keeps the small
@@ -189,7 +189,7 @@ def _segment_ids_in_chunk(starts: jax.Array) -> jax.Array:
 
 
 def chunk_gate(g: jax.Array, starts: jax.Array | None) -> ChunkGate:
-  """Decays of math.md from the log-decays g [..., C] (float32).
+  """Decays of docs/gdn_math.md from the log-decays g [..., C] (float32).
 
   `starts` [..., C] bool (broadcastable to g) marks segment starts, or None.
   G restarts at each segment start; differences are masked BEFORE exp (never
@@ -222,7 +222,7 @@ def invert_unit_lower(a: jax.Array, precision) -> jax.Array:
   """tmat = (I + a)^{-1} for strictly lower-triangular a [..., C, C], float32.
 
   Forward substitution inside the 16 x 16 diagonal blocks (all at once), then
-  block rows below the diagonal by matmuls: math.md, "The inverse".
+  block rows below the diagonal by matmuls: docs/gdn_math.md, "The inverse".
   """
   c = a.shape[-1]
   bs = min(_SUB_BLOCK, c)
@@ -354,7 +354,7 @@ class StateGrads:
 
 def chunk_state_bwd(s, ds, d_out, q, k, v_new, w, p, k_out, decay_in, decay_out,
                     decay_chunk, resets, *, scale, precision) -> StateGrads:
-  """One chunk's state-dependent backward (math.md, "Backward, state part").
+  """One chunk's state-dependent backward (docs/gdn_math.md, "Backward, state part").
 
   s: the state entering the chunk; ds: the gradient of the state leaving it
   (s_next); d_out [B, Hk, G, C, V] float32; v_new from the forward.
@@ -385,7 +385,7 @@ def chunk_state_bwd(s, ds, d_out, q, k, v_new, w, p, k_out, decay_in, decay_out,
 
 def chunk_wy_bwd(d_w, d_v_new, d_out, v_new, q, k, v, beta, gate: ChunkGate,
                  wy: ChunkWy, *, scale, precision):
-  """State-free gradients, batched over chunks (math.md, "Backward, WY part").
+  """State-free gradients, batched over chunks (docs/gdn_math.md, "Backward, WY part").
 
   d_w, d_v_new, d_out, v_new: [N, B, Hk, G, C, *] from the state part.
   Returns (dq, dk, dv, dbeta, d_gcum) of the state-free terms.
