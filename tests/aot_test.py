@@ -90,7 +90,7 @@ def test_gdn_training_step_compiles_with_a_partial_last_chunk():
 
 @pytest.mark.aot
 def test_gdn_training_step_compiles_at_t32768():
-  """The README's long-T claim on a TPU target: value and gradients at
+  """docs/design.md's long-T claim on a TPU target: value and gradients at
   T=32768 (the finiteness itself is checked in interpret mode at T=4096 and
   for xla at T=32768 in tests/ops/gated_delta_rule/stress_test.py)."""
   _check_compiles("v6e", workload.LayerShape(b=1, t=32768, hk=2, hv=4, k=128, v=128))

@@ -7,7 +7,7 @@ into the pytest worker, a known abort risk) and checks it compiles with the
 Mosaic kernels and reports memory per device, the params and AdamW moments
 sharded as `models.sharding` says (only the experts split over "model").
 tpu7x here (50-60 CPU-s, 80-90 s wall on a shared 2-core machine); v5e is the same
-command with `--target v5e` (docs/maxtext.md; measured: compiles, 1138 MiB of
+command with `--target v5e` (docs/integrations.md; measured: compiles, 1138 MiB of
 arguments and 1427 MiB of temporaries per device), left out of CI for time.
 """
 

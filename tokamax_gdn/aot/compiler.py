@@ -162,8 +162,7 @@ def bundle_units(path: str) -> dict[str, float]:
   unit (MXU, XLU, VALU, VPOP, EUP, VLOAD, VSTORE, ...; the file's own names),
   the share of its slots the schedule fills (ops / (slots per bundle ×
   bundles)). A kernel whose busiest unit is far below 1 is bound by latency
-  or by the mix of units, not by one of them (README, "Where the cycles
-  go")."""
+  or by the mix of units, not by one of them."""
   with open(path) as f:
     text = f.read()
   head, _, rows = text.partition("== UTILIZATION:")

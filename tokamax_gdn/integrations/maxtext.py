@@ -10,7 +10,7 @@ GatedDeltaNet core with
 a pure-JAX chunked WY scan differentiated by autodiff. This module's function
 has the same signature and meaning and runs our `gated_delta_rule` op (the
 Pallas TPU kernels, the chunked XLA version, or the reference) with its
-analytical backward, so a MaxText model switches by import (docs/maxtext.md).
+analytical backward, so a MaxText model switches by import (docs/integrations.md).
 
 The semantics, as MaxText's function has them (each one checked by
 tests/integrations/maxtext_test.py against an oracle written from its

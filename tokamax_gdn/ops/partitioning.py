@@ -59,7 +59,7 @@ def _warn_gathered(arg_shapes, in_labels: Sequence[str]) -> None:
     return
   _warned.add(key)
   hint = (" For the sequence axis, shard T inside jax.shard_map and pass"
-          " context_parallel_axis= to the op (README: Long context)."
+          " context_parallel_axis= to the op (docs/sharding.md, 'Long context')."
           if "t" in gathered else "")
   warnings.warn(
       f"A Pallas tokamax_gdn kernel got inputs sharded along dimension(s)"

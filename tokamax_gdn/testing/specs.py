@@ -1,7 +1,7 @@
 """The numerical contract every implementation is held to against `reference`.
 
 float32: rel-RMS 2e-4 for outputs and 2e-3 for gradients; bf16 (and narrower):
-2e-2 (README, "Numerical contract"). The conformance suite, `tokamax-gdn
+2e-2 (docs/design.md, "Numerical contract"). The conformance suite, `tokamax-gdn
 validate` and the op tests measure errors with `rel_rms` and compare them with
 `tolerance`.
 """

@@ -1,5 +1,5 @@
 """The GDN test harness: inputs, one forward+backward run, one comparison
-against `reference` with the README's tolerances (testing/specs.py).
+against `reference` with the numerical contract's tolerances (testing/specs.py).
 
 Every GDN test that builds inputs or checks an implementation against the
 reference uses these (xla_test, stress_test, property_test, decode_test,

@@ -1290,7 +1290,7 @@ def grid_steps(st: DecodeStatic, index, t_len: int):
   in direct mode only the first ceil(T / tile) tiles' output rows are the
   op's: a batch padded to a bucket of requests (64 of 512) visits its 8
   tiles, not 64, where a grid step that skips its tile still pays for its
-  pipeline step and block copies (README, "chip-serving-padded"). Static where no tile lies past the token rows (a full
+  pipeline step and block copies (docs/performance.md, "chip-serving-padded"). Static where no tile lies past the token rows (a full
   decode batch: no scalar op before the kernel), for the cost model, and
   without `skip_idle`."""
   steps = padded_requests(st) // st.tile

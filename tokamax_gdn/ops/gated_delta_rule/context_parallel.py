@@ -50,7 +50,7 @@ time (`context_parallel.one_backward_at_a_time`), each adding its gradients
 to one running sum, after the replay's backward (which needs their results).
 What stays beyond the unsharded op's own is that sum (one set of input
 gradients, during the fold's backward) and O(P·Hv·K·(K+V)) for the
-gathered maps. Measured numbers: README, "Long context". The price in
+gathered maps. Measured numbers: docs/sharding.md, "Long context". The price in
 compute: per device, the op's forward three times in the forward pass
 (transition, zero-state call, replay), and in the backward pass the fold's
 two forwards again plus three backwards, against one forward and one

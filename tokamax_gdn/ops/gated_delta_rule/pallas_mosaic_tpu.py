@@ -146,8 +146,8 @@ def _heuristics(ba: op.BoundArguments, backward: bool) -> Config:
   at C=128 takes half the cycles of C=64:
   so C=128 with fewer heads first, C=64 only where C=128 does not fit with
   one GVA group (tpu7x's backward at T=4096). The numbers (per-kernel cycles
-  of `tokamax-gdn aot` with the config fixed) are in README.md, "Heuristics'
-  measurements".
+  of `tokamax-gdn aot` with the config fixed) are in docs/gdn_pallas_tpu.md,
+  "Heuristics' measurements".
   """
   sh, kind, start = _shapes(ba), _kind(backward), 8 if backward else 16
   cfg = _most_interleaved(128, sh, kind, start=start)

@@ -3,7 +3,7 @@
 `vmem_estimate` is the scoped VMEM of one kernel's grid step (its scratch
 exactly, plus a fit of what Mosaic allocates itself); `vmem_cap` is the
 scoped limit the kernels get on a TPU generation. The op wrapper picks
-configs that fit. The fit's measured points are in README.md, "VMEM model".
+configs that fit. The fit's measured points are in docs/gdn_pallas_tpu.md, "VMEM model".
 The serving op's request-packed forward has a model of its own,
 `requests_vmem_estimate` (its measured points: the serving op's
 `pallas_mosaic_tpu_test._REQUESTS_VMEM_V5E`).
@@ -24,8 +24,8 @@ _MIB = 1 << 20
 # `vmem_estimate`), per 16 value heads (at least once): 1.07 MiB measured up
 # to T = 131072 at 16 heads a device (tpu7x), with a quarter MiB to spare;
 # at 64 value heads on v5e (C = 128) 2 MiB more from T = 8192 to 32768, and
-# 55.0 MiB at T = 32768 with 1, 2 or 4 heads interleaved (README.md, "VMEM
-# model").
+# 55.0 MiB at T = 32768 with 1, 2 or 4 heads interleaved (docs/gdn_pallas_tpu.md,
+# "VMEM model").
 _LONG_BWD_FROM, _LONG_BWD_HEADROOM = 4096, 5 * _MIB // 4
 # v5e's forms (`pallas_mosaic_tpu_common.Static.v5e_forms`: f32
 # concatenations and roundings) take more of the backward's VMEM than the
@@ -47,8 +47,8 @@ _LONG_FWD_HEADROOM = 2 * _MIB
 # interleaved compiled), 57.08 on v6e, where the fit said 47.12; the forward
 # 24.5 on tpu7x where it said 18.6, and on v5e at 64 value heads 54.64 /
 # 54.71 with 16 / 8 heads interleaved where it said 32.25 / 28.5; the
-# backward at C = 64 on tpu7x 23.17 where it said 20.6 (README.md, "VMEM
-# model"). The states pass is counted as the forward.
+# backward at C = 64 on tpu7x 23.17 where it said 20.6 (docs/gdn_pallas_tpu.md,
+# "VMEM model"). The states pass is counted as the forward.
 _F32_BLOCKS = {"bwd": 5, "fwd": 7, "states": 7}
 
 
@@ -84,8 +84,8 @@ def vmem_estimate(*, chunk: int, hv: int, hk: int, dim_k: int, dim_v: int, items
   The coefficients are fitted to the compiler's own scoped allocation, which
   Mosaic reports when a kernel is compiled (`tokamax_gdn.aot`, as
   `tokamax-gdn aot` does) with a `vmem_limit_bytes` too small for it; the
-  measured points and this estimate beside them are in README.md, "VMEM
-  model".
+  measured points and this estimate beside them are in
+  docs/gdn_pallas_tpu.md, "VMEM model".
   """
   dim_k, dim_v = round_up(dim_k, 128), round_up(dim_v, 128)
   state = hv * dim_k * dim_v * 4
@@ -188,8 +188,8 @@ def vmem_cap(gen: gdn_config.TpuGeneration) -> int:
   The compiled program's VMEM is about the scoped limit, plus what the kernel
   uses of it, plus XLA's own, which grows with T. So a larger limit can fail
   where a smaller one compiles; the compiles that set 22 MiB (`tokamax-gdn
-  aot --target v6e|tpu7x`, memory at --seq-len) are in README.md, "VMEM
-  model".
+  aot --target v6e|tpu7x`, memory at --seq-len) are in
+  docs/gdn_pallas_tpu.md, "VMEM model".
   """
   return (gen.vmem_bytes - 22 * _MIB) // 2
 

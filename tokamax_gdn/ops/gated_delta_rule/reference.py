@@ -9,7 +9,7 @@ initial_state[b, n] (zeros past the N-th segment); the state after the last
 token of segment n < N is its final state.
 
 Float64 inputs run in float32 like every implementation (one state layout,
-float32, for all of them; the README's numerical contract is float32) and return out in
+float32, for all of them; the numerical contract, docs/design.md, is float32) and return out in
 float64.
 """
 

@@ -45,7 +45,7 @@ def _heuristics(t: int) -> Config:
 
   On CPU, blocks of 512 tokens keep the per-block temporaries in cache and
   beat 2048 (`tokamax-gdn autotune --impl xla` times every block size;
-  README.md, "Heuristics' measurements"). Accelerators get longer blocks,
+  docs/gdn_pallas_tpu.md, "Heuristics' measurements"). Accelerators get longer blocks,
   since each block is a sequential step and its chunks are the parallel
   width.
   """

@@ -10,7 +10,7 @@ smaller tn, then smaller tk, until the VMEM estimate fits half the chip's
 VMEM. tm (the contraction per step) is 128 where the MXU is 128 wide (v5e,
 v5p) and 256 on the 256-wide ones: each group boundary inside a tile costs
 one extra step; on a v5e chip at MoE shapes (M=16384, 64 groups) 128 was
-the faster (README, "chip-gmm-ring"), and on v6e's static estimate for the
+the faster (CHANGELOG.md, 2026-12-06), and on v6e's static estimate for the
 Qwen3.5 shape (8192x2048x1024, G=8) 256 beats 512 and 128.
 """
 
