@@ -84,7 +84,8 @@ def _add_train_step_arguments(parser) -> None:
                            " model: section, e.g. qwen3.5-tiny) with the Pallas kernels for a"
                            " data x model mesh of --target; prints memory per device")
   parser.add_argument("--mesh", default="2x4",
-                      help="with --train-step: DATAxMODEL chips (tpu7x 2x2x1 has 8)")
+                      help="with --train-step: DATAxMODEL devices (a tpu7x 2x2x1 slice has 4"
+                      " chips, 8 devices)")
 
 
 def _run_train_step(args) -> int:

@@ -11,17 +11,18 @@ a last line with the (teacher-forced) recall accuracy.
                     [--seed S] [--json] [--profile-step] [--compare-impls IMPL,IMPL]
                     [--top-ops N]
 
-With `--interpret` (Pallas TPU kernels in interpret mode on CPU) it runs
-`INTERPRET_STEPS` steps at a toy shape, then the same steps with `xla`, and
-checks that the losses agree within the bf16 tolerance (exit code 1 if not).
+With `--interpret` (Pallas TPU kernels in interpret mode on CPU) it runs a
+few steps (`--steps`, default below) at a toy shape, then the same steps
+with `xla`, and checks that the losses agree within the bf16 tolerance (exit
+code 1 if not).
 
-The speed of the step on the chip (issue 40): `--profile-step` adds to the
+How fast the step runs on a chip: `--profile-step` adds to the
 table the model FLOPs per step and the MFU (`training.flops`: against the
 chip's published bf16 peak and a bf16 matmul's rate measured in the same
 run), and prints the profiled step's device time split into GDN, gmm/tgmm,
 attention and the rest (`training.step_split`; on CPU there is no device
 track: it says the split needs a TPU). `--compare-impls pallas_mosaic_tpu,xla`
-trains nothing: it measures `--steps` (default `COMPARE_STEPS`) steps of each
+trains nothing: it measures `--steps` steps (default below) of each
 implementation in one process (`training.measure`) and prints one row per
 implementation: step time, tokens/s, MFU and the split (exit code 1 if one
 failed; its row says why). `--top-ops N` adds, per implementation, the N
@@ -44,7 +45,7 @@ HELP = "train a small Qwen3.5-style model on associative recall (CPU is enough)"
 
 DEFAULT_MODEL = "qwen3.5-micro"
 # Defaults measured to reach > 90 % recall within 5 minutes on a loaded
-# 2-core CPU (README: "Training").
+# 2-core CPU (docs/models.md, "Training").
 DEFAULT_STEPS = 300
 DEFAULT_BATCH = 128
 DEFAULT_SEQ_LEN = 16
