@@ -94,7 +94,8 @@ def target_chip(request):
 # tests, so the end is short tests on both (under the default "load" mode a
 # worker's queued tests stay with it).
 _LONG_FILES = ("tests/context_parallel_test.py", "tests/sharding_test.py",
-               "tests/models/sharding_test.py", "tests/training/", "tests/cli/")
+               "tests/models/sharding_test.py", "tests/training/", "tests/cli/",
+               "tests/docs_test.py::test_every_python_block_runs_as_written")
 
 
 def _runs_long(item) -> bool:

@@ -23,7 +23,7 @@ from tokamax_gdn.layers import (  # pylint: disable=g-multiple-import
     load_preset, param_shapes, params_from_hf, params_to_hf)
 from tokamax_gdn.testing.specs import rel_rms
 
-from tests import readme_blocks
+from tests import doc_blocks
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 VARIANTS = ("qwen3_next", "qwen3_5")
@@ -329,12 +329,13 @@ def test_params_from_hf_prefix_and_bad_keys():
     params_from_hf(both, cfg, prefix="model.layers.7.linear_attn.")
 
 
-def test_readme_checkpoint_snippet(tmp_path, monkeypatch):
-  """Runs the README's loading snippet, as written, on a sharded two-layer
-  safetensors checkpoint written here (tiny config, HF's file layout)."""
+def test_docs_checkpoint_block(tmp_path, monkeypatch):
+  """Runs docs/models.md's checkpoint-loading block, as written (it is fenced
+  `{skip}` there: it needs a checkpoint), on a sharded two-layer safetensors
+  checkpoint written here (tiny config, HF's file layout)."""
   from safetensors import numpy as safetensors_numpy  # pylint: disable=g-import-not-at-top
-  d, _, sd = load_fixture("qwen3_next")
-  params = params_from_hf(sd, load_fixture("qwen3_next")[1])
+  d, cfg_fixture, sd = load_fixture("qwen3_next")
+  params = params_from_hf(sd, cfg_fixture)
   hf_config = dict(json.loads(str(d["hf_config"])), model_type="qwen3_next")
   del hf_config["variant"]
   ckpt = tmp_path / "Qwen3-Next-80B-A3B-Instruct"
@@ -347,15 +348,15 @@ def test_readme_checkpoint_snippet(tmp_path, monkeypatch):
     safetensors_numpy.save_file({k: both[k] for k in keys}, str(ckpt / fn))
   (ckpt / "model.safetensors.index.json").write_text(json.dumps(
       {"weight_map": {k: fn for fn, keys in shards.items() for k in keys}}))
-  x = jnp.asarray(d["x"], jnp.bfloat16)
-  scope = dict(x=x, x1=x[:, :1])
   monkeypatch.chdir(tmp_path)
-  exec(readme_blocks.block("load_hf_layer("), scope)  # pylint: disable=exec-used
+  scope = {"__name__": "__main__"}
+  exec(doc_blocks.block("load_hf_layer(").code, scope)  # pylint: disable=exec-used
   for k, v in scope["params"].items():
     want = params[k] if k in ("a_log", "dt_bias") else params[k].astype(jnp.bfloat16)
     np.testing.assert_array_equal(v, want, err_msg=k)
     assert v.dtype == want.dtype, k
-  assert scope["y"].shape == x.shape and scope["y1"].shape == (x.shape[0], 1, x.shape[2])
+  assert scope["y"].shape == scope["x"].shape
+  assert np.isfinite(np.asarray(scope["y"], np.float32)).all()
   # A single .safetensors file (layer 1 of it) loads too.
   from tokamax_gdn.layers import load_hf_layer  # pylint: disable=g-import-not-at-top
   safetensors_numpy.save_file(both, str(tmp_path / "one.safetensors"))
