@@ -80,5 +80,5 @@ def python_blocks() -> list[Block]:
 def block(marker: str) -> Block:
   """The one python block, in any of the files, that contains `marker`."""
   found = [b for b in python_blocks() if marker in b.code]
-  assert len(found) == 1, f"{[b.where for b in found]}: {len(found)} python blocks contain {marker!r}"
+  assert len(found) == 1, f"{[b.where for b in found]}: {len(found)} blocks contain {marker!r}"
   return found[0]

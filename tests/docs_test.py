@@ -64,7 +64,7 @@ def test_every_python_block_runs_as_written(tmp_path):
 def test_skipped_blocks_say_why_and_run_elsewhere():
   for b in doc_blocks.python_blocks():
     if not b.skipped:
-      assert not b.code.startswith("# Needs"), f"{b.where}: says it needs something; fence it {{skip}}"
+      assert not b.code.startswith("# Needs"), f"{b.where}: it needs something: fence it {{skip}}"
       continue
     first = b.code.split("\n", 1)[0]
     assert re.fullmatch(r"# Needs \S.{10,}", first), f"{b.where}: first line must say what it needs"
@@ -119,7 +119,8 @@ def anchors(path: pathlib.Path) -> set[str]:
 
 def test_github_slug():
   assert github_slug("Long context: T over devices") == "long-context-t-over-devices"
-  assert github_slug("`causal_conv1d_gated_delta_rule` (serving)") == "causal_conv1d_gated_delta_rule-serving"
+  assert (github_slug("`causal_conv1d_gated_delta_rule` (serving)")
+          == "causal_conv1d_gated_delta_rule-serving")
   assert github_slug("Training: `tokamax-gdn train`") == "training-tokamax-gdn-train"
   assert github_slug("The inverse T = (I + A)⁻¹") == "the-inverse-t--i--a¹"
 
@@ -171,7 +172,8 @@ def _help_texts():
   """({command: its --help text}, the subcommands' parsers' action)."""
   parser = cli.build_parser()
   texts = {"tokamax-gdn": parser.format_help()}
-  sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # pylint: disable=protected-access
+  sub = next(a for a in parser._actions  # pylint: disable=protected-access
+             if isinstance(a, argparse._SubParsersAction))  # pylint: disable=protected-access
   texts.update({f"tokamax-gdn {n}": p.format_help() for n, p in sub.choices.items()})
   return texts, sub
 

@@ -44,8 +44,9 @@ def main(argv=None) -> int:
     m = measure.measure_step(cfg, task, args.impl, batch_size=1, steps=args.steps,
                              step_cfg=step_cfg)
     split = {k: (v if k == "attributed" else v * 1e3) for k, v in (m.split or {}).items()}
-    print(json.dumps(dict(arm=name, step_ms=None if m.step_seconds is None else m.step_seconds * 1e3,
-                          compile_s=m.compile_seconds, split_ms=split, error=m.error)), flush=True)
+    step_ms = None if m.step_seconds is None else m.step_seconds * 1e3
+    print(json.dumps(dict(arm=name, step_ms=step_ms, compile_s=m.compile_seconds, split_ms=split,
+                          error=m.error)), flush=True)
   return 0
 
 
