@@ -3,7 +3,8 @@
 Wrong shapes / ranks raise ValueError and wrong dtypes TypeError, naming the
 argument, before any kernel runs (each implementation's `_fwd` is replaced by a
 tripwire while the call is made). NaN / inf in inputs propagate to outputs
-without crashing. `implementation=` resolution errors are clear.
+without crashing. `implementation=` resolution errors are clear, and so is a
+Pallas implementation called off a TPU.
 """
 
 import dataclasses
@@ -14,7 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tokamax._src.ops import op as op_lib
 
+from tokamax_gdn import config
 from tokamax_gdn import registry
 from tokamax_gdn.ops.causal_conv1d import base as conv_base
 from tokamax_gdn.ops.causal_conv1d.api import causal_conv1d
@@ -417,19 +420,90 @@ def test_all_implementations_failing_raise_exception_group():
                   implementation=[_unsupported_conv()])
 
 
-def test_pallas_off_tpu_without_interpret_falls_through():
-  assert "pallas_mosaic_tpu" in registry.implementations("gated_delta_rule")
-  from tokamax_gdn import config  # pylint: disable=g-import-not-at-top
+# ------------------------------------------------- Pallas off a TPU
+def _off_tpu():
   if config.on_tpu():
-    pytest.skip("runs on a TPU: the kernel is supported here")
-  args, kw = gdn_good()
-  pos = [args[n] for n in POSITIONAL["gated_delta_rule"]]
-  with config.interpret_mode(False):
-    with pytest.raises(ExceptionGroup):
-      gated_delta_rule(*pos, **kw, implementation=["pallas_mosaic_tpu"])
-    out, _ = jax.jit(lambda *p: gated_delta_rule(   # jitted: the choice is made when traced
-        *p, **kw, implementation=["pallas_mosaic_tpu", "xla"]))(*pos)
-  assert out.shape == (B, T, HV, DV)
+    pytest.skip("runs on a TPU: the kernels are supported here")
+  return config.interpret_mode(False)
+
+
+def _assert_names_op_and_interpret_mode(err: Exception, op_name: str) -> None:
+  assert isinstance(err, config.PallasTpuUnavailableError), repr(err)
+  assert isinstance(err, NotImplementedError)   # what implementation sequences fall through on
+  msg = str(err)
+  for part in (f"{op_name}:", "'pallas_mosaic_tpu'", jax.devices()[0].device_kind,
+               "TOKAMAX_GDN_INTERPRET=1", "tokamax_gdn.config.interpret_mode()"):
+    assert part in msg, f"{part!r} not in: {msg}"
+
+
+@pytest.mark.parametrize("op_name", registry.list_ops())
+def test_pallas_off_tpu_error_names_op_and_interpret_mode(op_name):
+  """Not tokamax's bare "Not supported on cpu.": the op, the implementation
+  and how to run it in interpret mode, eagerly and under jit; a sequence
+  falls through it to the next implementation (the reference here: the
+  cheapest to compile)."""
+  args, kw = GOOD[op_name]()
+  pos = [args[n] for n in POSITIONAL[op_name]]
+  arrays = {n: x for n, x in kw.items() if isinstance(x, jax.Array)}
+  static = {n: x for n, x in kw.items() if n not in arrays}
+  with _off_tpu():
+    with pytest.raises(NotImplementedError) as info:
+      API[op_name](*pos, **kw, implementation="pallas_mosaic_tpu")
+    _assert_names_op_and_interpret_mode(info.value, op_name)
+    with pytest.raises(NotImplementedError) as info:
+      _jitted(op_name, "pallas_mosaic_tpu", static)(pos, arrays)
+    _assert_names_op_and_interpret_mode(info.value, op_name)
+    with pytest.raises(ExceptionGroup) as group:
+      API[op_name](*pos, **kw, implementation=["pallas_mosaic_tpu"])
+    _assert_names_op_and_interpret_mode(group.value.exceptions[0], op_name)
+    fell_through = _jitted(op_name, ("pallas_mosaic_tpu", "reference"), static)(pos, arrays)
+  expected = _jitted(op_name, "reference", static)(pos, arrays)
+  for got, want in zip(jax.tree.leaves(fell_through), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+# The differentiable ops whose Pallas forward is cheap to run in interpret mode.
+@pytest.mark.parametrize("op_name,diff_args", [("gmm", 2), ("tgmm", 2), ("causal_conv1d", 3)])
+def test_pallas_backward_off_tpu_names_op(op_name, diff_args):
+  """A forward run in interpret mode whose backward is traced after it is off
+  (jax.vjp's function called outside the block) gets the same error, from the
+  backward's kernels."""
+  args, kw = GOOD[op_name]()
+  pos = [args[n] for n in POSITIONAL[op_name]]
+  fn = lambda *d: API[op_name](*d, *pos[diff_args:], **kw, implementation="pallas_mosaic_tpu")
+  with config.interpret_mode(True):
+    out, f_vjp = jax.vjp(fn, *pos[:diff_args])
+  with _off_tpu():
+    with pytest.raises(NotImplementedError) as info:
+      f_vjp(jax.tree.map(jnp.ones_like, out))
+  # tgmm's backward is a gmm and a tgmm.
+  _assert_names_op_and_interpret_mode(info.value, "gmm" if op_name == "tgmm" else op_name)
+
+
+def _ops_with_a_pallas_vjp_op():
+  """Ops whose Pallas implementation has a VJP Op of its own (gmm's and tgmm's
+  VJP is a function of their Ops; the serving op has none)."""
+  ops = [op for op in registry.list_ops()
+         if isinstance(registry.get(op, "pallas_mosaic_tpu").vjp, op_lib.Op)]
+  assert {"gated_delta_rule", "causal_conv1d"} <= set(ops), ops
+  return ops
+
+
+@pytest.mark.parametrize("op_name", _ops_with_a_pallas_vjp_op())
+def test_pallas_vjp_op_off_tpu_names_op(op_name):
+  """A Pallas implementation's VJP Op (the GDN and conv backward kernels)
+  called off a TPU, as tokamax's backward calls it (the forward's canonical
+  arguments after the residuals, outputs and cotangents, none needed before
+  the device check): the error names the forward's op and the VJP's class."""
+  impl = registry.get(op_name, "pallas_mosaic_tpu")
+  args, kw = GOOD[op_name]()
+  ba = impl.bind(*[args[n] for n in POSITIONAL[op_name]], **kw)
+  fwd_kwargs = {n: x for n, x in ba.kwargs.items() if n != "return_residuals"}
+  with _off_tpu():
+    with pytest.raises(NotImplementedError) as info:
+      impl.vjp(None, None, None, *ba.args, **fwd_kwargs)
+  _assert_names_op_and_interpret_mode(info.value, op_name)
+  assert type(impl.vjp).__name__ in str(info.value)
 
 
 # Silence "imported but unused" for the base modules kept for readers.
