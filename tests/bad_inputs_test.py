@@ -9,6 +9,7 @@ Pallas implementation called off a TPU.
 
 import dataclasses
 import functools
+import importlib
 import re
 
 import jax
@@ -504,6 +505,49 @@ def test_pallas_vjp_op_off_tpu_names_op(op_name):
       impl.vjp(None, None, None, *ba.args, **fwd_kwargs)
   _assert_names_op_and_interpret_mode(info.value, op_name)
   assert type(impl.vjp).__name__ in str(info.value)
+
+
+# ------------------------------------------------- implementation= of a wrong type
+@pytest.mark.parametrize("op_name", registry.list_ops())
+@pytest.mark.parametrize("bad,what", [(3, "3 (int)"), (["xla", 3], "element 3 (int)"),
+                                      (("xla", None), "element None (NoneType)"),
+                                      ({"xla"}, "(set)"), (b"xla", "element 120 (int)")],
+                         ids=["int", "list_with_int", "tuple_with_none", "set", "bytes"])
+def test_implementation_of_a_wrong_type_is_a_type_error(op_name, bad, what):
+  """Not `'int' object is not iterable`: the argument, what it got and the
+  valid names, before anything runs."""
+  args, kw = GOOD[op_name]()
+  pos = [args[n] for n in POSITIONAL[op_name]]
+  with pytest.raises(TypeError) as info:
+    API[op_name](*pos, **kw, implementation=bad)
+  msg = str(info.value)
+  assert msg.startswith("`implementation`") and what in msg, msg
+  for name in registry.implementations(op_name):
+    assert repr(name) in msg, msg
+
+
+def test_layer_and_generation_implementation_of_a_wrong_type_and_an_op():
+  """The layer's and generation's `implementation=` go through the same
+  check; a tokamax Op per op (which they used to take apart as a sequence) is
+  one implementation."""
+  from tokamax_gdn.models import generation  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.models.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  model = ModelConfig.load("qwen3.5-micro")
+  with pytest.raises(TypeError, match=r"`implementation` element 3 \(int\) for op 'gmm'"):
+    generation.statics(model, implementation={"gmm": ["xla", 3]})
+  gmm_op = registry.get("gmm", "xla")
+  assert generation.statics(model, implementation={"gmm": gmm_op})["gmm_impl"] is gmm_op
+  assert generation.statics(model, implementation=["xla"])["gmm_impl"] == ("xla",)
+  layer = importlib.import_module("tokamax_gdn.layers.gated_deltanet")
+  cfg = layer.GatedDeltaNetConfig(hidden_size=16, num_k_heads=1, num_v_heads=2,
+                                  head_k_dim=8, head_v_dim=8, conv_kernel_size=4)
+  params = layer.init_params(jax.random.key(0), cfg)
+  x = jax.random.normal(jax.random.key(1), (1, 6, cfg.hidden_size))
+  with pytest.raises(TypeError, match=r"`implementation` 3 \(int\) for op 'causal_conv1d'"):
+    layer.gated_deltanet(params, x, cfg, implementation=3)
+  ops = {op: registry.get(op, "reference") for op in ("causal_conv1d", "gated_delta_rule")}
+  run = lambda impl: jax.jit(lambda p, x: layer.gated_deltanet(p, x, cfg, implementation=impl))
+  np.testing.assert_array_equal(run(ops)(params, x), run("reference")(params, x))
 
 
 # Silence "imported but unused" for the base modules kept for readers.
