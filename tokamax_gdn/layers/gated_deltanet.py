@@ -160,7 +160,9 @@ class GatedDeltaNetCache(NamedTuple):
   """What a sequence carries between calls (a pytree).
 
   conv_state: [B, W-1, 2*Hk*K + Hv*V], the last W-1 conv inputs (activation dtype).
-  recurrent_state: [B, Hv, K, V] float32.
+  recurrent_state: [B, Hv, K, V] float32 (one of another float dtype is
+    read as float32, as `gated_delta_rule` reads its `initial_state`; the
+    returned cache's is float32).
   """
 
   conv_state: jax.Array

@@ -183,10 +183,9 @@ def _states_config(config: Config, sh: _Shapes) -> Config:
 def _check_supported(q: jax.Array, v: jax.Array) -> bool:
   """Returns interpret mode; raises NotImplementedError where the kernels can't run."""
   interpret = gdn_config.require_pallas_tpu("gated_delta_rule")
-  if q.dtype not in (jnp.float32, jnp.bfloat16) or v.dtype != q.dtype:
+  if q.dtype not in (jnp.float32, jnp.bfloat16):   # (`bind`: q, k and v share it)
     raise NotImplementedError(
-        f"pallas_mosaic_tpu supports float32/bfloat16 q, k, v of one dtype; got"
-        f" {q.dtype}, {v.dtype}.")
+        f"pallas_mosaic_tpu supports float32/bfloat16 q, k, v; got {q.dtype}.")
   if v.shape[2] > 128:
     raise NotImplementedError(f"pallas_mosaic_tpu supports up to 128 value heads; got {v.shape[2]}.")
   return interpret
