@@ -3,18 +3,23 @@
 Wrong shapes / ranks raise ValueError and wrong dtypes TypeError, naming the
 argument, before any kernel runs (each implementation's `_fwd` is replaced by a
 tripwire while the call is made). NaN / inf in inputs propagate to outputs
-without crashing. `implementation=` resolution errors are clear.
+without crashing. `implementation=` resolution errors are clear, and so is a
+Pallas implementation called off a TPU. Mixed dtypes: refused where the
+contract says one dtype, else computed alike by every implementation.
 """
 
 import dataclasses
 import functools
+import importlib
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tokamax._src.ops import op as op_lib
 
+from tokamax_gdn import config
 from tokamax_gdn import registry
 from tokamax_gdn.ops.causal_conv1d import base as conv_base
 from tokamax_gdn.ops.causal_conv1d.api import causal_conv1d
@@ -24,6 +29,7 @@ from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule
 from tokamax_gdn.ops.gmm.api import gmm
 from tokamax_gdn.ops.tgmm.api import tgmm
 from tokamax_gdn.testing import conformance as conf
+from tokamax_gdn.testing import specs
 
 f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
 API = {"gated_delta_rule": gated_delta_rule, "causal_conv1d": causal_conv1d,
@@ -101,6 +107,11 @@ BAD = [
      dict(value=z((B, T, HV + 1, DV)))),
     ("gated_delta_rule", "value_rank3", "value", ValueError, dict(value=z((B, T, HV * DV)))),
     ("gated_delta_rule", "value_int", "value", TypeError, dict(value=z((B, T, HV, DV), i32))),
+    # query, key and value share one dtype (out's and the kernels' matmul inputs').
+    ("gated_delta_rule", "key_dtype_not_query_s", "key", TypeError,
+     dict(key=z((B, T, HK, DK), bf16))),
+    ("gated_delta_rule", "value_dtype_not_query_s", "value", TypeError,
+     dict(value=z((B, T, HV, DV), bf16))),
     ("gated_delta_rule", "g_key_heads", "g", ValueError, dict(g=z((B, T, HK)))),
     ("gated_delta_rule", "g_rank4", "g", ValueError, dict(g=z((B, T, HV, 1)))),
     ("gated_delta_rule", "g_int", "g", TypeError, dict(g=z((B, T, HV), i32))),
@@ -417,20 +428,266 @@ def test_all_implementations_failing_raise_exception_group():
                   implementation=[_unsupported_conv()])
 
 
-def test_pallas_off_tpu_without_interpret_falls_through():
-  assert "pallas_mosaic_tpu" in registry.implementations("gated_delta_rule")
-  from tokamax_gdn import config  # pylint: disable=g-import-not-at-top
+# ------------------------------------------------- Pallas off a TPU
+def _off_tpu():
   if config.on_tpu():
-    pytest.skip("runs on a TPU: the kernel is supported here")
-  args, kw = gdn_good()
-  pos = [args[n] for n in POSITIONAL["gated_delta_rule"]]
-  with config.interpret_mode(False):
-    with pytest.raises(ExceptionGroup):
-      gated_delta_rule(*pos, **kw, implementation=["pallas_mosaic_tpu"])
-    out, _ = jax.jit(lambda *p: gated_delta_rule(   # jitted: the choice is made when traced
-        *p, **kw, implementation=["pallas_mosaic_tpu", "xla"]))(*pos)
-  assert out.shape == (B, T, HV, DV)
+    pytest.skip("runs on a TPU: the kernels are supported here")
+  return config.interpret_mode(False)
+
+
+def _assert_names_op_and_interpret_mode(err: Exception, op_name: str) -> None:
+  assert isinstance(err, config.PallasTpuUnavailableError), repr(err)
+  assert isinstance(err, NotImplementedError)   # what implementation sequences fall through on
+  msg = str(err)
+  for part in (f"{op_name}:", "'pallas_mosaic_tpu'", jax.devices()[0].device_kind,
+               "TOKAMAX_GDN_INTERPRET=1", "tokamax_gdn.config.interpret_mode()"):
+    assert part in msg, f"{part!r} not in: {msg}"
+
+
+@pytest.mark.parametrize("op_name", registry.list_ops())
+def test_pallas_off_tpu_error_names_op_and_interpret_mode(op_name):
+  """Not tokamax's bare "Not supported on cpu.": the op, the implementation
+  and how to run it in interpret mode, eagerly and under jit; a sequence
+  falls through it to the next implementation (the reference here: the
+  cheapest to compile)."""
+  args, kw = GOOD[op_name]()
+  pos = [args[n] for n in POSITIONAL[op_name]]
+  arrays = {n: x for n, x in kw.items() if isinstance(x, jax.Array)}
+  static = {n: x for n, x in kw.items() if n not in arrays}
+  with _off_tpu():
+    with pytest.raises(NotImplementedError) as info:
+      API[op_name](*pos, **kw, implementation="pallas_mosaic_tpu")
+    _assert_names_op_and_interpret_mode(info.value, op_name)
+    with pytest.raises(NotImplementedError) as info:
+      _jitted(op_name, "pallas_mosaic_tpu", static)(pos, arrays)
+    _assert_names_op_and_interpret_mode(info.value, op_name)
+    with pytest.raises(ExceptionGroup) as group:
+      API[op_name](*pos, **kw, implementation=["pallas_mosaic_tpu"])
+    _assert_names_op_and_interpret_mode(group.value.exceptions[0], op_name)
+    fell_through = _jitted(op_name, ("pallas_mosaic_tpu", "reference"), static)(pos, arrays)
+  expected = _jitted(op_name, "reference", static)(pos, arrays)
+  for got, want in zip(jax.tree.leaves(fell_through), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+# The differentiable ops whose Pallas forward is cheap to run in interpret mode.
+@pytest.mark.parametrize("op_name,diff_args", [("gmm", 2), ("tgmm", 2), ("causal_conv1d", 3)])
+def test_pallas_backward_off_tpu_names_op(op_name, diff_args):
+  """A forward run in interpret mode whose backward is traced after it is off
+  (jax.vjp's function called outside the block) gets the same error, from the
+  backward's kernels."""
+  args, kw = GOOD[op_name]()
+  pos = [args[n] for n in POSITIONAL[op_name]]
+  fn = lambda *d: API[op_name](*d, *pos[diff_args:], **kw, implementation="pallas_mosaic_tpu")
+  with config.interpret_mode(True):
+    out, f_vjp = jax.vjp(fn, *pos[:diff_args])
+  with _off_tpu():
+    with pytest.raises(NotImplementedError) as info:
+      f_vjp(jax.tree.map(jnp.ones_like, out))
+  # tgmm's backward is a gmm and a tgmm.
+  _assert_names_op_and_interpret_mode(info.value, "gmm" if op_name == "tgmm" else op_name)
+
+
+def _ops_with_a_pallas_vjp_op():
+  """Ops whose Pallas implementation has a VJP Op of its own (gmm's and tgmm's
+  VJP is a function of their Ops; the serving op has none)."""
+  ops = [op for op in registry.list_ops()
+         if isinstance(registry.get(op, "pallas_mosaic_tpu").vjp, op_lib.Op)]
+  assert {"gated_delta_rule", "causal_conv1d"} <= set(ops), ops
+  return ops
+
+
+@pytest.mark.parametrize("op_name", _ops_with_a_pallas_vjp_op())
+def test_pallas_vjp_op_off_tpu_names_op(op_name):
+  """A Pallas implementation's VJP Op (the GDN and conv backward kernels)
+  called off a TPU, as tokamax's backward calls it (the forward's canonical
+  arguments after the residuals, outputs and cotangents, none needed before
+  the device check): the error names the forward's op and the VJP's class."""
+  impl = registry.get(op_name, "pallas_mosaic_tpu")
+  args, kw = GOOD[op_name]()
+  ba = impl.bind(*[args[n] for n in POSITIONAL[op_name]], **kw)
+  fwd_kwargs = {n: x for n, x in ba.kwargs.items() if n != "return_residuals"}
+  with _off_tpu():
+    with pytest.raises(NotImplementedError) as info:
+      impl.vjp(None, None, None, *ba.args, **fwd_kwargs)
+  _assert_names_op_and_interpret_mode(info.value, op_name)
+  assert type(impl.vjp).__name__ in str(info.value)
+
+
+# ------------------------------------------------- implementation= of a wrong type
+@pytest.mark.parametrize("op_name", registry.list_ops())
+@pytest.mark.parametrize("bad,what", [(3, "3 (int)"), (["xla", 3], "element 3 (int)"),
+                                      (("xla", None), "element None (NoneType)"),
+                                      ({"xla"}, "(set)"), (b"xla", "element 120 (int)")],
+                         ids=["int", "list_with_int", "tuple_with_none", "set", "bytes"])
+def test_implementation_of_a_wrong_type_is_a_type_error(op_name, bad, what):
+  """Not `'int' object is not iterable`: the argument, what it got and the
+  valid names, before anything runs."""
+  args, kw = GOOD[op_name]()
+  pos = [args[n] for n in POSITIONAL[op_name]]
+  with pytest.raises(TypeError) as info:
+    API[op_name](*pos, **kw, implementation=bad)
+  msg = str(info.value)
+  assert msg.startswith("`implementation`") and what in msg, msg
+  for name in registry.implementations(op_name):
+    assert repr(name) in msg, msg
+
+
+def test_layer_and_generation_implementation_of_a_wrong_type_and_an_op():
+  """The layer's and generation's `implementation=` go through the same
+  check; a tokamax Op per op (which they used to take apart as a sequence) is
+  one implementation."""
+  from tokamax_gdn.models import generation  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.models.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  model = ModelConfig.load("qwen3.5-micro")
+  with pytest.raises(TypeError, match=r"`implementation` element 3 \(int\) for op 'gmm'"):
+    generation.statics(model, implementation={"gmm": ["xla", 3]})
+  gmm_op = registry.get("gmm", "xla")
+  assert generation.statics(model, implementation={"gmm": gmm_op})["gmm_impl"] is gmm_op
+  assert generation.statics(model, implementation=["xla"])["gmm_impl"] == ("xla",)
+  layer = importlib.import_module("tokamax_gdn.layers.gated_deltanet")
+  cfg = layer.GatedDeltaNetConfig(hidden_size=16, num_k_heads=1, num_v_heads=2,
+                                  head_k_dim=8, head_v_dim=8, conv_kernel_size=4)
+  params = layer.init_params(jax.random.key(0), cfg)
+  x = jax.random.normal(jax.random.key(1), (1, 6, cfg.hidden_size))
+  with pytest.raises(TypeError, match=r"`implementation` 3 \(int\) for op 'causal_conv1d'"):
+    layer.gated_deltanet(params, x, cfg, implementation=3)
+  ops = {op: registry.get(op, "reference") for op in ("causal_conv1d", "gated_delta_rule")}
+  run = lambda impl: jax.jit(lambda p, x: layer.gated_deltanet(p, x, cfg, implementation=impl))
+  np.testing.assert_array_equal(run(ops)(params, x), run("reference")(params, x))
+
+
+# -------------------------------------------------------- mixed dtypes
+def _gdn_random(dtype=f32, gate_dtype=f32, state_dtype=f32):
+  """Random (never constant) small GDN inputs: positional list and keywords."""
+  ks = jax.random.split(jax.random.key(7), 6)
+  normal = lambda i, shape: jax.random.normal(ks[i], shape, f32)
+  pos = [normal(0, (B, T, HK, DK)).astype(dtype),
+         (normal(1, (B, T, HK, DK)) * DK**-0.5).astype(dtype),
+         normal(2, (B, T, HV, DV)).astype(dtype),
+         (-jax.nn.softplus(normal(3, (B, T, HV))) * 0.5).astype(gate_dtype),
+         jax.nn.sigmoid(normal(4, (B, T, HV))).astype(gate_dtype)]
+  kw = dict(initial_state=(0.1 * normal(5, (B, HV, DK, DV))).astype(state_dtype),
+            output_final_state=True)
+  return pos, kw
+
+
+def _outputs_and_grads(fn, *diff):
+  """Jitted (one compile; eager dispatch compiles every primitive): fn's
+  outputs and the gradients of sum(outputs * 1) with respect to `diff`."""
+  def run(*diff):
+    out, f_vjp = jax.vjp(fn, *diff)
+    return out, f_vjp(jax.tree.map(jnp.ones_like, out))
+  return jax.jit(run)(*diff)
+
+
+def test_gdn_state_of_another_float_dtype_is_cast_to_float32():
+  """The documented cast (before any implementation runs): the outputs,
+  final state (float32) and gradients of the float32 state holding the same
+  values, the state's gradient in its own dtype."""
+  pos, kw = _gdn_random(state_dtype=bf16)
+  run = lambda s: gated_delta_rule(*pos, **dict(kw, initial_state=s), implementation="reference")
+  (out, final), (ds,) = _outputs_and_grads(run, kw["initial_state"])
+  (out32, final32), (ds32,) = _outputs_and_grads(run, kw["initial_state"].astype(f32))
+  assert final.dtype == f32 and ds.dtype == bf16
+  np.testing.assert_array_equal(out, out32)
+  np.testing.assert_array_equal(final, final32)
+  np.testing.assert_array_equal(ds, ds32.astype(bf16))
+
+
+@pytest.mark.parametrize("impl_name", list(registry.implementations("gated_delta_rule")))
+def test_gdn_op_refuses_a_state_that_is_not_float32(tripwire, impl_name):
+  """The Ops themselves take float32 states only (the functions cast)."""
+  del tripwire
+  pos, kw = _gdn_random(state_dtype=bf16)
+  with conf.execution_context(impl_name), pytest.raises(
+      TypeError, match=r"`initial_state` .* must be float32"):
+    registry.get("gated_delta_rule", impl_name)(*pos, **kw)
+
+
+def test_fla_entry_point_dtypes():
+  """`chunk_gated_delta_rule` casts a bf16 state as FLA's kernels read it, and
+  takes q, k, v of different dtypes as FLA does: run in their common dtype,
+  `o` in q's."""
+  from tokamax_gdn.ops.gated_delta_rule.fla import chunk_gated_delta_rule  # pylint: disable=g-import-not-at-top
+  pos, kw = _gdn_random(state_dtype=bf16)
+  q, *rest = pos
+  run = jax.jit(lambda q, s: chunk_gated_delta_rule(q, *rest, **dict(kw, initial_state=s),
+                                                    implementation="reference"))
+  out, final = run(q.astype(bf16), kw["initial_state"])
+  want_out, want_final = run(q.astype(bf16).astype(f32), kw["initial_state"].astype(f32))
+  assert out.dtype == bf16 and final.dtype == f32
+  np.testing.assert_array_equal(out, want_out.astype(bf16))
+  np.testing.assert_array_equal(final, want_final)
+
+
+def _assert_as_the_reference(got, want, tol: float) -> None:
+  """Same dtypes leaf by leaf, values within `tol` (rel-RMS)."""
+  for i, (a, e) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)):
+    assert a.dtype == e.dtype, (i, a.dtype, e.dtype)
+    assert specs.rel_rms(a, e) < tol, (i, specs.rel_rms(a, e))
+
+
+# The Pallas kernels in interpret mode take ~40 s for this on a CPU: on the chip only.
+@pytest.mark.parametrize("impl_name", ["xla", pytest.param("pallas_mosaic_tpu",
+                                                           marks=pytest.mark.tpu)])
+def test_gdn_gates_of_another_dtype_as_the_reference(impl_name):
+  """bf16 q, k, v with float32 g and beta (as HF computes the gate): the
+  implementation computes what the reference does, `out` in value's dtype
+  and each gradient in its input's dtype."""
+  pos, kw = _gdn_random(bf16, f32)
+  results = {}
+  for name in ("reference", impl_name):
+    with conf.execution_context(name):
+      results[name] = _outputs_and_grads(
+          lambda *p, name=name: gated_delta_rule(*p, **kw, implementation=name), *pos)
+  (out, _), grads = results["reference"]
+  assert out.dtype == bf16 and [g.dtype for g in grads] == [bf16] * 3 + [f32] * 2
+  _assert_as_the_reference(results[impl_name], results["reference"], 2e-2)
+
+
+@pytest.mark.parametrize("impl_name", list(registry.implementations("causal_conv1d")))
+def test_conv_mixed_dtypes_as_the_reference(impl_name):
+  """bf16 x with float32 weight, bias and state: `y` and the final state in
+  x's dtype, each gradient in its input's dtype, the reference's values."""
+  ks = jax.random.split(jax.random.key(3), 4)
+  x = jax.random.normal(ks[0], (B, T, D), f32).astype(bf16)
+  weight, bias = jax.random.normal(ks[1], (D, W)), jax.random.normal(ks[2], (D,))
+  state = jax.random.normal(ks[3], (B, W - 1, D))
+  results = {}
+  for name in ("reference", impl_name):
+    with conf.execution_context(name):
+      results[name] = _outputs_and_grads(
+          lambda *a, name=name: causal_conv1d(*a[:3], initial_state=a[3], output_final_state=True,
+                                              implementation=name), x, weight, bias, state)
+  (y, final), grads = results["reference"]
+  assert y.dtype == final.dtype == bf16 and [g.dtype for g in grads] == [bf16] + [f32] * 3
+  _assert_as_the_reference(results[impl_name], results["reference"], 2e-2)
+
+
+@pytest.mark.parametrize("impl_name", list(registry.implementations(
+    "causal_conv1d_gated_delta_rule")))
+def test_serving_mixed_dtypes_as_the_reference(impl_name):
+  """The serving op's float inputs each in its own dtype (bf16 qkv, a float32
+  conv pool, a bf16 recurrent pool, float32 parameters): the pools keep their
+  dtypes, `out` is qkv's, the values the reference's."""
+  op_name = "causal_conv1d_gated_delta_rule"
+  args, kw = serve_good()
+  ks = iter(jax.random.split(jax.random.key(5), 9))
+  dtypes = dict(qkv=bf16, recurrent_state=bf16, b=bf16)
+  for n in ("qkv", "b", "a", "conv_state", "recurrent_state", "conv_weight", "conv_bias",
+            "a_log", "dt_bias"):
+    args[n] = (0.3 * jax.random.normal(next(ks), args[n].shape)).astype(dtypes.get(n, f32))
+  args["seq_lens"] = jnp.array([T + 4], i32)   # continues slot 1's states
+  pos = [args[n] for n in POSITIONAL[op_name]]
+  results = {}
+  for name in ("reference", impl_name):
+    with conf.execution_context(name):
+      results[name] = _jitted(op_name, name, kw)(pos, {})
+  (conv_pool, rec_pool), out = results["reference"]
+  assert (conv_pool.dtype, rec_pool.dtype, out.dtype) == (f32, bf16, bf16)
+  _assert_as_the_reference(results[impl_name], results["reference"], 2e-2)
 
 
 # Silence "imported but unused" for the base modules kept for readers.
-del conv_base, gdn_base, bf16
+del conv_base, gdn_base

@@ -73,7 +73,8 @@ def test_a_peer_that_cannot_run_is_a_row_with_its_reason():
   shape = workload.LayerShape(b=1, t=64, hk=1, hv=2, k=16, v=16)
   rows = on_chip.gdn_rows(FLOORS, shape, (64,), ("pallas_mosaic_tpu",), policies=(), kda=False,
                           n=1)
-  assert all(r["ms"] is None and "NotImplementedError" in r["error"] for r in rows)
+  assert rows and all(r["ms"] is None and "PallasTpuUnavailableError" in r["error"]
+                      and "needs a TPU" in r["error"] for r in rows), rows
 
 
 def test_command_on_a_tpu_writes_the_record(monkeypatch, tmp_path, capsys):

@@ -64,7 +64,8 @@ def test_rows_arithmetic_floor_and_failures_as_rows():
       for phase in ("prefill", "decode")]
   assert len(lines) == 2 * len(rows) and lines[0].endswith("compiling")
   for r in rows[:4]:       # no Pallas on CPU: a row with the reason, and the others run
-    assert r["ms"] is None and "NotImplementedError" in r["error"]
+    assert r["ms"] is None and "PallasTpuUnavailableError" in r["error"], r["error"]
+    assert "needs a TPU" in r["error"]
   for r in rows[4:]:
     assert "error" not in r and r["ms"] > 0 and r["compile_s"] > 0
     b = r["batch"]

@@ -172,22 +172,39 @@ def on_tpu() -> bool:
   return generation_from_device_kind(current_device_kind()) is not None
 
 
+class PallasTpuUnavailableError(NotImplementedError):
+  """A `pallas_mosaic_tpu` implementation called where its kernels cannot run:
+  off a TPU with interpret mode off. A NotImplementedError, so that a sequence
+  `implementation=("pallas_mosaic_tpu", "xla")` falls through to the next one."""
+
+
+def pallas_tpu_unavailable(op_name: str, device_kind: str,
+                           op_class: str | None = None) -> PallasTpuUnavailableError:
+  """The error for `op_name`'s `pallas_mosaic_tpu` implementation (its tokamax
+  Op class `op_class`, e.g. the backward's) called on a `device_kind` device."""
+  which = f" ({op_class})" if op_class else ""
+  return PallasTpuUnavailableError(
+      f"{op_name}: implementation 'pallas_mosaic_tpu'{which} needs a TPU, and this call"
+      f" runs on {device_kind}. To run its kernels here in Pallas TPU interpret mode (slow: for"
+      " testing), set TOKAMAX_GDN_INTERPRET=1 or call it inside"
+      " `with tokamax_gdn.config.interpret_mode():`. Or choose implementation='xla', or a"
+      " sequence such as ('pallas_mosaic_tpu', 'xla') that falls back.")
+
+
 def require_pallas_tpu(op_name: str) -> bool:
   """Where a Pallas TPU kernel runs: returns whether in interpret mode, or raises.
 
   On a TPU (a real chip, or an AOT target's abstract mesh) the kernel is
   compiled for it: False, even with interpret mode on. Elsewhere it runs in
   Pallas TPU interpret mode when that is on (`interpret_mode()`,
-  `TOKAMAX_GDN_INTERPRET=1`): True. Otherwise NotImplementedError naming the
-  op, so that `implementation=(..., "xla")` falls through to the next one.
+  `TOKAMAX_GDN_INTERPRET=1`): True. Otherwise `PallasTpuUnavailableError`
+  naming the op `op_name`.
   """
   if on_tpu():
     return False
   if interpret_enabled():
     return True
-  raise NotImplementedError(
-      f"{op_name} needs a TPU (or Pallas interpret mode: TOKAMAX_GDN_INTERPRET=1 or"
-      " `with tokamax_gdn.config.interpret_mode():`).")
+  raise pallas_tpu_unavailable(op_name, current_device_kind())
 
 
 def pallas_tpu_supported(device: jax.Device) -> bool:

@@ -87,17 +87,37 @@ def for_op(implementation: Implementation | dict[str, Implementation], op_name: 
   return implementation
 
 
+def candidates(op_name: str, implementation: Implementation) -> tuple[str | op_lib.Op, ...]:
+  """An `implementation=` argument as the names and Ops to try, in order
+  (None: `default_order`). TypeError for anything but None, a name, an Op or
+  a non-empty sequence (list, tuple) of names and Ops (ValueError for an empty one),
+  naming the valid names; an unknown name is left to `get`."""
+  if implementation is None:
+    return default_order(op_name)
+  if isinstance(implementation, (str, op_lib.Op)):
+    return (implementation,)
+  if not isinstance(implementation, Sequence):
+    raise _implementation_type_error(op_name, implementation, "")
+  for item in implementation:
+    if not isinstance(item, (str, op_lib.Op)):
+      raise _implementation_type_error(op_name, item, " element")
+  if not implementation:
+    raise ValueError("`implementation` must not be an empty sequence.")
+  return tuple(implementation)
+
+
+def _implementation_type_error(op_name: str, value: Any, what: str) -> TypeError:
+  return TypeError(
+      f"`implementation`{what} {value!r} ({type(value).__name__}) for op {op_name!r}: expected"
+      f" an implementation name ({', '.join(map(repr, implementations(op_name)))}), a"
+      " tokamax Op, a sequence of those (tried in order), or None (the best for the"
+      " backend).")
+
+
 def resolve(op_name: str, implementation: Implementation) -> list[op_lib.Op]:
   """Turns an `implementation=` argument into the list of Ops to try, in order."""
-  if implementation is None:
-    names: Sequence[Any] = default_order(op_name)
-  elif isinstance(implementation, (str, op_lib.Op)):
-    names = (implementation,)
-  else:
-    names = tuple(implementation)
-    if not names:
-      raise ValueError("`implementation` must not be an empty sequence.")
-  return [n if isinstance(n, op_lib.Op) else get(op_name, n) for n in names]
+  return [n if isinstance(n, op_lib.Op) else get(op_name, n)
+          for n in candidates(op_name, implementation)]
 
 
 def call(
@@ -150,5 +170,5 @@ def arg_specs(op_name: str, tag: str | None = None) -> list[autotuning.ArgSpec]:
   return [s for s in specs if tag is None or tag in s.tags]
 
 
-__all__ = ["list_ops", "implementations", "get", "default_order", "for_op", "resolve", "call",
-           "call_each", "table", "arg_specs"]
+__all__ = ["list_ops", "implementations", "get", "default_order", "for_op", "candidates",
+           "resolve", "call", "call_each", "table", "arg_specs"]

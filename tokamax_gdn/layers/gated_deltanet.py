@@ -32,6 +32,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
+from tokamax._src.ops import op as op_lib
 
 from tokamax_gdn import registry
 from tokamax_gdn.layers import presets
@@ -159,7 +160,9 @@ class GatedDeltaNetCache(NamedTuple):
   """What a sequence carries between calls (a pytree).
 
   conv_state: [B, W-1, 2*Hk*K + Hv*V], the last W-1 conv inputs (activation dtype).
-  recurrent_state: [B, Hv, K, V] float32.
+  recurrent_state: [B, Hv, K, V] float32 (one of another float dtype is
+    read as float32, as `gated_delta_rule` reads its `initial_state`; the
+    returned cache's is float32).
   """
 
   conv_state: jax.Array
@@ -215,7 +218,7 @@ def _implementations(op_name: str, implementation, cfg: GatedDeltaNetConfig):
   """The `implementation=` for one op, from the layer's argument and config."""
   implementation = registry.for_op(implementation, op_name)
   if implementation is not None:
-    names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+    names = registry.candidates(op_name, implementation)
   else:
     available = registry.implementations(op_name)
     wanted = ("pallas_mosaic_tpu", "xla") if cfg.use_gdn_kernel else ("xla",)
@@ -224,7 +227,7 @@ def _implementations(op_name: str, implementation, cfg: GatedDeltaNetConfig):
     names = tuple(_with_chunk_size(n, cfg.chunk_size) for n in names)
   # One named implementation stays one (its own error if it cannot run, not
   # an ExceptionGroup of one).
-  return names[0] if isinstance(implementation, str) else names
+  return names[0] if isinstance(implementation, (str, op_lib.Op)) else names
 
 
 def _with_chunk_size(impl, chunk_size: int):
@@ -297,7 +300,9 @@ def gated_deltanet(
     x: [B, T, hidden] activations.
     cfg: the layer's shapes.
     implementation: for both `causal_conv1d` and `gated_delta_rule`: a name,
-      a sequence of names tried in order, or a dict {op name: that}. None:
+      a sequence of names tried in order, or a dict {op name: a name, a
+      tokamax Op or a sequence of those}; anything else is a TypeError naming
+      the valid names. None:
       ("pallas_mosaic_tpu", "xla") when `cfg.use_gdn_kernel` else "xla",
       restricted to what the registry has.
     segment_ids: [B, T] int for packed sequences; conv windows and the

@@ -42,6 +42,7 @@ import jax
 from jax.experimental.layout import Format, Layout
 import jax.numpy as jnp
 import numpy as np
+from tokamax._src.ops import op as op_lib
 
 from tokamax_gdn import registry
 from tokamax_gdn.layers.gated_deltanet import in_projection, out_projection  # pylint: disable=g-multiple-import
@@ -239,11 +240,12 @@ def _placed(cache: GenerationCache, formats) -> GenerationCache:
   return jax.tree.map(lambda x, f: x if x.format == f else jax.device_put(x, f), cache, formats)
 
 
-def _static(implementation):
-  """A hashable `implementation=` (sequences become tuples)."""
-  if implementation is None or isinstance(implementation, str):
+def _static(op_name: str, implementation):
+  """A hashable `implementation=` of `op_name` (sequences become tuples,
+  checked as the op checks them)."""
+  if implementation is None or isinstance(implementation, (str, op_lib.Op)):
     return implementation
-  return tuple(implementation)
+  return registry.candidates(op_name, implementation)
 
 
 def step(params, cache: GenerationCache, tokens: jax.Array, query_start_loc: jax.Array,
@@ -280,8 +282,9 @@ def step(params, cache: GenerationCache, tokens: jax.Array, query_start_loc: jax
 
 def statics(cfg: ModelConfig, implementation=None, dtype=None) -> dict:
   """The static arguments of a step program (`_program`)."""
-  return dict(cfg=cfg, serving_impl=_static(registry.for_op(implementation, SERVING_OP)),
-              gmm_impl=_static(registry.for_op(implementation, "gmm")),
+  return dict(cfg=cfg,
+              serving_impl=_static(SERVING_OP, registry.for_op(implementation, SERVING_OP)),
+              gmm_impl=_static("gmm", registry.for_op(implementation, "gmm")),
               dtype=None if dtype is None else jnp.dtype(dtype))
 
 

@@ -14,6 +14,21 @@ def require_float(name: str, x) -> None:
     raise TypeError(f"{describe(name, x)} must be a floating-point array.")
 
 
+def require_same_dtype(**arrays) -> None:
+  """TypeError unless the arrays (name=array) share one dtype."""
+  dtypes = {jnp.dtype(x.dtype) for x in arrays.values()}
+  if len(dtypes) > 1:
+    given = ", ".join(f"`{n}` {jnp.dtype(x.dtype).name}" for n, x in arrays.items())
+    first, *others = arrays
+    raise TypeError(f"{given}: these must share one dtype. Cast them to one first, e.g."
+                    f" `{others[0]}.astype({first}.dtype)`.")
+
+
+def require_float32(name: str, x, why: str) -> None:
+  if jnp.dtype(x.dtype) != jnp.float32:
+    raise TypeError(f"{describe(name, x)} must be float32 ({why}).")
+
+
 def require_rank(name: str, x, rank: int, layout: str) -> None:
   if x.ndim != rank:
     raise ValueError(f"{describe(name, x)}: expected rank {rank} ({layout}).")

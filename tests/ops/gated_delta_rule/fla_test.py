@@ -128,14 +128,15 @@ def test_cu_seqlens_without_states_is_plain_segments(impl):
 
 
 def test_without_cu_seqlens_is_gated_delta_rule_with_fla_defaults():
-  """B rows, [B, Hv, K, V] states, scale K**-0.5, output in q's dtype."""
+  """B rows, [B, Hv, K, V] states, scale K**-0.5, output in q's dtype; q, k
+  and v of different dtypes (as FLA takes them) run in their common one."""
   d = _inputs(b=2)
   q, k, v, g, beta, h0 = (d[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
+  q, k = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
   got, fin = tokamax_gdn.chunk_gated_delta_rule(
-      q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v, g, beta, initial_state=h0,
-      output_final_state=True, implementation="reference")
+      q, k, v, g, beta, initial_state=h0, output_final_state=True, implementation="reference")
   want, want_fin = tokamax_gdn.gated_delta_rule(
-      q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v, g, beta, initial_state=h0,
+      q.astype(jnp.float32), k.astype(jnp.float32), v, g, beta, initial_state=h0,
       scale=DK**-0.5, output_final_state=True, implementation="reference")
   assert got.dtype == jnp.bfloat16 and fin.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(got, np.float32),

@@ -26,6 +26,10 @@ def causal_conv1d(
 
   Inputs before the first token come from `initial_state` (zeros if None).
 
+  Dtypes: `x` sets the dtype of `y` and of the final state; `weight`, `bias`
+  and `initial_state` may have any float dtype each. Every implementation
+  computes in float32, and each gradient comes back in its input's dtype.
+
   Args:
     x: [B, T, D].
     weight: [D, W] (the `causal-conv1d` package layout; HF's Conv1d weight

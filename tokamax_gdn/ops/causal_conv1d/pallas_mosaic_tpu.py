@@ -97,7 +97,7 @@ def _vmem_limit(bt: int, bd: int, width: int, itemsize: int) -> int:
 
 def _check_supported(x: jax.Array, width: int) -> bool:
   """Returns interpret mode; raises NotImplementedError where the kernels can't run."""
-  interpret = gdn_config.require_pallas_tpu("causal_conv1d pallas_mosaic_tpu")
+  interpret = gdn_config.require_pallas_tpu("causal_conv1d")
   if x.dtype not in (jnp.float32, jnp.bfloat16):
     raise NotImplementedError(f"pallas_mosaic_tpu supports float32/bfloat16 x; got {x.dtype}.")
   if width - 1 > kernel.HALO:
@@ -167,6 +167,7 @@ def _per_shard(body, out_labels, arrays: dict):
 class PallasMosaicTpuCausalConv1d(config_hooks.PallasTpuHooks, base.CausalConv1d[Config, None]):
   """Tiled causal conv1d + SiLU in Pallas Mosaic TPU (forward + backward kernels)."""
 
+  op_name: ClassVar[str] = "causal_conv1d"
   config_cls: ClassVar[type[Config]] = Config
   heuristics = _heuristics
   autotuning_configs = _autotuning_configs
@@ -199,6 +200,7 @@ class PallasMosaicTpuCausalConv1d(config_hooks.PallasTpuHooks, base.CausalConv1d
 class PallasMosaicTpuCausalConv1dVjp(config_hooks.PallasTpuHooks, op.Op):
   """Backward: one Pallas kernel for dx / dweight / dbias; XLA for the W-1-token edges."""
 
+  op_name: ClassVar[str] = "causal_conv1d"
   config_cls: ClassVar[type[Config]] = Config
   heuristics = _heuristics
   autotuning_configs = _autotuning_configs

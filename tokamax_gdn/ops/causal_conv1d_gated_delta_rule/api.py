@@ -38,6 +38,11 @@ def causal_conv1d_gated_delta_rule(
   continuations) in one call; their conv and recurrent states live in pools of
   slots updated in place. Semantics: `base.py` of this folder (module doc).
 
+  Dtypes: the float inputs may each have their own (`qkv` sets `out`'s; each
+  pool is bfloat16 or float32 and keeps its dtype); every implementation
+  computes in float32. The q, k and v of a token come in one `qkv` row, so
+  they share a dtype, as `gated_delta_rule` requires of its own.
+
   Args:
     qkv: [T, 2 n_kq d_k + n_v d_v] raw (pre-conv) q, k, v of T packed tokens.
     b, a: [T, n_v] raw beta / gate inputs.

@@ -524,7 +524,7 @@ def _put_slot(pool, slot, value, write):
 
 def _check_supported(qkv: jax.Array, dims: base.Dims) -> bool:
   """Returns interpret mode; raises NotImplementedError where the kernels can't run."""
-  interpret = gdn_config.require_pallas_tpu("causal_conv1d_gated_delta_rule pallas_mosaic_tpu")
+  interpret = gdn_config.require_pallas_tpu("causal_conv1d_gated_delta_rule")
   if qkv.dtype not in (jnp.float32, jnp.bfloat16):
     raise NotImplementedError(f"pallas_mosaic_tpu supports float32/bfloat16 qkv; got {qkv.dtype}.")
   return interpret
@@ -535,6 +535,7 @@ class PallasMosaicTpuCausalConv1dGatedDeltaRule(config_hooks.PallasTpuHooks,
                                                 base.CausalConv1dGatedDeltaRule[Config, None]):
   """Decode kernel + chunked GDN kernel on state pools (see the module doc)."""
 
+  op_name: ClassVar[str] = "causal_conv1d_gated_delta_rule"
   config_cls: ClassVar[type[Config]] = Config
   serve_zeroes_other_rows: ClassVar[bool] = True
   heuristics = _heuristics

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 import jax
 
 from tokamax_gdn import registry
+from tokamax_gdn.ops.gated_delta_rule import base
 from tokamax_gdn.ops.gated_delta_rule import context_parallel
 from tokamax_gdn.ops.gated_delta_rule import remat
 
@@ -34,6 +35,13 @@ def gated_delta_rule(
     S_t = exp(g_t) S_{t-1};  S_t += beta_t k_t (v_t - k_t^T S_t)^T;
     o_t = scale * S_t^T q_t.
 
+  Dtypes: `query`, `key` and `value` share one float dtype, `out`'s (a
+  TypeError names them otherwise); `g`, `beta`, `a_log` and `dt_bias` may
+  have any float dtype each. Every implementation computes in float32. The
+  state is float32: an `initial_state` of another float dtype (a bfloat16
+  cache, say) is cast to float32 (exactly, from bfloat16 or float16), and its
+  gradient comes back in its own dtype.
+
   Args:
     query, key: [B, T, Hk, K].
     value: [B, T, Hv, V]; Hv a multiple of Hk.
@@ -42,7 +50,8 @@ def gated_delta_rule(
     beta: [B, T, Hv], in (0, 1); or, with `use_beta_sigmoid`, logits, turned
       into sigmoid(beta) inside (the gradient is the logits').
     scale: output scale; default K**-0.5.
-    initial_state: [B, Hv, K, V] float32 state before the first token. With
+    initial_state: [B, Hv, K, V] state before the first token (float32, or
+      cast to it: see Dtypes). With
       `segment_ids` it may also be [B, N, Hv, K, V], one state per segment:
       segment n of row b (the n-th run of equal ids, from 0) starts from
       initial_state[b, n]; segments past the N-th start from zeros. Gradients
@@ -88,7 +97,7 @@ def gated_delta_rule(
   mode (jax.jvp, jax.jacfwd) raises `tokamax_gdn.ops.autodiff.ForwardModeError`
   (a TypeError naming the op).
   """
-  kwargs = dict(scale=scale, initial_state=initial_state,
+  kwargs = dict(scale=scale, initial_state=base.float32_state(initial_state),
                 output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
                 use_beta_sigmoid=use_beta_sigmoid, a_log=a_log, dt_bias=dt_bias,
                 segment_ids=segment_ids)

@@ -137,6 +137,19 @@ def _core_beta(op_, beta, use_beta_sigmoid: bool, initial_state):
   return beta, in_core
 
 
+def float32_state(initial_state: jax.Array | None) -> jax.Array | None:
+  """`initial_state` as float32, the one state dtype of every Op (`bind`
+  refuses others). A float state of another dtype is cast (exactly, from
+  bfloat16 or float16); cast before the Op, outside its custom VJP, its
+  gradient comes back in its own dtype. Anything else is left for `bind`'s
+  errors."""
+  if (initial_state is not None and hasattr(initial_state, "dtype")
+      and jnp.issubdtype(initial_state.dtype, jnp.floating)
+      and initial_state.dtype != jnp.float32):
+    return initial_state.astype(jnp.float32)
+  return initial_state
+
+
 def _float64_to_float32(tree):
   """Every float64 array of `tree` as float32.
 
@@ -228,6 +241,8 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
     for name, x in (("query", query), ("key", key), ("value", value)):
       checks.require_rank(name, x, 4, "[batch, time, heads, head_dim]")
       checks.require_float(name, x)
+    # One dtype: it is the kernels' matmul input dtype and `out`'s.
+    checks.require_same_dtype(query=query, key=key, value=value)
     b, t, hk, dk = query.shape
     checks.require_shape("key", key, (b, t, hk, dk), "same as `query` [B, T, Hk, K]")
     if value.shape[:2] != (b, t):
@@ -247,6 +262,8 @@ class GatedDeltaRule[C, K](ShippedAutotuningCacheMixin, op.Op[Any, Output, Resid
       checks.require_shape(name, x, (b, t, hv), "[B, T, Hv]")
     if initial_state is not None:
       checks.require_float("initial_state", initial_state)
+      checks.require_float32("initial_state", initial_state,
+                             "states are float32; `gated_delta_rule` casts other float dtypes")
       if initial_state.ndim == 5:
         _check_segment_states(initial_state, segment_ids, (b, hv, dk, dv))
         if not self.supports_segment_states:

@@ -53,6 +53,12 @@ def chunk_gated_delta_rule(
   The positional order is FLA's (0.6), so ported calls that pass
   `use_qk_l2norm_in_kernel` or `cu_seqlens` by position mean the same here.
 
+  Dtypes as FLA's: q, k and v may differ (float dtypes): the op then runs on
+  their common dtype (`jnp.promote_types`; `gated_delta_rule` itself takes one)
+  and `o` comes back in q's. g and beta may have any float dtype. Computation
+  and states are float32: an `initial_state` of another float dtype is cast to
+  float32 (as FLA's kernels read it), its gradient coming back in its dtype.
+
   Args:
     q, k: [B, T, H, K] queries and keys.
     v: [B, T, Hv, V] values; Hv a multiple of H.
@@ -60,8 +66,8 @@ def chunk_gated_delta_rule(
       with `use_gate_in_kernel`, the raw gate (see there).
     beta: [B, T, Hv] write strengths (logits with `use_beta_sigmoid_in_kernel`).
     scale: default K ** -0.5, as FLA.
-    initial_state: [N, Hv, K, V] float state per input sequence ([N, Hv, V, K]
-      with `state_v_first`): N = B without `cu_seqlens`, else
+    initial_state: [N, Hv, K, V] state per input sequence, any float dtype
+      ([N, Hv, V, K] with `state_v_first`): N = B without `cu_seqlens`, else
       N = len(cu_seqlens) - 1.
     output_final_state: also return the final state [N, Hv, K, V] (float32;
       [N, Hv, V, K] with `state_v_first`).
@@ -140,6 +146,8 @@ def chunk_gated_delta_rule(
     beta = 2 * jax.nn.sigmoid(beta.astype(jnp.float32)).astype(beta.dtype)
   if state_v_first and initial_state is not None:
     initial_state = jnp.swapaxes(initial_state, -1, -2)
+  out_dtype = getattr(q, "dtype", None)
+  q, k, v = _common_float_dtype(q, k, v)
   out, final = _chunk_gated_delta_rule(
       q, k, v, g, beta, scale=scale, initial_state=initial_state,
       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -147,7 +155,16 @@ def chunk_gated_delta_rule(
       a_log=a_log, dt_bias=dt_bias, implementation=implementation)
   if state_v_first and final is not None:
     final = jnp.swapaxes(final, -1, -2)
-  return out, final
+  return out.astype(out_dtype), final
+
+
+def _common_float_dtype(*xs):
+  """xs in their promoted dtype when all are float arrays (else as they are,
+  for `gated_delta_rule`'s errors to name them)."""
+  if not all(hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) for x in xs):
+    return xs
+  dtype = jnp.result_type(*(x.dtype for x in xs))
+  return tuple(x.astype(dtype) for x in xs)
 
 
 def _chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state,
@@ -162,7 +179,7 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_fi
         output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm_in_kernel,
         use_beta_sigmoid=use_beta_sigmoid, a_log=a_log, dt_bias=dt_bias,
         implementation=implementation)
-    return out.astype(q.dtype), final
+    return out, final
 
   segment_ids, cu = _segment_ids(q, cu_seqlens)
   n = cu.shape[0] - 1
@@ -189,7 +206,7 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_fi
   if final is not None:
     final = jnp.where(nonempty[:, None, None, None],
                       final[0, jnp.clip(run_of_seq, 0, n - 1)], states)
-  return out.astype(q.dtype), final
+  return out, final
 
 
 def _segment_ids(q: jax.Array, cu_seqlens) -> tuple[jax.Array, jax.Array]:

@@ -182,11 +182,10 @@ def _states_config(config: Config, sh: _Shapes) -> Config:
 
 def _check_supported(q: jax.Array, v: jax.Array) -> bool:
   """Returns interpret mode; raises NotImplementedError where the kernels can't run."""
-  interpret = gdn_config.require_pallas_tpu("gated_delta_rule pallas_mosaic_tpu")
-  if q.dtype not in (jnp.float32, jnp.bfloat16) or v.dtype != q.dtype:
+  interpret = gdn_config.require_pallas_tpu("gated_delta_rule")
+  if q.dtype not in (jnp.float32, jnp.bfloat16):   # (`bind`: q, k and v share it)
     raise NotImplementedError(
-        f"pallas_mosaic_tpu supports float32/bfloat16 q, k, v of one dtype; got"
-        f" {q.dtype}, {v.dtype}.")
+        f"pallas_mosaic_tpu supports float32/bfloat16 q, k, v; got {q.dtype}.")
   if v.shape[2] > 128:
     raise NotImplementedError(f"pallas_mosaic_tpu supports up to 128 value heads; got {v.shape[2]}.")
   return interpret
@@ -238,6 +237,7 @@ class _KernelConfigs(config_hooks.PallasTpuHooks):
   kernel each runs (the VJP's are `backward=True`), the log-decay floor, the
   devices."""
 
+  op_name: ClassVar[str] = "gated_delta_rule"
   config_cls: ClassVar[type[Config]] = Config
   log_decay_floor: ClassVar[float | None] = prologue.CHUNKED_LOG_DECAY_FLOOR
   heuristics = functools.partial(_heuristics, backward=False)

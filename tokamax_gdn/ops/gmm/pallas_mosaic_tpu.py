@@ -153,7 +153,7 @@ class PallasGroupedMatmul(config_hooks.PallasTpuHooks):
 
   def _check_supported(self, out_dtype) -> bool:
     """Returns interpret mode; raises NotImplementedError where the kernel can't run."""
-    interpret = gdn_config.require_pallas_tpu(type(self).__name__)
+    interpret = gdn_config.require_pallas_tpu(self.op_name)
     if not jnp.issubdtype(out_dtype, jnp.floating):
       raise NotImplementedError(f"{type(self).__name__}: integer outputs are not supported.")
     return interpret
@@ -169,6 +169,7 @@ def _tiling(ba: op.BoundArguments) -> Tiling:
 class PallasMosaicTpuGmm(PallasGroupedMatmul, base.Gmm[Config, None]):
   """Megablox-style grouped matmul with per-operand dtype tiling."""
 
+  op_name: ClassVar[str] = "gmm"
   tiling = _tiling
 
   def _gmm(self, lhs, rhs, group_sizes, *, out_dtype, transpose_rhs, config):

@@ -15,6 +15,7 @@ Qwen3.5 shape (8192x2048x1024, G=8) 256 beats 512 and 128.
 """
 
 import dataclasses
+from typing import ClassVar
 
 from tokamax._src.ops import op
 
@@ -51,6 +52,7 @@ def _tiling(ba: op.BoundArguments) -> gmm_pallas.Tiling:
 class PallasMosaicTpuTgmm(gmm_pallas.PallasGroupedMatmul, base.Tgmm[Config, None]):
   """Megablox-style transposed grouped matmul with per-operand dtype tiling."""
 
+  op_name: ClassVar[str] = "tgmm"
   tiling = _tiling
 
   def _tgmm(self, lhs, rhs, group_sizes, *, out_dtype, config):
