@@ -141,7 +141,7 @@ def loop_steps(spec) -> dict[str, int]:
   from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import xla  # pylint: disable=g-import-not-at-top
   lay = arg_specs.layout_of(spec.name)
   qsl, dist = np.asarray(lay["query_start_loc"]), np.asarray(lay["distribution"])
-  cfg = xla._heuristics(lay["qkv"].shape[0])  # pylint: disable=protected-access
+  cfg = xla.heuristic_config(lay["qkv"].shape[0])
   n_valid = min(int(dist[2]), lay["state_indices"].shape[0])
   n_decode = min(int(dist[0]), n_valid)
   lengths = np.diff(qsl[:n_valid + 1])

@@ -228,7 +228,7 @@ def _compile_serving(spec_names: Sequence[str], impls: Sequence[str], workers: i
     arrays = {k: v for k, v in kwargs.items() if k not in arg_specs.STATIC}
     start = time.perf_counter()
     try:
-      compiled = serving._jitted(impl, kwargs, pool_layout).lower(  # pylint: disable=protected-access
+      compiled = serving.jitted_step(impl, kwargs, pool_layout).lower(
           args[3], args[4], args[:3] + args[5:], arrays).compile()
     except Exception as e:
       log(f"serving {spec_name} {impl}: compile failed ({_error(e)[:120]})")

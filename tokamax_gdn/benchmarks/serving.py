@@ -45,7 +45,7 @@ def check_pool_layout(pool_layout: str) -> None:
     raise ValueError(f"pool_layout={pool_layout!r}; valid: {POOL_LAYOUTS}")
 
 
-def _jitted(impl, kwargs, pool_layout: str = "default"):
+def jitted_step(impl, kwargs, pool_layout: str = "default"):
   """The op as an engine's step: both pools donated and returned. With
   `pool_layout` "auto" the pools' layouts are XLA's choice for the program
   (lower and compile it, then place the pools in `input_formats`)."""
@@ -81,7 +81,7 @@ def run(specs, impls=("xla", TOKAMAX), reps: int = 5, key=None) -> list[dict[str
     args, kwargs = spec.make(key)
     arrays = {k: v for k, v in kwargs.items() if k not in arg_specs.STATIC}
     rest = args[:3] + args[5:]
-    fns = {impl: _jitted(impl, kwargs) for impl in impls}
+    fns = {impl: jitted_step(impl, kwargs) for impl in impls}
     pools = {impl: None for impl in impls}
     times = {impl: [] for impl in impls}
     for rnd in range(reps + 1):          # round 0 compiles
