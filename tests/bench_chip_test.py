@@ -151,7 +151,7 @@ def test_chained_table_one_line_per_workload():
   assert list(columns.values()) == ["workload", "floor ms", "bound", "ours", "x floor", "peer"]
   assert table == [
       {"spec": "a", "floor_ms": 0.5, "bound": "HBM", "over_floor": 2.0, "ms:ours": 1.0,
-       "ms:peer": None},
+       "ms:peer": "failed"},
       # No chained figure: the call-by-call one.
       {"spec": "b", "floor_ms": 0.1, "bound": "MXU", "over_floor": 4.0, "ms:ours": 0.4,
        "ms:peer": None}]

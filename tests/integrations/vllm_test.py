@@ -158,3 +158,31 @@ def test_bad_knobs_are_clear_errors(knobs, message):
   args, arrays, static = _call(lay, seed=1)
   with pytest.raises(ValueError, match=message):
     _dropin(args, arrays, static, **knobs)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(lengths=[1] * 5, context_lens=[3, 0, 5, 2, 0], max_reqs=7),
+    dict(lengths=[4, 2, 1, 3], context_lens=[7, 7, 7, 0], num_spec_tokens=3),
+], ids=["decode", "spec3"])
+def test_vllms_own_kernel_agrees(kw):
+  """vLLM's kernel itself, where tpu-inference's files are on the path, in
+  Pallas TPU interpret mode (traced for v5e), called as the benchmark calls
+  it (`benchmarks.serving.op_call`), against our reference: the peer rows of
+  the chip's table compute what ours do. Decodes and verify windows only:
+  its prefill tiles use ref reshapes that interpret mode lacks."""
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn import aot  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.benchmarks import serving  # pylint: disable=g-import-not-at-top
+  try:
+    vllm.tpu_inference_kernel()
+  except ImportError:
+    pytest.skip("tpu-inference is not on the path")
+  # (Its kernel takes whole 128-lane heads.)
+  lay = arg_specs.layout(**kw, n_kq=1, n_v=2, d_k=128, d_v=128, **F32)
+  args, arrays, static = _call(lay, seed=11)
+  rest = tuple(args[:3] + args[5:])
+  with jax.sharding.use_abstract_mesh(aot.target_mesh("v5e").abstract_mesh), \
+      pltpu.force_tpu_interpret_mode():
+    got = serving.op_call(serving.VLLM, static)(jnp.copy(args[3]), jnp.copy(args[4]), rest,
+                                                arrays)
+  _assert_close(got, _reference(args, arrays, static), jnp.float32)
