@@ -2,16 +2,20 @@
 run on CPU at tiny shapes with given floors: rows, ratios, failures as rows,
 progress lines, and the record section the command writes."""
 
+import json
 import time
 
 import jax
 import pytest
 
 from tokamax_gdn import cli
+from tokamax_gdn.aot import serving as serving_aot
 from tokamax_gdn.cli import bench_chip
 from tokamax_gdn.benchmarks import on_chip
+from tokamax_gdn.benchmarks import serving
 from tokamax_gdn.benchmarks import timing
 from tokamax_gdn.benchmarks import workload
+from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs
 
 FLOORS = timing.Floors("cpu", "v5e", mxu_flops=1e11, hbm_bytes=1e10, peak_flops=197e12,
                        peak_hbm=819e9)
@@ -78,24 +82,80 @@ def test_a_peer_that_cannot_run_is_a_row_with_its_reason():
 
 
 def test_command_on_a_tpu_writes_the_record(monkeypatch, tmp_path, capsys):
+  """The serving tables: the chained one as markdown, every row, both in the
+  record; the report saved as JSON prints and records the same tables again
+  (--from-json), with the command and device that measured them."""
   monkeypatch.setattr(timing, "measure_floors", lambda: FLOORS)
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-  path = tmp_path / "performance.md"
+  path, saved = tmp_path / "performance.md", tmp_path / "serving.json"
   code = cli.main(["bench", "--op", "causal_conv1d_gated_delta_rule", "--specs",
-                   "tiny_decode_8_ctx", "--impls", "xla", "--reps", "2", "--record", str(path)])
+                   "tiny_decode_8_ctx", "--impls", "xla", "--reps", "2", "--chain", "2",
+                   "--json-out", str(saved), "--record", str(path)])
   assert code == 0
   out = capsys.readouterr()
   assert "tiny_decode_8_ctx" in out.out and "[bench] serving tiny_decode_8_ctx xla" in out.err
+  assert "| workload | floor ms | bound | xla | x floor | tokamax_xla |" in out.out
   text = path.read_text()
   assert "<!-- BEGIN chip-serving -->" in text and "| tiny_decode_8_ctx |" in text
+  assert "<!-- BEGIN chip-serving-chained -->" in text
+  report = json.loads(saved.read_text())
+  assert [r["impl"] for r in report["rows"]] == ["xla", "tokamax_xla"]
+  assert all(r["chained_ms"] > 0 and r["chain"] == 2 for r in report["rows"])
+  again = tmp_path / "again.md"
+  assert cli.main(["bench", "--op", "causal_conv1d_gated_delta_rule", "--from-json",
+                   str(saved), "--record", str(again)]) == 0
+  assert "| workload | floor ms | bound | xla | x floor | tokamax_xla |" in capsys.readouterr().out
+  strip = lambda s: [l for l in s.splitlines() if not l[:4].isdigit()]   # (the date line)
+  assert strip(again.read_text()) == strip(text)
+  assert "device: cpu." in text
+  saved.write_text(json.dumps([1]))
+  assert cli.main(["bench", "--op", "causal_conv1d_gated_delta_rule", "--from-json",
+                   str(saved)]) == 2
+  assert "not a report" in capsys.readouterr().err
 
 
-def test_serving_rows_report_device_time():
-  rows = on_chip.serving_rows(FLOORS, ["tiny_decode_8_ctx"], ("xla",), tokamax=False, n=2)
+def test_serving_rows_chained_headline_against_the_floor():
+  """Chained ms per call (the headline) beside the call-by-call and device
+  times, against the floor at the chip's peaks; nothing hoisted out of the
+  chained program's loop."""
+  rows = on_chip.serving_rows(FLOORS, ["tiny_mixed_padded_ctx"], ("xla",), tokamax=False, n=2,
+                              chain=3)
   [r] = rows
+  spec = arg_specs.by_name("tiny_mixed_padded_ctx")
+  flops, hbm = serving_aot.essential_flops(spec), serving_aot.hbm_bytes(spec)
+  assert (r["flops"], r["hbm_bytes"], r["chain"]) == (flops, hbm, 3)
+  assert r["floor_ms"] == pytest.approx(max(flops / 197e12, hbm / 819e9) * 1e3)
+  assert r["bound"] == ("MXU" if flops / 197e12 > hbm / 819e9 else "HBM")
+  assert r["chained_ms"] > 0 and r["loop_invariant"] == []
+  assert r["over_floor"] == pytest.approx(r["chained_ms"] / r["floor_ms"])
   # On CPU the profile has no TPU track: device time 0, but the column is there.
   assert r["ms"] > 0 and r["device_ms"] == 0.0 and r["device_over_floor"] == 0.0
-  assert r["pool_layout"] == "auto"
+  assert r["pool_layout"] == "auto" and "error" not in r
+
+
+def test_serving_peers_are_rows():
+  """vLLM's kernel is a row with its reason off a TPU (tpu-inference not on
+  the path, or its Pallas kernel refusing the CPU); the drop-in runs."""
+  rows = on_chip.serving_rows(FLOORS, ["tiny_decode_8_ctx"], (serving.VLLM, serving.VLLM_DROPIN),
+                              tokamax=False, n=2, chain=2)
+  by_impl = {r["impl"]: r for r in rows}
+  assert by_impl["vllm"]["ms"] is None and by_impl["vllm"]["error"]
+  assert by_impl["vllm_dropin"]["chained_ms"] > 0
+
+
+def test_chained_table_one_line_per_workload():
+  rows = [dict(spec="a", impl="ours", floor_ms=0.5, bound="HBM", chained_ms=1.0, ms=3.0,
+               over_floor=2.0),
+          dict(spec="a", impl="peer", floor_ms=0.5, bound="HBM", ms=None, error="no"),
+          dict(spec="b", impl="ours", floor_ms=0.1, bound="MXU", ms=0.4, over_floor=4.0)]
+  table, columns = on_chip.chained_table(rows)
+  assert list(columns.values()) == ["workload", "floor ms", "bound", "ours", "x floor", "peer"]
+  assert table == [
+      {"spec": "a", "floor_ms": 0.5, "bound": "HBM", "over_floor": 2.0, "ms:ours": 1.0,
+       "ms:peer": "failed"},
+      # No chained figure: the call-by-call one.
+      {"spec": "b", "floor_ms": 0.1, "bound": "MXU", "over_floor": 4.0, "ms:ours": 0.4,
+       "ms:peer": None}]
 
 
 def test_serving_rows_time_either_pool_layout():
@@ -103,18 +163,18 @@ def test_serving_rows_time_either_pool_layout():
   # after call; "default": the runtime's. Both run the same calls.
   for layout in ("auto", "default"):
     [r] = on_chip.serving_rows(FLOORS, ["tiny_decode_8_ctx"], ("xla",), tokamax=False, n=2,
-                               pool_layout=layout)
+                               pool_layout=layout, chain=0)
     assert r["ms"] > 0 and r["pool_layout"] == layout, r
   with pytest.raises(ValueError, match="pool_layout"):
     on_chip.serving_rows(FLOORS, ["tiny_decode_8_ctx"], ("xla",), tokamax=False, n=2,
-                         pool_layout="row_major")
+                         pool_layout="row_major", chain=0)
 
 
 def test_serving_programs_compile_first_and_a_failure_is_its_row():
   lines = []
   rows = on_chip.serving_rows(FLOORS, ["tiny_decode_8_ctx", "tiny_mixed_padded_ctx"],
                               ("xla", "no_such_impl"), tokamax=False, n=2, log=lines.append,
-                              compile_workers=2)
+                              compile_workers=2, chain=0)
   assert [(r["spec"], r["impl"]) for r in rows] == [
       (s, i) for s in ("tiny_decode_8_ctx", "tiny_mixed_padded_ctx")
       for i in ("xla", "no_such_impl")]
@@ -130,9 +190,11 @@ def test_serving_programs_compile_first_and_a_failure_is_its_row():
 def test_serving_profile_lists_ops(capsys):
   # `bench --profile`: each serving row keeps its profile's largest ops. On
   # CPU the profile has no TPU track: no ops, but the list is there.
-  [r] = on_chip.serving_rows(FLOORS, ["tiny_decode_8_ctx"], ("xla",), tokamax=False, n=2, ops=5)
+  [r] = on_chip.serving_rows(FLOORS, ["tiny_decode_8_ctx"], ("xla",), tokamax=False, n=2, ops=5,
+                             chain=0)
   assert r["ops"] == []
-  [r] = on_chip.serving_rows(FLOORS, ["tiny_decode_8_ctx"], ("xla",), tokamax=False, n=2)
+  [r] = on_chip.serving_rows(FLOORS, ["tiny_decode_8_ctx"], ("xla",), tokamax=False, n=2,
+                             chain=0)
   assert "ops" not in r
   bench_chip._print_ops([dict(spec="s", impl="i", device_ms=0.05, ops=[  # pylint: disable=protected-access
       dict(name="gdn_serve_decode", thread="XLA Ops", us=37.4, count=1)])])
@@ -172,8 +234,8 @@ def test_mixed_call_against_its_parts(monkeypatch):
   times = dict(a=1.0, b=0.5)
   asked = []
 
-  def fake_rows(floors, names, impls, tokamax, n, log, pool_layout):
-    del floors, tokamax, n, log, pool_layout
+  def fake_rows(floors, names, impls, tokamax, n, log, pool_layout, chain):
+    del floors, tokamax, n, log, pool_layout, chain
     asked.append((list(names), list(impls)))
     return [dict(spec=s, impl=i, ms=times.get(s)) for s in names for i in impls]
 

@@ -146,9 +146,9 @@ def test_step_places_the_cache_once_and_keeps_it_placed():
   args = (jnp.array([1, 2], jnp.int32), jnp.array([0, 1, 2], jnp.int32),
           jnp.array([1, 2], jnp.int32), jnp.array([2, 2, 2], jnp.int32))
   _, cache = step(params, cache, *args, CFG, implementation="xla")
-  _, formats = generation._program(params, cache, args, generation.statics(CFG, "xla"))  # pylint: disable=protected-access
+  _, formats = generation.step_program(params, cache, args, generation.statics(CFG, "xla"))
   assert [x.format for x in jax.tree.leaves(cache)] == jax.tree.leaves(formats)
-  placed = generation._placed(cache, formats)  # pylint: disable=protected-access
+  placed = generation.placed(cache, formats)
   assert all(a is b for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(cache)))
 
 
@@ -179,7 +179,7 @@ def test_decode_step_does_not_relayout_the_gdn_pools_on_v5e():
   cache = abstract(jax.eval_shape(lambda: init_cache(cfg, b + 1, 32, jnp.bfloat16)))
   args = abstract(tuple(jax.ShapeDtypeStruct(s, jnp.int32) for s in ((b,), (b + 1,), (b,), (3,))))
   with aot.on_target(mesh):
-    compiled, _ = generation._program(  # pylint: disable=protected-access
+    compiled, _ = generation.step_program(
         params, cache, args, generation.statics(cfg, "pallas_mosaic_tpu", jnp.bfloat16))
   hlo = compiled.as_text()
   assert aot.pallas_calls(hlo).get("gdn_serve_decode") == 1, aot.pallas_calls(hlo)

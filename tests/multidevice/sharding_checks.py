@@ -325,6 +325,44 @@ def gmm_xla_rows_shard_map():
   return _compare(got, want, "")
 
 
+# --------------------------------------------------- serving, vLLM's sharding
+@check("cpu")
+def serving_vllm_dropin_heads_shard_map():
+  """The vLLM drop-in as tpu-inference's GDN layer runs it
+  (`layers/common/gdn_attention.py`): `jax.shard_map` over the heads, each
+  device its own q | k | v channels, gates, conv weights and pool heads, the
+  index arrays replicated, `check_vma=False`; against the reference run on
+  each device's share alone."""
+  from tokamax_gdn.integrations import vllm  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import api as serving_api  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs  # pylint: disable=g-import-not-at-top
+  tp, local = 2, dict(n_kq=1, n_v=2, d_k=16, d_v=16, kernel_size=4)
+  lay = arg_specs.layout(lengths=[1, 1, 13, 6], context_lens=[4, 0, 0, 9], max_reqs=6,
+                         dtype=jnp.float32, state_dtype=jnp.float32, **local)
+  shards = [arg_specs.random_call(jax.random.key(40 + i), lay)[0] for i in range(tp)]
+  # Per argument, the axis its heads (channels) lie along; None: replicated.
+  axes = (1, 1, 1, 2, 1, 0, 0, 0, 0, None, None, None, None)
+  args = [x[0] if ax is None else jnp.concatenate([s[i] for s in shards], axis=ax)
+          for i, (x, ax) in enumerate(zip(zip(*shards), axes))]
+  specs = [P() if ax is None else P(*([None] * ax + ["model"])) for ax in axes]
+  reads = args[10]
+  want = [serving_api.causal_conv1d_gated_delta_rule(*s, reads, implementation="reference",
+                                                     **local) for s in shards]
+  mesh = _mesh((tp,), ("model",))
+  heads = {0: P(None, None, "model"), 1: P(None, "model")}
+  f = jax.shard_map(functools.partial(vllm.fused_conv1d_gdn, **local), mesh=mesh,
+                    in_specs=(*specs, P()),
+                    out_specs=((heads[0], heads[1]), P(None, "model")), check_vma=False)
+  placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args + [reads],
+                                                                       specs + [P()])]
+  (conv, rec), out = jax.jit(f)(*placed)
+  got = dict(conv=conv, rec=rec, out=out)
+  expected = dict(conv=jnp.concatenate([w[0][0] for w in want], axis=2),
+                  rec=jnp.concatenate([w[0][1] for w in want], axis=1),
+                  out=jnp.concatenate([w[1] for w in want], axis=1))
+  return _compare(got, expected, "")
+
+
 # ------------------------------------------------------------------ AOT
 def _gdn_aot(impl, wrap="shard_map"):
   """Forward+backward of GDN, value heads (and whole GVA groups of key heads)

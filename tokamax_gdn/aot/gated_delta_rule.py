@@ -341,15 +341,15 @@ def kernel_cases(mesh: Mesh, shape: dict[str, Any],
     ba = op.bind(*args[:5], a_log=args[5], dt_bias=args[6], use_qk_l2norm=True,
                  use_beta_sigmoid=True)
     fwd_cfg = ba.default_config
-    bwd_cfg = pallas._heuristics(ba, backward=True)   # pylint: disable=protected-access
-    states_cfg = pallas._states_config(bwd_cfg, pallas._shapes(ba))   # pylint: disable=protected-access
+    bwd_cfg = pallas.backward_config(ba)
+    states_cfg = pallas.states_pass_config(bwd_cfg, ba)
   raw = list(workload.abstract_inputs(s, NamedSharding(mesh, P())))   # the layer's call
   sds = lambda dims, dtype: aot.spec(mesh, dims, dtype)
   scale = s.k ** -0.5
 
   def kwargs(cfg, kind):
     with aot.on_target(mesh):
-      out = pallas._kernel_args(cfg, *args[:3:2], False, kind)   # pylint: disable=protected-access
+      out = pallas.kernel_keywords(cfg, *args[:3:2], kind)
     if vmem_limit_mib:
       out["vmem_limit_bytes"] = vmem_limit_mib << 20
     return out

@@ -136,12 +136,28 @@ def hbm_bytes(spec) -> int:
   return int(total + n_tok * (per_token_in + per_token_out))
 
 
+def essential_flops(spec, chunk: int | None = None) -> int:
+  """Matmul FLOPs a call cannot avoid: the chunked algorithm's at `chunk`
+  (`workload.essential_flops`, 180,224 per token and value head at C = 64,
+  K = V = 128; default `workload.FLOPS_CHUNK`) over the valid requests'
+  tokens."""
+  from tokamax_gdn.benchmarks import workload  # pylint: disable=g-import-not-at-top
+  chunk = workload.FLOPS_CHUNK if chunk is None else chunk
+  lay = arg_specs.layout_of(spec.name)
+  qsl, dist = np.asarray(lay["query_start_loc"]), np.asarray(lay["distribution"])
+  n_valid = min(int(dist[2]), lay["state_indices"].shape[0])
+  tokens = int(qsl[n_valid] - qsl[0])
+  shape = workload.LayerShape(b=1, t=tokens, hk=lay["n_kq"], hv=lay["n_v"], k=lay["d_k"],
+                              v=lay["d_v"])
+  return workload.essential_flops(shape, chunk, backward=False)
+
+
 def loop_steps(spec) -> dict[str, int]:
   """How many times the `xla` implementation's loops run on the spec (heuristic config)."""
   from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import xla  # pylint: disable=g-import-not-at-top
   lay = arg_specs.layout_of(spec.name)
   qsl, dist = np.asarray(lay["query_start_loc"]), np.asarray(lay["distribution"])
-  cfg = xla._heuristics(lay["qkv"].shape[0])  # pylint: disable=protected-access
+  cfg = xla.heuristic_config(lay["qkv"].shape[0])
   n_valid = min(int(dist[2]), lay["state_indices"].shape[0])
   n_decode = min(int(dist[0]), n_valid)
   lengths = np.diff(qsl[:n_valid + 1])

@@ -31,7 +31,6 @@ from tokamax_gdn.benchmarks import workload
 OP = "gated_delta_rule"
 AUTODIFF = "xla_autodiff"
 REFERENCE_MAX_T = 2048
-FLOPS_CHUNK = 64
 
 
 def known_implementations() -> set[str]:
@@ -151,7 +150,7 @@ def run(specs, impls: Sequence[str], reps: int = 7, seed: int = 0,
 
   rows = []
   for c in cases:
-    essential = workload.essential_flops(c.shape, FLOPS_CHUNK, backward=True)
+    essential = workload.essential_flops(c.shape, workload.FLOPS_CHUNK, backward=True)
     rows.append(dict(spec=c.spec, shape=str(c.shape), t=c.shape.t, impl=c.impl,
                      fwd_ms=statistics.median(c.times["fwd"]),
                      fwd_bwd_ms=statistics.median(c.times["fwd_bwd"]),

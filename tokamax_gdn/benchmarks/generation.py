@@ -4,7 +4,7 @@ of each step's device time (`tokamax-gdn bench --op generate`).
 
 `generate` is one prefill `step` (every prompt's tokens in one ragged call)
 and then one decode `step` per new token (one token per request). Each row
-times one of those calls as `generate` issues it: `generation._program`
+times one of those calls as `generate` issues it: `generation.step_program`
 compiled once for the row's shapes, the cache donated and fed back, calls
 dispatched back to back (`timing.wall_ms`), so the figure is the step's
 steady state, not the host's round trip.
@@ -144,7 +144,7 @@ def _compile_step(params, cache, args, cfg: ModelConfig, impl: str, dtype):
   `implementation=impl` (the cache in the layouts XLA picks for it):
   (compiled, the cache's formats, seconds)."""
   start = time.perf_counter()
-  compiled, formats = generation._program(  # pylint: disable=protected-access
+  compiled, formats = generation.step_program(
       params, cache, args, generation.statics(cfg, impl, jnp.dtype(dtype)))
   return compiled, formats, time.perf_counter() - start
 
@@ -169,12 +169,12 @@ def _phase_row(floors: timing.Floors, cfg: ModelConfig, params, impl: str, batch
   if decode:
     cache = cache._replace(lengths=jnp.asarray([0] + [p] * b, jnp.int32))
   compiled, formats, compile_s = _compile_step(params, cache, args, cfg, impl, dtype)
-  state = [generation._placed(cache, formats)]  # pylint: disable=protected-access
+  state = [generation.placed(cache, formats)]
 
   def call():
     c = state[0]
     if not decode:       # a fresh prefill every call: no slot has seen a token
-      c = generation._placed(  # pylint: disable=protected-access
+      c = generation.placed(
           c._replace(lengths=jnp.zeros((b + 1,), jnp.int32)), formats)
     logits, state[0] = compiled(params, c, *args)
     return logits, state[0]

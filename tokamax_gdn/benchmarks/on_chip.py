@@ -13,7 +13,11 @@ with the reason instead of a time, so a table says what was tried.
   and gradients of `jnp.square(out).sum()`), per T; `fixed_cost` fits the
   per-call intercept over the lengths.
 - `serving_rows`: the serving op on its named workloads, pools donated and
-  fed back as an engine calls it, against the workload's HBM floor.
+  fed back as an engine calls it: ms per call with N calls chained in one
+  program (the headline), call by call, and the device time, against the
+  workload's floor (essential FLOPs or HBM bytes at the chip's peaks), with
+  the peers (tokamax's `xla` op, vLLM TPU's kernel, our vLLM drop-in);
+  `chained_table` puts it one line per workload.
 - `gmm_rows`: grouped matmuls at MoE shapes against a dense matmul of the
   same FLOPs and against `jax.lax.ragged_dot` / `tokamax.ragged_dot`.
 """
@@ -37,7 +41,6 @@ PALLAS = "pallas_mosaic_tpu"
 PROFILE_CALLS = 3
 KDA_XLA = "tokamax kda xla_chunked"
 KDA_MOSAIC = "tokamax kda mosaic_tpu"
-FLOPS_CHUNK = 64
 
 
 def _quiet(line: str) -> None:
@@ -49,7 +52,10 @@ def _done(row: dict[str, Any]) -> str:
   if not row.get("ms"):
     return f"{what}: {row.get('error')}"
   device = f" (device {row['device_ms']:.3f} ms)" if row.get("device_ms") is not None else ""
-  return f"{what}: {row['ms']:.3f} ms{device}"
+  chained = (f", chained {row['chained_ms']:.4f} ms per call"
+             if row.get("chained_ms") is not None else "")
+  error = f"; {row['error']}" if row.get("error") else ""
+  return f"{what}: {row['ms']:.3f} ms{device}{chained}{error}"
 
 
 def _error(e: BaseException) -> str:
@@ -123,8 +129,8 @@ def gdn_rows(floors: timing.Floors, shape: workload.LayerShape,
   for t in lengths:
     s = dataclasses.replace(shape, t=t, flat=True)
     xs = _random_inputs(s)
-    fwd_flops = workload.essential_flops(s, FLOPS_CHUNK, backward=False)
-    step_flops = workload.essential_flops(s, FLOPS_CHUNK, backward=True)
+    fwd_flops = workload.essential_flops(s, workload.FLOPS_CHUNK, backward=False)
+    step_flops = workload.essential_flops(s, workload.FLOPS_CHUNK, backward=True)
     fwd_bytes = workload.min_hbm_bytes(s, backward=False)
     step_bytes = workload.min_hbm_bytes(s, backward=True)
     passes = []
@@ -211,63 +217,109 @@ def _is_ops_track(track: str) -> bool:
 
 
 def _compile_serving(spec_names: Sequence[str], impls: Sequence[str], workers: int,
-                     log: Callable[[str], None],
-                     pool_layout: str = "auto") -> dict[tuple[str, str], Any]:
-  """Every (workload, implementation) program `serving_rows` times, compiled
-  from abstract arguments (no device memory) in `workers` threads before any
-  is timed: {(spec, impl): future of (compiled, seconds)}. On the chip host
-  the compiles were most of a serving bench's time, one after another while
-  its other cores sat idle; timing after them all keeps the compiles off the
-  host while the calls are timed."""
+                     log: Callable[[str], None], pool_layout: str = "auto",
+                     chain: int = 0) -> dict[tuple[str, str, str], Any]:
+  """Every program `serving_rows` times, compiled from abstract arguments (no
+  device memory) in `workers` threads before any is timed: {(spec, impl,
+  kind): future of (compiled, seconds)}, kind "step" (one call,
+  `serving.jitted_step`) or, with `chain` > 0, "chained" (`chain` calls in one
+  program, `serving.chained_program`). On the chip host the compiles were
+  most of a serving bench's time, one after another while its other cores
+  sat idle; timing after them all keeps the compiles off the host while the
+  calls are timed."""
   import concurrent.futures  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.benchmarks import serving  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs  # pylint: disable=g-import-not-at-top
 
-  def compile_one(spec_name, impl):
+  def compile_one(spec_name, impl, kind):
     args, kwargs = arg_specs.by_name(spec_name).abstract()
     arrays = {k: v for k, v in kwargs.items() if k not in arg_specs.STATIC}
+    what = f"serving {spec_name} {impl}" + (f" x{chain} chained" if kind == "chained" else "")
     start = time.perf_counter()
     try:
-      compiled = serving._jitted(impl, kwargs, pool_layout).lower(  # pylint: disable=protected-access
-          args[3], args[4], args[:3] + args[5:], arrays).compile()
+      program = (serving.chained_program(impl, kwargs, chain, pool_layout) if kind == "chained"
+                 else serving.jitted_step(impl, kwargs, pool_layout))
+      compiled = program.lower(args[3], args[4], args[:3] + args[5:], arrays).compile()
     except Exception as e:
-      log(f"serving {spec_name} {impl}: compile failed ({_error(e)[:120]})")
+      log(f"{what}: compile failed ({_error(e)[:120]})")
       raise
     secs = time.perf_counter() - start
-    log(f"serving {spec_name} {impl}: compiled in {secs:.1f} s")
+    log(f"{what}: compiled in {secs:.1f} s")
     return compiled, secs
 
-  jobs = [(s, i) for s in spec_names for i in impls]
+  kinds = ("step", "chained") if chain else ("step",)
+  jobs = [(s, i, k) for s in spec_names for i in impls for k in kinds]
   log(f"serving: compiling {len(jobs)} programs in {workers} threads")
   with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
     out = {job: pool.submit(compile_one, *job) for job in jobs}
   return out
 
 
+def _placed_pools(compiled, pools) -> list:
+  """Copies of `pools` in the layouts `compiled` takes them in (a program
+  that would relayout its pools on every call is refused: not a steady state
+  to time). Copies: the program donates them, and the spec's pools serve the
+  next program too."""
+  formats = compiled.input_formats[0][:2]
+  if jax.tree.leaves(compiled.output_formats)[:2] != list(formats):
+    raise ValueError(f"pool layouts differ in and out of the call: {formats} vs"
+                     f" {jax.tree.leaves(compiled.output_formats)[:2]}")
+  return [tuple(jax.device_put(p.copy(), f) for p, f in zip(pools, formats))]
+
+
+def headline_ms(row: dict[str, Any]) -> float | None:
+  """A serving row's ms per call as an engine runs the op: the chained
+  figure where there is one, else the call-by-call one."""
+  return row["chained_ms"] if row.get("chained_ms") is not None else row.get("ms")
+
+
 def serving_rows(floors: timing.Floors, spec_names: Sequence[str],
                  impls: Sequence[str] = (PALLAS, "xla"), tokamax: bool = True,
                  n: int = 20, log: Callable[[str], None] = _quiet, ops: int = 0,
-                 compile_workers: int | None = None,
-                 pool_layout: str = "auto") -> list[dict[str, Any]]:
-  """One row per (workload, implementation): ms against the workload's HBM
-  floor (`serving_aot.hbm_bytes`), pools donated and fed back; `device_ms`,
-  the device ops' time of one call from a profile; with `ops` > 0, `ops`:
-  that profile's `ops` largest kernels and XLA ops (`timing.op_table`).
+                 compile_workers: int | None = None, pool_layout: str = "auto",
+                 chain: int = 32,
+                 on_row: Callable[[dict[str, Any]], None] | None = None
+                 ) -> list[dict[str, Any]]:
+  """One row per (workload, implementation), the pools donated and fed back
+  from call to call as an engine calls the op (implementations: ours by
+  name and `serving.PEERS`; `tokamax` appends tokamax's `xla` op):
+
+  - `chained_ms` (with `chain` > 0): ms per call with `chain` calls chained in
+    one program (`serving.chained_program`), the host's dispatch paid once
+    per program: the headline figure. `loop_invariant`: the work XLA hoisted
+    out of that program's loop (`serving.loop_invariant_ops`; empty is
+    right, else the figure leaves that work out).
+  - `ms`: ms per call, one program per call dispatched back to back
+    (`timing.wall_ms`'s steady state): the host's dispatch of every call
+    included, which is what a small call's figure then measures.
+  - `device_ms`: the device ops' time of one call in a profile; with `ops` >
+    0, `ops`: that profile's `ops` largest kernels and XLA ops
+    (`timing.op_table`).
+  - `floor_ms`: max(essential MXU FLOPs, minimal HBM bytes) at the chip's
+    published peaks (`timing.Floors`, `peak=True`; the measured rates where
+    no peak is known), `bound` the one that sets it: FLOPs of the chunked
+    algorithm at C = 64 over the valid tokens (`serving_aot.essential_flops`),
+    bytes of the states and tokens (`serving_aot.hbm_bytes`). `over_floor`:
+    `headline_ms` / floor; `device_over_floor`: device_ms / floor.
 
   Every program is compiled first, in `compile_workers` threads (default:
-  the host's cores less two, at most 8; `_compile_serving`): `compile_s` is
-  each one's compile time beside the others'. `pool_layout` (`serving.
-  POOL_LAYOUTS`): "auto", the pools placed once in the layouts XLA picks for
-  each program (as an engine allocates them), or "default", the runtime's."""
+  the host's cores less two, at most 8; `_compile_serving`): `compile_s` and
+  `chain_compile_s` are each one's compile time beside the others'.
+  `pool_layout` (`serving.POOL_LAYOUTS`): "auto", the pools placed once in
+  the layouts XLA picks for each program (as an engine allocates them), or
+  "default", the runtime's. `on_row(row)` is called after each row (a run
+  cut short keeps what it measured)."""
   from tokamax_gdn.benchmarks import serving  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.aot import serving as serving_aot  # pylint: disable=g-import-not-at-top
   from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs  # pylint: disable=g-import-not-at-top
   # Here, not only in the compile threads, where an error becomes each row's.
   serving.check_pool_layout(pool_layout)
-  names = list(impls) + ([serving.TOKAMAX] if tokamax else [])
+  if chain < 0:
+    raise ValueError(f"chain must be >= 0; got {chain}")
+  names = list(dict.fromkeys(list(impls) + ([serving.TOKAMAX] if tokamax else [])))
   if compile_workers is None:
     compile_workers = max(1, min(8, (os.cpu_count() or 1) - 2))
-  programs = _compile_serving(spec_names, names, compile_workers, log, pool_layout)
+  programs = _compile_serving(spec_names, names, compile_workers, log, pool_layout, chain)
   rows = []
   for spec_name in spec_names:
     spec = arg_specs.by_name(spec_name)
@@ -275,60 +327,109 @@ def serving_rows(floors: timing.Floors, spec_names: Sequence[str],
     arrays = {k: v for k, v in kwargs.items() if k not in arg_specs.STATIC}
     rest = args[:3] + args[5:]
     hbm = serving_aot.hbm_bytes(spec)
-    floor = floors.floor_ms(0.0, hbm)
+    flops = serving_aot.essential_flops(spec)
+    floor = floors.floor_ms(flops, hbm, peak=True)
     for impl in names:
       row = dict(table="serving", spec=spec_name, shape=serving.describe(spec), impl=impl,
-                 pool_layout=pool_layout, hbm_bytes=hbm, floor_ms=floor)
+                 pool_layout=pool_layout, chain=chain, flops=flops, hbm_bytes=hbm,
+                 floor_ms=floor, bound=floors.bound(flops, hbm, peak=True))
       try:
-        compiled, row["compile_s"] = programs[spec_name, impl].result()
-        formats = compiled.input_formats[0][:2]
-        if jax.tree.leaves(compiled.output_formats)[:2] != list(formats):
-          # Each call would relayout its pools: not a steady state to time.
-          raise ValueError(f"pool layouts differ in and out of the call: {formats} vs"
-                           f" {jax.tree.leaves(compiled.output_formats)[:2]}")
-        state = [tuple(jax.device_put(p, f) for p, f in zip(args[3:5], formats))]
+        compiled, row["compile_s"] = programs[spec_name, impl, "step"].result()
+        state = _placed_pools(compiled, args[3:5])
 
         def call():
           state[0], out = compiled(*state[0], rest, arrays)
           return state[0], out
 
         row["ms"] = timing.wall_ms(call, n=n)
-        row["over_floor"] = row["ms"] / floor
-        # A small decode's steady state can be the host's dispatch of the
-        # call, not the chip: the profile's device time says which.
+        # A small decode's call-by-call figure can be the host's dispatch of
+        # the call, not the chip: the profile's device time says which.
         events = timing.device_events(call, calls=PROFILE_CALLS)
         row["device_ms"] = timing.busy_ms(events, PROFILE_CALLS, _is_ops_track)
         row["device_over_floor"] = row["device_ms"] / floor
         if ops:
           row["ops"] = timing.op_table(events, PROFILE_CALLS)[:ops]
+        del state
+        if chain:
+          chained, row["chain_compile_s"] = programs[spec_name, impl, "chained"].result()
+          try:
+            row["loop_invariant"] = serving.loop_invariant_ops(chained.as_text())
+          except Exception as e:  # pylint: disable=broad-except
+            # (The figure stands; only the check is missing.)
+            row["loop_invariant"] = [f"HLO not read: {_error(e)[:100]}"]
+          state = _placed_pools(chained, args[3:5])
+
+          def chained_call():
+            state[0], out = chained(*state[0], rest, arrays)
+            return state[0], out
+
+          # Few programs: each is `chain` calls already.
+          row["chained_ms"] = timing.wall_ms(chained_call, n=max(2, n // 4)) / chain
+          del state
+        row["over_floor"] = headline_ms(row) / floor
       except Exception as e:  # pylint: disable=broad-except
-        row.update(ms=None, error=_error(e))
+        row.update(error=_error(e))
+        row.setdefault("ms", None)
       rows.append(row)
       log(_done(row))
+      if on_row:
+        on_row(row)
   return rows
+
+
+def chained_table(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+  """`serving_rows`' rows as one line per workload: its floor and what sets
+  it, each implementation's `headline_ms` (in the rows' order; "failed"
+  where it has none, the rows say why), and the first implementation's
+  ratio to the floor. (rows, columns) for `common.print_table` /
+  `record.write_section`."""
+  impls = list(dict.fromkeys(r["impl"] for r in rows))
+  out = []
+  for spec in dict.fromkeys(r["spec"] for r in rows):
+    mine = {r["impl"]: r for r in rows if r["spec"] == spec}
+    first = mine[impls[0]] if impls[0] in mine else {}
+    line = dict(spec=spec, floor_ms=next(iter(mine.values()))["floor_ms"],
+                bound=next(iter(mine.values())).get("bound"),
+                over_floor=first.get("over_floor"))
+    for i in impls:
+      ms = headline_ms(mine[i]) if i in mine else None
+      line[f"ms:{i}"] = "failed" if ms is None and i in mine else ms
+    out.append(line)
+  columns = dict(spec="workload", floor_ms="floor ms", bound="bound")
+  for k, i in enumerate(impls):
+    columns[f"ms:{i}"] = i
+    if k == 0:
+      columns["over_floor"] = "x floor"
+  return out, columns
 
 
 def mixed_vs_parts(floors: timing.Floors, rows: Sequence[dict[str, Any]],
                    parts: dict[str, Sequence[str]], n: int = 20,
                    log: Callable[[str], None] = _quiet,
-                   pool_layout: str = "auto") -> list[dict[str, Any]]:
+                   pool_layout: str = "auto", chain: int = 32) -> list[dict[str, Any]]:
   """For each mixed workload among `rows` (`serving_rows`' output) that
   `parts` lists: the mixed call's time against the sum of its parts run as
-  separate calls (`serving_rows` of the parts, same implementation), per
-  implementation. A ratio at or below 1 means mixing costs nothing."""
+  separate calls (`serving_rows` of the parts, same `chain`), per
+  implementation of ours (the peers are left out: this asks whether our
+  mixed calls cost more than their parts). A ratio at or below 1 means
+  mixing costs nothing. Times: `headline_ms`."""
+  from tokamax_gdn.benchmarks import serving  # pylint: disable=g-import-not-at-top
   out = []
   for mixed in dict.fromkeys(r["spec"] for r in rows if r["spec"] in parts):
-    impls = [r["impl"] for r in rows if r["spec"] == mixed]
+    impls = [r["impl"] for r in rows if r["spec"] == mixed and r["impl"] not in serving.PEERS]
+    if not impls:
+      continue
     part_rows = serving_rows(floors, list(dict.fromkeys(parts[mixed])), impls, tokamax=False,
-                             n=n, log=log, pool_layout=pool_layout)
+                             n=n, log=log, pool_layout=pool_layout, chain=chain)
     for impl in impls:
       [m] = [r for r in rows if r["spec"] == mixed and r["impl"] == impl]
-      ms = {r["spec"]: r.get("ms") for r in part_rows if r["impl"] == impl}
+      ms = {r["spec"]: headline_ms(r) for r in part_rows if r["impl"] == impl}
       total = (sum(ms[p] for p in parts[mixed])
                if all(ms.get(p) is not None for p in parts[mixed]) else None)
-      out.append(dict(table="mixed", spec=mixed, impl=impl, ms=m.get("ms"),
+      mixed_ms = headline_ms(m)
+      out.append(dict(table="mixed", spec=mixed, impl=impl, ms=mixed_ms,
                       parts=" + ".join(parts[mixed]), parts_ms=total,
-                      over_parts=m["ms"] / total if total and m.get("ms") else None))
+                      over_parts=mixed_ms / total if total and mixed_ms else None))
   return out
 
 

@@ -54,10 +54,15 @@ def render_section(name: str, title: str, command: str, rows: Sequence[Mapping[s
   lines = [begin, f"## {title}", "",
            f"{date.isoformat()}; {stamp}; device: {device}.", "",
            f"Reproduce: `{command}`", "",
-           "| " + " | ".join(columns.values()) + " |",
-           "|" + "---|" * len(columns)]
+           markdown_table(rows, columns), end]
+  return "\n".join(lines)
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Mapping[str, str]) -> str:
+  """rows as a markdown table: columns maps row keys to headers, in order;
+  None is an empty cell."""
+  lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
   lines += ["| " + " | ".join(_cell(row.get(k)) for k in columns) + " |" for row in rows]
-  lines.append(end)
   return "\n".join(lines)
 
 

@@ -117,6 +117,12 @@ class Floors:
             else (self.mxu_flops, self.hbm_bytes))
     return max(flops / f, hbm_bytes / b) * 1e3
 
+  def bound(self, flops: float = 0.0, hbm_bytes: float = 0.0, *, peak: bool = False) -> str:
+    """Which of the two sets `floor_ms`: "MXU" (the FLOPs) or "HBM" (the bytes)."""
+    f, b = ((self.peak_flops, self.peak_hbm) if peak and self.peak_flops
+            else (self.mxu_flops, self.hbm_bytes))
+    return "MXU" if flops / f > hbm_bytes / b else "HBM"
+
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 

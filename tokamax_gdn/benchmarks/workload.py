@@ -149,6 +149,10 @@ def layer_fns(s: LayerShape, implementation, remat_policy: str | None = None):
   return forward, jax.value_and_grad(loss, argnums=tuple(range(7)))
 
 
+# The chunk C the benchmarks' tables count essential FLOPs at.
+FLOPS_CHUNK = 64
+
+
 def essential_flops(s: LayerShape, chunk: int, *, backward: bool) -> int:
   """Matmul FLOPs the chunked algorithm cannot avoid (module docstring)."""
   per_token_head = 2 * (3 * chunk * s.k + 2 * chunk * s.v + 3 * s.k * s.v)

@@ -3,6 +3,15 @@
 On a TPU every --op prints wall-clock tables against the chip's floors and
 the peers that run there (`tokamax_gdn.cli.bench_chip`):
   tokamax-gdn bench [--op OP] [--lengths 4096,32768] [--profile] [--record [PATH]] [--json]
+  tokamax-gdn bench --op causal_conv1d_gated_delta_rule [--specs NAME,...] [--impls ...]
+      [--chain 32] [--no-parts] [--json-out PATH] [--record [PATH]]
+The serving op's headline there is ms per call with --chain calls chained in
+one program (pools carried and donated), beside the call-by-call wall clock
+and the device time; its peers are tokamax's `xla` op, vLLM TPU's kernel
+(where tpu-inference is on the path) and our vLLM drop-in. Reports saved
+with --json-out (several calls' worth) print and record again, anywhere:
+  tokamax-gdn bench --op causal_conv1d_gated_delta_rule --from-json A.json,B.json
+      [--record [PATH]]
 Elsewhere (CPU):
 
   tokamax-gdn bench [--op gated_delta_rule] [--specs NAME,...] [--tag bench]
@@ -79,10 +88,28 @@ def add_arguments(parser) -> None:
   parser.add_argument("--record", nargs="?", const="docs/performance.md", default=None,
                       metavar="PATH", help="TPU: also write the tables into the performance"
                       " record (default PATH: docs/performance.md)")
+  parser.add_argument("--chain", type=int, default=32, metavar="N",
+                      help="TPU, causal_conv1d_gated_delta_rule: calls chained in one program"
+                      " for the headline ms per call (default 32; 0: call by call only)")
+  parser.add_argument("--no-parts", action="store_true",
+                      help="TPU, causal_conv1d_gated_delta_rule: leave out the mixed specs"
+                      " against their parts")
+  parser.add_argument("--json-out", metavar="PATH",
+                      help="TPU, causal_conv1d_gated_delta_rule: also write the report as JSON"
+                      " to PATH, after every row (a run cut short keeps its rows)")
+  parser.add_argument("--from-json", metavar="PATH,...",
+                      help="causal_conv1d_gated_delta_rule: print (and --record) the tables of"
+                      " reports saved with --json-out, measuring nothing")
 
 
 def run(args) -> int:
   import jax  # pylint: disable=g-import-not-at-top
+  if args.chain < 0:
+    raise ValueError(f"--chain must be >= 0 (got {args.chain})")
+  if args.from_json:
+    if args.op != "causal_conv1d_gated_delta_rule":
+      raise ValueError("--from-json takes reports of --op causal_conv1d_gated_delta_rule")
+    return _serving_from_json(args)
   if args.op == "generate":
     from tokamax_gdn.cli import bench_chip  # pylint: disable=g-import-not-at-top
     on_tpu = jax.default_backend() == "tpu"
@@ -164,6 +191,20 @@ def _gmm(args, specs) -> int:
              fpc="FLOP/cycle", dense="% dense", bpf="HBM B/FLOP", note="note"),
         title=f"{res['spec']}: gmm M={res['m']} K={res['k']} N={res['n']} G={res['g']}"
               f" {res['dtype']} on {res['target']} (AOT, static cycle estimates)")
+  return 0
+
+
+def _serving_from_json(args) -> int:
+  import json  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.cli import bench_chip  # pylint: disable=g-import-not-at-top
+  reports = []
+  for path in [p for p in args.from_json.split(",") if p]:
+    with open(path) as f:
+      report = json.load(f)
+    if not isinstance(report, dict) or "rows" not in report or "floors" not in report:
+      raise ValueError(f"{path}: not a report of `bench --op {args.op} --json-out`")
+    reports.append(report)
+  bench_chip.print_serving(args, reports)
   return 0
 
 

@@ -21,9 +21,11 @@ _GDN_COLUMNS = dict(t="T", impl="impl", pass_="pass", ms="ms", floor_ms="floor m
                     temp_mib="temp MiB", compile_s="compile s", error="error")
 _FIXED_COLUMNS = dict(impl="impl", pass_="pass", intercept_ms="intercept ms",
                       ms_per_4096_tokens="ms / 4096 tokens", lengths="lengths")
-_SERVING_COLUMNS = dict(spec="workload", shape="shape", impl="impl", pool_layout="pools", ms="ms",
-                        device_ms="device ms", floor_ms="HBM floor ms", over_floor="x floor",
+_SERVING_COLUMNS = dict(spec="workload", impl="impl", floor_ms="floor ms", bound="bound",
+                        chained_ms="chained ms/call", over_floor="x floor",
+                        ms="ms/call (call by call)", device_ms="device ms",
                         device_over_floor="device x floor", compile_s="compile s",
+                        chain_compile_s="chained compile s", loop_invariant="hoisted",
                         error="error")
 _MIXED_COLUMNS = dict(spec="mixed workload", impl="impl", ms="ms", parts="parts",
                       parts_ms="parts ms (sum)", over_parts="x parts")
@@ -55,28 +57,44 @@ def _fmt(rows, columns) -> list[dict[str, Any]]:
       v = r.get(k)
       if isinstance(v, float):
         v = f"{v:.1%}" if k in _PERCENT else f"{v:.4g}"
+      elif isinstance(v, list):
+        v = "; ".join(map(str, v)) or None
       row[k] = v
     out.append(row)
   return out
 
 
-def _emit(args, name: str, title: str, rows, columns, floors_line: str) -> None:
+def _command() -> str:
+  """The command line that produced this run's tables, as the record states it."""
+  return "tokamax-gdn " + " ".join(a for a in sys.argv[1:] if a != "--json")
+
+
+def _emit(args, name: str, title: str, rows, columns, floors_line: str, *,
+          markdown: bool = False, command: str | None = None,
+          device: str | None = None) -> None:
+  """Prints a table (aligned, or as markdown) and the floors line; with
+  --record, writes it into its section of the record (`command` and
+  `device` as stated there: default this run's)."""
+  from tokamax_gdn.benchmarks import record  # pylint: disable=g-import-not-at-top
   rows = _fmt(rows, columns)
-  common.print_table(rows, columns, title=title)
+  if markdown:
+    print(title)
+    print(record.markdown_table(rows, columns))
+  else:
+    common.print_table(rows, columns, title=title)
   if args.record:
-    from tokamax_gdn.benchmarks import record  # pylint: disable=g-import-not-at-top
-    command = "tokamax-gdn " + " ".join(a for a in sys.argv[1:] if a != "--json")
-    record.write_section(args.record, name, f"{title} (wall clock on the chip)", command,
-                         rows, columns)
+    record.write_section(args.record, name, f"{title} (wall clock on the chip)",
+                         command or _command(), rows, columns, device=device)
   print(floors_line)
 
 
-def _floors_line(floors, trip: float) -> str:
+def _floors_line(floors, trip: float, peak: bool = False) -> str:
+  rates = "the published peaks" if peak and floors.peak_flops else "the measured rates"
   return (
       f"{floors.device_kind}: bf16 matmul {floors.mxu_flops / 1e12:.1f} TFLOP/s, HBM stream"
       f" {floors.hbm_bytes / 1e9:.0f} GB/s measured in this run (peaks"
       f" {(floors.peak_flops or 0) / 1e12:.0f} TFLOP/s, {(floors.peak_hbm or 0) / 1e9:.0f} GB/s);"
-      f" floor = essential FLOPs or minimal HBM bytes at the measured rates. Times are steady"
+      f" floor = essential FLOPs or minimal HBM bytes at {rates}. Times are steady"
       f" state (the per-call slope between bursts of n and 2n calls issued back to back,"
       f" `timing.wall_ms`); a synchronous call adds the host round trip,"
       f" {trip:.3f} ms here.")
@@ -116,23 +134,7 @@ def run(args, specs) -> int:
                            f" ops {p['device_ms']:.3f} ms")
     return 0
   if args.op == "causal_conv1d_gated_delta_rule":
-    impls = [s for s in (args.impls or f"{on_chip.PALLAS},xla").split(",") if s]
-    rows = on_chip.serving_rows(floors, [s.name for s in specs], impls, n=args.reps,
-                                   log=_log, ops=_PROFILE_OPS if args.profile else 0,
-                                   pool_layout=args.pool_layout)
-    from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs  # pylint: disable=g-import-not-at-top
-    mixed = on_chip.mixed_vs_parts(floors, rows, arg_specs.PARTS, n=args.reps, log=_log,
-                                   pool_layout=args.pool_layout)
-    if args.json:
-      common.print_json(report | dict(rows=rows, mixed=mixed))
-      return 0
-    _emit(args, "chip-serving", f"causal_conv1d_gated_delta_rule on {floors.device_kind}",
-          rows, _SERVING_COLUMNS, floors_line)
-    _print_ops(rows)
-    if mixed:
-      _emit(args, "chip-serving-mixed", "mixed serving calls against their parts run as"
-            f" separate calls on {floors.device_kind}", mixed, _MIXED_COLUMNS, floors_line)
-    return 0
+    return _serving(args, specs, floors, report)
   rows = on_chip.gmm_rows(floors, n=args.reps, log=_log)
   if args.json:
     common.print_json(report | dict(rows=rows))
@@ -144,6 +146,77 @@ def run(args, specs) -> int:
 
 # Kernels and XLA ops listed per serving row under --profile.
 _PROFILE_OPS = 12
+# The serving bench's implementations: ours, then the peers
+# (`benchmarks.serving.PEERS`).
+SERVING_IMPLS = "pallas_mosaic_tpu,xla,tokamax_xla,vllm,vllm_dropin"
+
+
+def _serving(args, specs, floors, report) -> int:
+  """The serving op's tables (`on_chip.serving_rows`): every implementation
+  on every spec, chained calls (--chain) beside the call-by-call and device
+  times, then (unless --no-parts) the mixed specs against their parts.
+  With --json-out the report is written there after every row."""
+  import json  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.benchmarks import on_chip  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs  # pylint: disable=g-import-not-at-top
+  impls = [s for s in (args.impls or SERVING_IMPLS).split(",") if s]
+  report.update(command=_command(), chain=args.chain, rows=[], mixed=[])
+
+  def save(row=None):
+    if row is not None:
+      report["rows"].append(row)
+    if args.json_out:
+      with open(args.json_out, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+
+  on_chip.serving_rows(floors, [s.name for s in specs], impls, n=args.reps, log=_log,
+                       ops=_PROFILE_OPS if args.profile else 0, pool_layout=args.pool_layout,
+                       chain=args.chain, on_row=save)
+  parts = {} if args.no_parts else arg_specs.PARTS
+  report["mixed"] = on_chip.mixed_vs_parts(floors, report["rows"], parts, n=args.reps,
+                                           log=_log, pool_layout=args.pool_layout,
+                                           chain=args.chain)
+  save()
+  if args.json:
+    common.print_json(report)
+    return 0
+  print_serving(args, [report])
+  return 0
+
+
+def print_serving(args, reports) -> None:
+  """The serving tables of one or more reports (`_serving`'s JSON; several:
+  one run split over calls, the rows in their order), printed and, with
+  --record, recorded with the device and the commands that measured them:
+  the chained-call table (one line per workload, markdown, the README's
+  serving table), then every row, the profiles' ops, the mixed calls."""
+  from tokamax_gdn.benchmarks import on_chip  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.benchmarks import timing  # pylint: disable=g-import-not-at-top
+  floors = timing.Floors(**reports[0]["floors"])
+  rows = [r for rep in reports for r in rep["rows"]]
+  mixed = [r for rep in reports for r in rep.get("mixed", [])]
+  command = " ; ".join(dict.fromkeys(rep["command"] for rep in reports))
+  floors_line = _floors_line(floors, reports[0]["round_trip_ms"], peak=True)
+  where = dict(command=command, device=floors.device_kind)
+  chain = reports[0].get("chain")
+  table, columns = on_chip.chained_table(rows)
+  _emit(args, "chip-serving-chained",
+        f"causal_conv1d_gated_delta_rule on {floors.device_kind}: ms per call, {chain} calls"
+        " chained in one program (pools carried and donated), against the floor",
+        table, columns, floors_line, markdown=True, **where)
+  _emit(args, "chip-serving", f"causal_conv1d_gated_delta_rule on {floors.device_kind}",
+        rows, _SERVING_COLUMNS, floors_line, **where)
+  _print_ops(rows)
+  if mixed:
+    _emit(args, "chip-serving-mixed", "mixed serving calls against their parts run as"
+          f" separate calls on {floors.device_kind}", mixed, _MIXED_COLUMNS, floors_line,
+          **where)
+  print("floor: the larger of the essential MXU FLOPs (the chunked algorithm at C = 64 over"
+        " the valid tokens) and the minimal HBM bytes (states read and written, tokens in and"
+        " out) at the chip's published peaks. chained: ms per call of N calls in one program"
+        " (`lax.fori_loop`), the host's dispatch paid once per N; call by call: one program per"
+        " call, issued back to back; device: the profile's busy time of one call. hoisted:"
+        " work XLA moved out of the chained loop (none is right).")
 
 
 def _print_ops(rows) -> None:

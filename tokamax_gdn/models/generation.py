@@ -23,7 +23,7 @@ of `generate` uses slot r + 1. The cache keeps one array per block, not
 stacked as the params are, so that each is donated to the jitted step and
 the serving op updates it in place. Each step program is compiled with the
 cache's layouts left to XLA (`Layout.AUTO`), and the cache is placed in them
-on its first call (`_program`): at the runtime's default layout a bf16 conv
+on its first call (`step_program`): at the runtime's default layout a bf16 conv
 pool has its W-1 axis outermost, and each call relaid every GDN block's pool
 out into the serving kernel and back (an ahead-of-time v5e compile of the
 qwen3.5-tiny decode step at 64 requests had six such copies; none now).
@@ -202,10 +202,11 @@ def _signature(tree):
                         for x in leaves)
 
 
-def _program(params, cache: GenerationCache, args, statics: dict):
+def step_program(params, cache: GenerationCache, args, statics: dict):
   """`_step` compiled for these arguments, the cache donated and its layouts
   (in and out alike) XLA's choice for the program: (compiled, the cache's
-  formats as a pytree like `cache`). A cache that `init_cache` left
+  formats as a pytree like `cache`). The program `step` runs (benchmarks time
+  this one, placing their cache with `placed`). A cache that `init_cache` left
   uncommitted and the committed one a step returns share the key (their
   sharding on one device is the same); on a mesh the second is a second
   compile."""
@@ -234,7 +235,7 @@ def _program(params, cache: GenerationCache, args, statics: dict):
   return prog
 
 
-def _placed(cache: GenerationCache, formats) -> GenerationCache:
+def placed(cache: GenerationCache, formats) -> GenerationCache:
   """`cache` in `formats`: arrays already there as they are (the steady
   state, each call's cache being the last one's), others copied once."""
   return jax.tree.map(lambda x, f: x if x.format == f else jax.device_put(x, f), cache, formats)
@@ -276,12 +277,12 @@ def step(params, cache: GenerationCache, tokens: jax.Array, query_start_loc: jax
         f" got shapes {tuple(tokens.shape)}, {tuple(query_start_loc.shape)},"
         f" {tuple(state_indices.shape)}, {tuple(distribution.shape)}.")
   args = (tokens, query_start_loc, state_indices, distribution)
-  compiled, formats = _program(params, cache, args, statics(cfg, implementation, dtype))
-  return compiled(params, _placed(cache, formats), *args)
+  compiled, formats = step_program(params, cache, args, statics(cfg, implementation, dtype))
+  return compiled(params, placed(cache, formats), *args)
 
 
 def statics(cfg: ModelConfig, implementation=None, dtype=None) -> dict:
-  """The static arguments of a step program (`_program`)."""
+  """The static arguments of a step program (`step_program`)."""
   return dict(cfg=cfg,
               serving_impl=_static(SERVING_OP, registry.for_op(implementation, SERVING_OP)),
               gmm_impl=_static("gmm", registry.for_op(implementation, "gmm")),

@@ -35,7 +35,7 @@ from tokamax_gdn.models.config import ModelConfig
 # The chunk the GDN layer's essential FLOPs are counted at (as in the
 # benchmarks' MFU): the count grows with the chunk, so it is fixed here, not
 # taken from whichever config an implementation picked.
-GDN_FLOPS_CHUNK = 64
+GDN_FLOPS_CHUNK = workload.FLOPS_CHUNK
 # Forward + backward = 3x forward for every matmul-like op.
 TRAIN_FACTOR = 3
 

@@ -40,6 +40,20 @@ def test_hbm_floor_bytes_by_hand():
   assert np.isfinite(floor) and floor > 0
 
 
+def test_negative_chain_is_refused(capsys):
+  assert cli.main(["bench", "--op", OP, "--chain", "-1"]) == 2
+  assert "--chain must be >= 0" in capsys.readouterr().err
+
+
+def test_essential_flops_by_hand():
+  """tiny_mixed_padded_ctx: 31 valid tokens, 2 value heads, K = V = 16; the
+  chunked algorithm at C = 64: 2 (3 C K + 2 C V + 3 K V) per token and head."""
+  per_token_head = 2 * (3 * 64 * 16 + 2 * 64 * 16 + 3 * 16 * 16)
+  spec = arg_specs.by_name("tiny_mixed_padded_ctx")
+  assert serving_aot.essential_flops(spec) == 31 * 2 * per_token_head
+  assert serving_aot.essential_flops(spec, chunk=32) < serving_aot.essential_flops(spec)
+
+
 @pytest.mark.aot
 def test_aot_command_prints_cycles_floor_and_ratio(capsys):
   assert cli.main(["aot", "--op", OP, "--target", "v6e", "--specs", "tiny_decode_8_ctx",

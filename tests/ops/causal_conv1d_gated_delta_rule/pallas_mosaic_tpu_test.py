@@ -238,7 +238,7 @@ def test_window_checkpoint_buffers_stay_in_range():
   exactly slot t - (length - checkpoints) for the tokens whose state a DMA
   writes back. Out of range it would land in another request's buffers
   (interpret mode clamps such indices, the chip does not check them)."""
-  from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu_decode as dec  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu_decode_static as dec  # pylint: disable=g-import-not-at-top
   for window in (2, 4, 8):
     # (length, checkpoints) as the kernel's metadata has them: decodes
     # (min(length, window)), short prefills (1), requests that do not run
@@ -254,7 +254,7 @@ def test_window_checkpoint_buffers_stay_in_range():
 
 
 def test_window_nan_stays_causal_and_in_its_request():
-  """A verify window runs its tokens at once (`pallas_mosaic_tpu_decode._Window`):
+  """A verify window runs its tokens at once (`pallas_mosaic_tpu_decode_step.Window`):
   a NaN in token 2 of one request's window reaches neither the other
   requests' rows and slots nor its own earlier tokens' rows and checkpoints
   (bit for bit), as in a token-by-token scan; its later ones are NaN. The
@@ -287,7 +287,7 @@ def test_window_nan_stays_causal_and_in_its_request():
 
 def test_window_keys_shorter_than_a_slab():
   """d_k under the 16 state rows a window's checkpoints are built in
-  (`pallas_mosaic_tpu_decode._SLAB`; interpret mode runs heads unpadded),
+  (`pallas_mosaic_tpu_decode_step._SLAB`; interpret mode runs heads unpadded),
   GVA 1:2, windows of 3, against the reference."""
   lay = arg_specs.layout(lengths=[3, 1, 2], context_lens=[4, 6, 0], num_spec_tokens=2,
                          n_kq=1, n_v=2, d_k=8, d_v=16, **F32)
@@ -371,7 +371,7 @@ def test_pools_in_the_programs_layouts_are_not_copied_on_v5e():
   copies = {}
   for layout in serving.POOL_LAYOUTS:
     with aot.on_target(mesh):
-      hlo = serving._jitted("pallas_mosaic_tpu", kwargs, layout).lower(  # pylint: disable=protected-access
+      hlo = serving.jitted_step("pallas_mosaic_tpu", kwargs, layout).lower(
           args[3], args[4], rest, arrays).compile().as_text()
     assert aot.pallas_calls(hlo).get("gdn_serve_decode") == 1, aot.pallas_calls(hlo)
     copies[layout] = aot.copies(hlo, conv)

@@ -5,7 +5,7 @@ its length inside the call (no `lax.cond` on the batch composition: both
 paths are in the program whenever the shapes allow them, so nothing
 recompiles when the composition changes):
 
-1. The decode kernel (`pallas_mosaic_tpu_decode.py`): decode requests (one
+1. The decode kernel (`pallas_mosaic_tpu_decode*.py`): decode requests (one
    token, or a verify window of up to num_spec_tokens + 1) and every other
    request shorter than `min_chunked_tokens`. Its states move by DMA between
    the pools (aliased in place) and VMEM; conv window and GDN step fused.
@@ -59,7 +59,8 @@ from tokamax_gdn import config as gdn_config
 from tokamax_gdn.ops import config_hooks
 from tokamax_gdn.ops.causal_conv1d import pallas_mosaic_tpu as conv_pallas
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import base
-from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu_decode as decode_kernel
+from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu_decode as decode_call
+from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu_decode_static as decode_static
 from tokamax_gdn.ops.gated_delta_rule import prologue as gdn_prologue
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_common as gdn_common
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_requests as gdn_requests
@@ -131,7 +132,7 @@ class Config:
   decode_rolled: requests per iteration of the decode kernel's fori_loop over
     a tile (a divisor of decode_tile); 0 traces every request of the tile
     (lower and compile time grow with the tile). See
-    `pallas_mosaic_tpu_decode.DecodeStatic.rolled`.
+    `pallas_mosaic_tpu_decode_static.DecodeStatic.rolled`.
   """
 
   decode_tile: Annotated[int, pydantic.Field(gt=0)] = 16
@@ -272,15 +273,15 @@ _RESIDENT_OUT_BYTES = 1 << 20
 def _decode_static(dims: base.Dims, window: int, tile: int, mid: bool, *, num_requests: int,
                    num_tokens: int, act_itemsize: int, num_slots: int = 1, min_chunked: int = 0,
                    has_bias: bool = True, has_reads: bool = False, has_offsets: bool = False,
-                   rolled: int = 0) -> decode_kernel.DecodeStatic:
+                   rolled: int = 0) -> decode_static.DecodeStatic:
   direct = mid and window == 1
-  blk = decode_kernel.BLOCK_ROWS
+  blk = decode_static.BLOCK_ROWS
   tile = min(_row_tile(tile, window), round_up(num_requests, 8))
   r_pad = round_up(num_requests, tile)
   rows = max(round_up(num_tokens, blk), r_pad)
   resident = (direct and rows * dims.n_v * dims.d_v * act_itemsize <= _RESIDENT_OUT_BYTES
               and (tile % blk == 0 or tile == r_pad))
-  return decode_kernel.DecodeStatic(n_kq=dims.n_kq, n_v=dims.n_v, d_k=dims.d_k, d_v=dims.d_v,
+  return decode_static.DecodeStatic(n_kq=dims.n_kq, n_v=dims.n_v, d_k=dims.d_k, d_v=dims.d_v,
                                     kernel_size=dims.kernel_size, window=window, tile=tile,
                                     mid_tokens=mid, direct=direct,
                                     resident_rows=rows if resident else 0, num_tokens=num_tokens,
@@ -302,7 +303,7 @@ def _decode_vmem(args, tile: int, window: int) -> int:
   act = jnp.dtype(qkv.dtype).itemsize
   st = _decode_static(dims, window, tile, True, num_requests=args["state_indices"].shape[0],
                       num_tokens=qkv.shape[0], act_itemsize=act)
-  return decode_kernel.vmem_bytes(st, jnp.dtype(rec.dtype).itemsize, act)
+  return decode_static.vmem_bytes(st, jnp.dtype(rec.dtype).itemsize, act)
 
 
 def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, dt_bias,
@@ -328,7 +329,7 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, 
                       has_reads=reqs.index.read_state_indices is not None,
                       has_offsets=reqs.index.read_offsets is not None,
                       rolled=cfg.decode_rolled)
-  need = decode_kernel.vmem_bytes(st, jnp.dtype(rec_pool.dtype).itemsize,
+  need = decode_static.vmem_bytes(st, jnp.dtype(rec_pool.dtype).itemsize,
                                   jnp.dtype(qkv.dtype).itemsize)
   # The estimate is an upper bound (its margins); a need past the cap that
   # `check_vmem` accepts runs with the limit at what it accepts (64 value
@@ -338,7 +339,7 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, 
       "causal_conv1d_gated_delta_rule", need, _vmem_cap(),
       f"a decode tile of {st.tile} requests (window {window}, {dims.n_v} value heads,"
       f" {rec_pool.dtype} pool {rec_pool.shape})")
-  r_pad = decode_kernel.padded_requests(st)
+  r_pad = decode_static.padded_requests(st)
   # [dim, 1, W] -> [W, dim]: XLA's TPU layout of the weight is already W-major
   # (a bitcast, no copy).
   taps = jnp.transpose(conv_weight[:, 0, :])
@@ -353,7 +354,7 @@ def _decode_path(qkv, b, a, conv_pool, rec_pool, conv_weight, conv_bias, a_log, 
     tok = jnp.clip(jnp.pad(reqs.start, (0, r_pad - n_req))[:, None] + pos[None, :],
                    0, t_len - 1).reshape(-1)
     rows = (qkv[tok], b[tok], a[tok])
-  out_rows, out_mid, conv_pool, rec_pool = decode_kernel.decode(
+  out_rows, out_mid, conv_pool, rec_pool = decode_call.decode(
       index, *rows, taps, bias, a_log[None], dt_bias[None], conv_pool, rec_pool,
       *((qkv, b, a) if mid else ()), st=st, interpret=interpret,
       vmem_limit_bytes=min(gdn_vmem.accepted_need(_vmem_cap()), need * 5 // 4))

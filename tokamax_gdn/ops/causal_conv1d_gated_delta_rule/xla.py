@@ -14,8 +14,8 @@ only; no `lax.cond` on the composition, so nothing recompiles when it changes.
    of L = `tile_size` tokens; a `fori_loop` with a data-dependent trip count
    (the number of tiles the batch has, at most ceil(T / L) + R) runs one tile
    per step: the conv over [carried window; tile] and the chunked WY/UT
-   algebra of `gated_delta_rule/xla_chunked_kernel.py` (its `_forward_block`,
-   chunks of `chunk_size`) from the carried state. The first tile of a
+   algebra of `gated_delta_rule/xla_chunked_kernel.py` (its
+   `forward_from_state`, chunks of `chunk_size`) from the carried state. The first tile of a
    request loads its read slot's states, the last one stores the final
    states into its slot (one-slot dynamic updates of the pools carried by the
    loop, so in place). Tokens past the request's end in its last tile are
@@ -69,7 +69,7 @@ class Config:
                        f" chunk_size={self.chunk_size}.")
 
 
-def _heuristics(num_tokens: int) -> Config:
+def heuristic_config(num_tokens: int) -> Config:
   """Prefill: C=64 in tiles of 256 tokens; tiles of 64 (C=32) for batches of
   at most 64 tokens, where a larger tile would be padding. Decode: 8 lanes
   per step (their f32 states stay in cache on CPU)."""
@@ -81,7 +81,7 @@ def _heuristics(num_tokens: int) -> Config:
 def _autotuning_configs(num_tokens: int) -> set[Config]:
   """(tile, chunk) pairs with tiles no longer than the batch needs, at the
   heuristic decode tile; decode tiles at the heuristic prefill tiling."""
-  best = _heuristics(num_tokens)
+  best = heuristic_config(num_tokens)
   configs = {best}
   for tile, chunk in itertools.product((64, 128, 256, 512, 1024), (16, 32, 64)):
     if tile % chunk == 0 and tile // 2 < max(num_tokens, 64):
@@ -204,7 +204,7 @@ def _prefill_tiles(qkv, beta_all, g_all, conv_pool, rec_pool, out, reqs: base.Re
   qkv_p, beta_p = pad(qkv), pad(beta_all)
   # The chunked algebra's floor on log-decays (gated_delta_rule/prologue.py).
   g_p = pad(jnp.maximum(g_all, gdn_prologue.CHUNKED_LOG_DECAY_FLOOR))
-  precision = kernel._precision(qkv.dtype)  # pylint: disable=protected-access
+  precision = kernel.matmul_precision(qkv.dtype)
   rows_idx = jnp.arange(tile)
 
   def body(p, carry):
@@ -228,9 +228,9 @@ def _prefill_tiles(qkv, beta_all, g_all, conv_pool, rec_pool, out, reqs: base.Re
     k = jnp.where(rows[..., None], _qk(k), 0.0)
     beta = jnp.where(rows, jax.lax.dynamic_slice_in_dim(beta_p, start, tile), 0.0)
     g = jnp.where(rows, jax.lax.dynamic_slice_in_dim(g_p, start, tile), 0.0)
-    o, (s_next, _) = kernel._forward_block(  # pylint: disable=protected-access
-        q[None], k[None], v[None], g[None], beta[None], None, None, (s, None), None,
-        c=config.chunk_size, scale=dims.scale, precision=precision)
+    o, s_next = kernel.forward_from_state(
+        q[None], k[None], v[None], g[None], beta[None], s, chunk_size=config.chunk_size,
+        scale=dims.scale, precision=precision)
     out = jax.lax.dynamic_update_slice_in_dim(out, o.reshape(tile, -1), start, axis=0)
     window_next = jax.lax.dynamic_slice_in_dim(xp, size, width - 1)
     slot = reqs.write_slot[r]
@@ -250,7 +250,7 @@ class XlaCausalConv1dGatedDeltaRule(config_hooks.ConfigHooks,
   """Decode lanes + prefill tiles in XLA (module doc)."""
 
   config_cls: ClassVar[type[Config]] = Config
-  heuristics = config_hooks.of_size(_heuristics, "qkv", 0)
+  heuristics = config_hooks.of_size(heuristic_config, "qkv", 0)
   autotuning_configs = config_hooks.of_size(_autotuning_configs, "qkv", 0)
 
   @override

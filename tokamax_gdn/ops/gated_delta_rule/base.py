@@ -18,7 +18,7 @@ initial_state[b, n], and the final state is [B, N, Hv, K, V], segment n's own
 end state (zeros where a row has fewer than N segments). Segments past the
 N-th start from zero and their end states are not returned. Chunked backends
 run this on a re-layout where every segment starts at a chunk boundary
-(`segments.align_segments`; math.md, "Per-segment states").
+(`segments.align_segments`; docs/gdn_math.md, "Per-segment states").
 
 Split of work (one module per concept):
 - `GatedDeltaRule.bind` (here) validates and canonicalises once, for all backends.
@@ -36,7 +36,7 @@ Split of work (one module per concept):
   backwards in time (without `segment_ids` the row is one segment).
 - B = 0 or T = 0 never reach the core (empty results, the state passes through).
 
-The chunked algorithm both chunked backends implement is in `math.md`.
+The chunked algorithm both chunked backends implement is in `docs/gdn_math.md`.
 """
 
 import dataclasses

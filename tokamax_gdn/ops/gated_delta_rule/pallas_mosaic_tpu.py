@@ -206,6 +206,27 @@ def _kernel_args(config: Config, q: jax.Array, v: jax.Array, interpret: bool,
               vmem_limit_bytes=kernel_vmem_limit(gdn_config.target_generation()))
 
 
+def backward_config(ba: op.BoundArguments) -> Config:
+  """The VJP's heuristic config (its backward kernel's) for these bound
+  arguments of the forward Op, as the VJP picks it without an autotuning
+  cache."""
+  return _heuristics(ba, backward=True)
+
+
+def states_pass_config(config: Config, ba: op.BoundArguments) -> Config:
+  """The config of the VJP's states pass (a forward that writes the
+  chunk-entry states, no outputs) when the VJP runs `config`."""
+  return _states_config(config, _shapes(ba))
+
+
+def kernel_keywords(config: Config, q: jax.Array, v: jax.Array, kind: str) -> dict:
+  """The keywords the Op passes to kernel `kind` ("fwd", "states" or "bwd" of
+  `pallas_mosaic_tpu_kernel`) for `config` at these shapes, interpret mode
+  off: for tools that compile a kernel alone (`tokamax_gdn.aot`). Raises
+  where the config's VMEM estimate is past the target's cap."""
+  return _kernel_args(config, q, v, False, kind)
+
+
 # Dimension labels of the kernels' operands (see `ops.partitioning`).
 _LABELS = dict(
     q="b t h k", k="b t h k", v="b t hv v", log_decay="b t hv", g="b t hv", beta="b t hv",

@@ -534,6 +534,23 @@ def _forward_block(q, k, v, log_decay, beta, starts, ctl, carry, initial, *, c, 
   return _value_side_back(out), carry
 
 
+def forward_from_state(q, k, v, log_decay, beta, state, *, chunk_size: int, scale: float,
+                       precision) -> tuple[jax.Array, jax.Array]:
+  """The chunked forward over one block of whole chunks of one sequence (no
+  segments), from `state`: (out [B, L, Hv, V] float32, the state after the
+  block [B, Hk, G, K, V] float32).
+
+  q, k [B, L, Hk, K]; v [B, L, Hv, V]; log_decay, beta [B, L, Hv]; L a
+  multiple of `chunk_size`; state [B, Hk, G, K, V] float32 (G = Hv / Hk).
+  For callers that run their own loop over blocks and carry the state
+  between them (the serving op's prefill tiles); `precision`: as
+  `matmul_precision` gives it.
+  """
+  out, (s_next, _) = _forward_block(q, k, v, log_decay, beta, None, None, (state, None), None,
+                                    c=chunk_size, scale=scale, precision=precision)
+  return out, s_next
+
+
 def _chunk_inputs(blk: _Block):
   """Per-chunk scan inputs of `chunk_state_fwd`."""
   return (blk.q, blk.wy.w, blk.wy.u, blk.wy.p, blk.wy.k_out, blk.gate.decay_in,
@@ -598,9 +615,11 @@ def _backward_block(q, k, v, log_decay, beta, starts, ctl, d_out, s0, carry, ini
   return grads, carry
 
 
-def _precision(dtype):
-  # On TPU the default f32 matmul rounds operands to bf16, far outside the
-  # 2e-4 float32 contract; bf16 inputs only need the 2e-2 one.
+def matmul_precision(dtype) -> jax.lax.Precision:
+  """The precision of the chunked algebra's matmuls for inputs of `dtype`:
+  HIGHEST for float32 (on TPU the default f32 matmul rounds its operands to
+  bf16, far outside the 2e-4 float32 contract), DEFAULT otherwise (bf16
+  inputs only need the 2e-2 one)."""
   if jnp.dtype(dtype) == jnp.float32:
     return jax.lax.Precision.HIGHEST
   return jax.lax.Precision.DEFAULT
@@ -676,7 +695,7 @@ def _setup(q, k, v, log_decay, beta, *, scale, initial_state, segment_ids,
 
     ctl = _SegmentChunks(per_block(layout.chunk_reset), per_block(layout.chunk_segment),
                          per_block(layout.chunk_last))
-  kw = dict(c=chunk_size, scale=scale, precision=_precision(q.dtype))
+  kw = dict(c=chunk_size, scale=scale, precision=matmul_precision(q.dtype))
   return _Setup((*blocks, ctl), s0, initial, layout, t_len, length, n_blocks, kw)
 
 
