@@ -154,7 +154,7 @@ def _float64_to_float32(tree):
   """Every float64 array of `tree` as float32.
 
   All implementations compute in float32 and keep float32 states (one state
-  layout for all of them, and the README's numerical contract is float32), so float64
+  layout for all of them, and docs/design.md's numerical contract is float32), so float64
   inputs (under jax_enable_x64) are cast on the way in, outside the op's
   custom VJP: their gradients come back as float64 through the cast, and
   `out` is cast back to float64.
