@@ -114,3 +114,23 @@ def test_chained_pallas_program_keeps_its_work_in_the_loop_on_v5e():
         args[3], args[4], args[:3] + args[5:], arrays).compile().as_text()
   assert serving.loop_invariant_ops(hlo) == []
   assert "gdn_serve_decode" in hlo
+
+
+def test_a_peer_that_fails_is_a_row_with_its_reason(monkeypatch):
+  """`run` (the CPU timing): an implementation whose call raises gives a
+  row with the error and no time; the others are still timed."""
+  real = serving.jitted_step
+
+  def jitted_step(impl, kwargs, *a, **kw):
+    if impl == "broken":
+      def fail(*_):
+        raise ValueError("cannot run here")
+      return fail
+    return real(impl, kwargs, *a, **kw)
+
+  monkeypatch.setattr(serving, "jitted_step", jitted_step)
+  rows = serving.run([arg_specs.by_name(SPEC)], ("xla", "broken"), reps=1)
+  by_impl = {r["impl"]: r for r in rows}
+  assert by_impl["broken"]["ms"] is None
+  assert "cannot run here" in by_impl["broken"]["error"]
+  assert by_impl["xla"]["ms"] > 0 and by_impl["xla"]["error"] is None

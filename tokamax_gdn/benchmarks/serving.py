@@ -225,18 +225,28 @@ def run(specs, impls=("xla", TOKAMAX), reps: int = 5, key=None) -> list[dict[str
     fns = {impl: jitted_step(impl, kwargs) for impl in impls}
     pools = {impl: None for impl in impls}
     times = {impl: [] for impl in impls}
+    errors = {}
     for rnd in range(reps + 1):          # round 0 compiles
       for impl, fn in fns.items():
+        if impl in errors:
+          continue
         if pools[impl] is None:
           pools[impl] = (args[3].copy(), args[4].copy())
         start = time.perf_counter()
-        pools[impl], out = fn(*pools[impl], rest, arrays)
-        jax.block_until_ready((pools[impl], out))
+        try:
+          pools[impl], out = fn(*pools[impl], rest, arrays)
+          jax.block_until_ready((pools[impl], out))
+        except Exception as e:  # pylint: disable=broad-exception-caught
+          # A peer that cannot run here (vLLM's kernel off a TPU) is a row
+          # with the reason, as on the chip.
+          errors[impl] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+          continue
         if rnd:
           times[impl].append(time.perf_counter() - start)
-    med = {impl: statistics.median(t) * 1e3 for impl, t in times.items()}
+    med = {impl: statistics.median(t) * 1e3 for impl, t in times.items() if impl not in errors}
     for impl in impls:
-      rows.append(dict(spec=spec.name, shape=describe(spec), impl=impl, ms=med[impl],
-                       tokamax_over_this=(med[TOKAMAX] / med[impl] if TOKAMAX in med
-                                          else None)))
+      rows.append(dict(spec=spec.name, shape=describe(spec), impl=impl, ms=med.get(impl),
+                       error=errors.get(impl),
+                       tokamax_over_this=(med[TOKAMAX] / med[impl]
+                                          if TOKAMAX in med and impl in med else None)))
   return rows

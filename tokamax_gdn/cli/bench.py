@@ -216,7 +216,8 @@ def _serving(args, specs) -> int:
     common.print_json(rows)
     return 0
   common.print_table(
-      [dict(spec=r["spec"], shape=r["shape"], impl=r["impl"], ms=f"{r['ms']:.2f}",
+      [dict(spec=r["spec"], shape=r["shape"], impl=r["impl"], ms=(f"{r['ms']:.2f}" if r["ms"] is not None
+                                                         else r["error"]),
             ratio=_ratio(r["tokamax_over_this"])) for r in rows],
       dict(spec="workload", shape="shape", impl="impl", ms="median ms",
            ratio="tokamax / this"))
