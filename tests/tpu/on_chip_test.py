@@ -32,6 +32,7 @@ program for the chip is compiled to draw random numbers.
 
 import collections
 import functools
+import os
 import threading
 
 import jax
@@ -50,6 +51,7 @@ from tests import once
 from tests.ops.causal_conv1d_gated_delta_rule import pallas_mosaic_tpu_test as serving_pallas
 from tests.ops.causal_conv1d_gated_delta_rule import test_base as serving_base
 from tests.tpu import ahead
+from tests.tpu import oracles
 
 pytestmark = pytest.mark.tpu
 
@@ -423,12 +425,18 @@ def _plan(item) -> ahead.Plan:
   return ahead.Plan(small, gated=serving)
 
 
+# Child processes computing the named workloads' oracles on the host's CPU
+# (tests/tpu/oracles.py); 0: computed on the chip, in the tests.
+_ORACLE_PROCESSES_ENV = "TOKAMAX_GDN_TIER_ORACLE_PROCESSES"
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _run_ahead(request):
   """Runs the selected tests' bodies side by side in threads (`tests/tpu/
   ahead.py`; `$TOKAMAX_GDN_TIER_AHEAD`: 0 turns it off, N sets the threads),
   after lowering the padded batches' programs, whose module switches the
-  serving op's other tests must not see while they trace."""
+  serving op's other tests must not see while they trace; the named
+  workloads' oracles come from child processes (`tests/tpu/oracles.py`)."""
   items = [item for item in request.session.items
            if getattr(item, "module", None) is request.module]
   _SHARED.expect(k for k in map(_shared_key, items) if k is not None)
@@ -436,6 +444,10 @@ def _run_ahead(request):
   if not workers or jax.devices()[0].platform != "tpu":
     yield
     return
+  named = list(dict.fromkeys(item.callspec.params["name"] for item in items
+                             if item.originalname == "test_named_workload"))
+  children = oracles.Children(named, int(os.environ.get(_ORACLE_PROCESSES_ENV, "2")))
+  serving_base.set_oracle_source(children.take)
   ahead.start(items, _plan, workers=workers, device_bytes_cap=_DEVICE_BYTES_CAP)
   try:
     for item in items:
@@ -449,3 +461,5 @@ def _run_ahead(request):
     yield
   finally:
     ahead.stop()
+    serving_base.set_oracle_source(None)
+    children.close()

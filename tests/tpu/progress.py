@@ -13,7 +13,9 @@ that run tests ahead (`tests/tpu/ahead.py`) "ahead_compile_s" /
 "ahead_lower_s" / "ahead_compiles"; "slowest": the three longest compiles,
 [function name, seconds]; "ahead": how long the test ran ahead, where it
 did. When the session ends, {"event": "session"} carries the compiles after
-the last test's line. Summed over a run's lines: all its compiles.
+the last test's line. Summed over a run's lines: all its compiles. The child
+processes computing oracles on the CPU (`oracles.py`) each add a line
+{"event": "oracles"} with theirs.
 
 `$TOKAMAX_GDN_TIER_FIRST` (substrings joined by newlines) runs the tests whose
 ids contain one of them first, in that order, the rest after in collection
@@ -45,6 +47,11 @@ def pytest_configure(config):
   """Listens to jax's compile events, in the pytest process that loads this
   plugin only (the runner imports this module for its constants, jax-free)."""
   del config
+  listen_to_compiles()
+
+
+def listen_to_compiles() -> None:
+  """Collects this process's compiles for `take_compiles` from now on."""
   from jax import monitoring  # pylint: disable=g-import-not-at-top
   from jax._src import dispatch  # pylint: disable=g-import-not-at-top
 
@@ -97,14 +104,14 @@ def pytest_collection_modifyitems(session, config, items):
   first = [s for s in os.environ.get(FIRST_ENV, "").split("\n") if s]
   if first:
     items.sort(key=lambda item: first_rank(item.nodeid, first))  # stable: collection order within
-  _write(dict(event="collected", ids=[item.nodeid for item in items]))
+  write(dict(event="collected", ids=[item.nodeid for item in items]))
   done = read_results(os.environ.get(ENV, ""))
   if done:
     config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
     items[:] = [item for item in items if item.nodeid not in done]
 
 
-def _write(line: dict) -> None:
+def write(line: dict) -> None:
   path = os.environ.get(ENV)
   if not path:
     return
@@ -113,7 +120,7 @@ def _write(line: dict) -> None:
     f.flush()
 
 
-def _compiles_since_last_line() -> dict:
+def take_compiles() -> dict:
   """The compile fields of a line, from the events since the last one (taken)."""
   with _LOCK:
     events = list(_EVENTS)
@@ -132,7 +139,7 @@ def _compiles_since_last_line() -> dict:
 
 def pytest_runtest_logstart(nodeid, location):
   del location
-  _write(dict(event="start", id=nodeid, time=time.time()))
+  write(dict(event="start", id=nodeid, time=time.time()))
 
 
 def pytest_runtest_logreport(report):
@@ -145,13 +152,13 @@ def pytest_runtest_logreport(report):
       message = str(report.longrepr)[-2000:]
     line = dict(event="end", id=report.nodeid, outcome=report.outcome,
                 seconds=round(report.duration, 2), when=report.when, message=message,
-                **_compiles_since_last_line())
+                **take_compiles())
     ran_ahead = dict(report.user_properties).get("ahead")
     if ran_ahead:
       line["ahead"] = ran_ahead
-    _write(line)
+    write(line)
 
 
 def pytest_sessionfinish(session, exitstatus):
   del session, exitstatus
-  _write(dict(event="session", **_compiles_since_last_line()))
+  write(dict(event="session", **take_compiles()))

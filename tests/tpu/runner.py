@@ -25,7 +25,9 @@ chip once more), watching each test as it starts and ends
 
 In the pytest process the tests' bodies run side by side in threads, ahead
 of pytest's own order (`tests/tpu/ahead.py`): the tier is compile-bound and
-the chip host has cores to compile on. `--compile-cache DIR2` also keeps the
+the chip host has cores to compile on; child processes compute the named
+serving workloads' oracles on the host's CPU (`tests/tpu/oracles.py`,
+`$TOKAMAX_GDN_TIER_ORACLE_PROCESSES`, default 2, 0 for none). `--compile-cache DIR2` also keeps the
 compiled programs in jax's persistent cache in DIR2 (a resumed or repeated
 run on the same machine compiles only what changed).
 
@@ -33,7 +35,9 @@ Exit status 0 only when every collected test ran and none failed, timed out
 or crashed. The closing lines and DIR/summary.json give the counts, the
 problems, what was left not run, and the compiling: programs compiled, their
 seconds summed over the threads that compiled them (more than the wall time
-when threads compile side by side) and the seconds of tracing and lowering.
+when threads compile side by side) and the seconds of tracing and lowering
+(Python, one thread at a time: near the wall time, it is the bound), and the
+same for the oracle processes.
 """
 
 import argparse
@@ -94,18 +98,26 @@ def _compiles(r: dict) -> str:
 
 
 def compile_totals(lines) -> dict:
-  """The compiling of a run, from its result lines (`progress`): programs
-  compiled, seconds summed over threads, of them in pytest's thread, and
-  tracing and lowering."""
+  """The compiling of a run, from its lines (`progress`): programs compiled,
+  seconds summed over threads, of them in pytest's thread, tracing and
+  lowering; and in "oracles" the same of the child processes that computed
+  oracles on the CPU (`oracles.py`)."""
   total = dict(programs=0, seconds=0.0, seconds_in_pytest_thread=0.0, lower_seconds=0.0)
+  children = dict(processes=0, programs=0, seconds=0.0, lower_seconds=0.0)
   for r in lines:
-    if r.get("event") not in ("end", "session"):
-      continue
-    total["programs"] += r.get("compiles", 0) + r.get("ahead_compiles", 0)
-    total["seconds"] += r.get("compile_s", 0) + r.get("ahead_compile_s", 0)
-    total["seconds_in_pytest_thread"] += r.get("compile_s", 0)
-    total["lower_seconds"] += r.get("lower_s", 0) + r.get("ahead_lower_s", 0)
-  return {k: round(v, 1) for k, v in total.items()}
+    event = r.get("event")
+    if event in ("end", "session"):
+      total["programs"] += r.get("compiles", 0) + r.get("ahead_compiles", 0)
+      total["seconds"] += r.get("compile_s", 0) + r.get("ahead_compile_s", 0)
+      total["seconds_in_pytest_thread"] += r.get("compile_s", 0)
+      total["lower_seconds"] += r.get("lower_s", 0) + r.get("ahead_lower_s", 0)
+    elif event == "oracles":
+      children["processes"] += 1
+      children["programs"] += r.get("compiles", 0)
+      children["seconds"] += r.get("compile_s", 0)
+      children["lower_seconds"] += r.get("lower_s", 0)
+  rounded = lambda d: {k: round(v, 1) for k, v in d.items()}
+  return dict(rounded(total), oracles=rounded(children))
 
 
 def _lines_from(path: str, offset: int) -> list[dict]:
@@ -240,9 +252,13 @@ def run(out_dir: str, pytest_args, *, budget_s: float = 540.0, test_timeout_s: f
     shown = not_run[:20]
     log(f"[tier] left, not run ({len(not_run)}; all in summary.json): " + " ".join(shown)
         + (" ..." if len(not_run) > len(shown) else ""))
+  children = compiling["oracles"]
   log(f"[tier] compiling: {compiling['programs']} programs, {compiling['seconds']:.0f} s summed"
       f" over threads ({compiling['seconds_in_pytest_thread']:.0f} s in pytest's), tracing and"
-      f" lowering {compiling['lower_seconds']:.0f} s")
+      f" lowering {compiling['lower_seconds']:.0f} s"
+      + (f"; oracle processes on the CPU ({children['processes']}): {children['programs']}"
+         f" programs, {children['seconds']:.0f} s, tracing and lowering"
+         f" {children['lower_seconds']:.0f} s" if children["processes"] else ""))
   log(f"[tier] {len(ids)} collected: " + ", ".join(f"{n} {k}" for k, n in counts.items())
       + f", {len(not_run)} not run ({summary['seconds']:.0f} s)")
   return summary

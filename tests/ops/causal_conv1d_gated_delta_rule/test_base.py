@@ -59,13 +59,27 @@ SPEC_CASES = [
 _EXPECTED = once.Once()
 _JITTED = {}
 _JITTED_LOCK = threading.Lock()
+# Where a case's inputs and oracles may come from instead (`set_oracle_source`).
+_SOURCE = None
 
 
 def expected(case_id, lay):
   """(inputs, tokamax's result, our reference's result) of a case, on the
   host: computed once per process (shared by every implementation's tests,
-  which on the chip run side by side: the first computes it)."""
-  return _EXPECTED.get(case_id, lambda: _compute_expected(lay))
+  which on the chip run side by side: the first computes it), or taken from
+  the oracle source."""
+  def compute():
+    given = _SOURCE(case_id) if _SOURCE is not None else None
+    return given if given is not None else compute_expected(lay)
+  return _EXPECTED.get(case_id, compute)
+
+
+def set_oracle_source(source) -> None:
+  """`source(case_id)`: the case's `expected` tuple computed elsewhere (the
+  on-chip tier's child processes, tests/tpu/oracles.py), or None to compute
+  it here. `set_oracle_source(None)`: always here."""
+  global _SOURCE
+  _SOURCE = source
 
 
 def forget(case_id) -> None:
@@ -73,7 +87,8 @@ def forget(case_id) -> None:
   _EXPECTED.forget(case_id)
 
 
-def _compute_expected(lay):
+def compute_expected(lay):
+  """A layout's fresh inputs and both oracles' results on them, on the host."""
   args, kwargs = make(lay)
   static = {k: v for k, v in kwargs.items() if k in STATIC}
   arrays = {k: v for k, v in kwargs.items() if k not in STATIC}
