@@ -1,8 +1,11 @@
 """The on-chip tier's test bodies run ahead of pytest, side by side in threads.
 
-On the chip host a tier test spends nearly all its time in the host's
-compilers (XLA's and Mosaic's, which release the GIL) and little on the chip;
-pytest runs one test at a time, so one core compiled while twelve sat idle.
+On the chip host a tier test spends nearly all its time on the host: in
+XLA's and Mosaic's compilers (which release the GIL) and in tracing and
+lowering its programs (Python, which does not), and little on the chip;
+pytest runs one test at a time, so one core worked while twelve sat idle.
+Side by side, the compiles share the cores and the Python work, one thread
+at a time, becomes the bound.
 Here the tests' bodies run in a pool of threads, in the order given (the
 long ones first), while pytest goes through the tests in its own order: its
 call of a test (`tests/tpu/conftest.py`) waits for that test's run and gives
@@ -49,13 +52,13 @@ class _Job:
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
-def workers_from_env(default: int | None = None) -> int:
+def workers_from_env() -> int:
   """Threads to run tests ahead in: `$TOKAMAX_GDN_TIER_AHEAD`, else the
   host's cores less one (pytest's own thread)."""
   value = os.environ.get(ENV, "").strip()
   if value:
     return max(0, int(value))
-  return max(1, (os.cpu_count() or 2) - 1) if default is None else default
+  return max(1, (os.cpu_count() or 2) - 1)
 
 
 def body_of(item) -> Callable[[], object] | None:
@@ -156,6 +159,7 @@ class Scheduler:
             self._cond.wait()
         finally:
           self._claims -= 1
+          self._cond.notify_all()     # the threads held back by the claim
         job.state = "running"
         self._used += job.plan.device_bytes
     if mine:
