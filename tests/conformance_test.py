@@ -10,7 +10,9 @@ from tokamax._src.ops import op as op_lib
 
 from tokamax_gdn import registry
 from tokamax_gdn.testing import conformance as conf
+from tokamax_gdn.testing import draws
 from tokamax_gdn.testing import specs as specs_lib
+from tests import once
 
 CASES = conf.cases()
 PAIRS = conf.impl_pairs()
@@ -44,21 +46,23 @@ def test_is_tokamax_op_with_valid_config(op_name, impl_name):
 
 
 _CT_KEY = jax.random.key(7)
-_EXPECTED = {}
+_EXPECTED = once.Once()
 
 
 def _inputs_and_expected(op_name, spec):
   """(args, kwargs, diff, call, (out, grads)) of the reference on the spec's
-  inputs: computed once per (op, spec) and shared by every implementation."""
-  key = (op_name, spec.name)
-  if key not in _EXPECTED:
+  inputs: computed once per (op, spec) and shared by every implementation
+  (on the chip, their tests run side by side: the first computes it)."""
+
+  def compute():
     ref = registry.get(op_name, "reference")
     # A stable seed per spec (crc32, not hash(): that changes per process and
     # made failures unreproducible).
-    args, kwargs = spec.make(jax.random.key(zlib.crc32(spec.name.encode()) % 2**31))
+    args, kwargs = draws.draw(spec.make, zlib.crc32(spec.name.encode()) % 2**31)
     diff, call = conf.split_diff(spec, ref, args, kwargs)
-    _EXPECTED[key] = args, kwargs, diff, call, conf.loss_and_grads(ref, call, diff, _CT_KEY)
-  return _EXPECTED[key]
+    return args, kwargs, diff, call, conf.loss_and_grads(ref, call, diff, _CT_KEY)
+
+  return _EXPECTED.get((op_name, spec.name), compute)
 
 
 @pytest.mark.parametrize("case", AGAINST_REFERENCE, ids=_id)

@@ -13,7 +13,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pydantic
 from tokamax._src.ops import op as op_lib
 
@@ -69,7 +68,7 @@ def assert_close(actual, expected, tol: float, what: str) -> None:
     assert a.shape == e.shape, f"{what}[{i}]: shape {a.shape} vs {e.shape}"
     if not a.size:   # empty specs: the shape is the result
       continue
-    assert np.all(np.isfinite(np.asarray(a, np.float32))), f"{what}[{i}]: non-finite values"
+    assert specs_lib.all_finite(a), f"{what}[{i}]: non-finite values"
     err = specs_lib.rel_rms(a, e)
     assert err <= tol, f"{what}[{i}]: rel-RMS {err:.3g} > {tol:.3g}"
 

@@ -4,6 +4,7 @@ AOT compiles for v5e / v6e / tpu7x at a realistic decode shape whose kernels
 the static cycle estimator must accept."""
 
 import contextlib
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -609,18 +610,21 @@ _PADDED = dict(lengths=[1] * 3 + [0] * 29 + [1, 1, 4], context_lens=3, max_reqs=
 SKIP_MODES = ("resident_out", "two_outputs", "unrolled_bf16_pools", "spec2_windows")
 
 
-def check_padded_batch_skips_idle(mode, monkeypatch, dims=TINY, interpret=True):
-  """Tiles and groups none of whose requests runs compute nothing
-  (`DecodeStatic.skip_idle`): every output row and pool slot bit-identical
-  to the kernel that computes them and selects them away, and both match
-  the reference. Idle requests here are padding and requests with no
-  tokens, whole tiles of them and the tail of running ones. `dims`: the
-  heads; `interpret`: Pallas interpret mode (else compiled for the device)."""
-  tile, rolled, kw = 8, 2, dict(_PADDED, **dims, **F32)
+def padded_batch_programs(mode, dims=TINY, interpret=True):
+  """The decode kernel on a padded batch (`_PADDED`, or its form for `mode`)
+  with idle tiles and groups skipped and computed (`DecodeStatic.skip_idle`),
+  traced and lowered: ((args, arrays, static), {skip: Lowered}). `dims`: the
+  heads; `interpret`: Pallas interpret mode (else lowered for the device).
+
+  Lowering is where the module switches `mode` sets take effect (it reads
+  them while tracing), so the lowered programs can be compiled and run later,
+  anywhere (the on-chip tier lowers these before it starts running tests side
+  by side, which trace the same module)."""
+  tile, rolled, kw, resident = 8, 2, dict(_PADDED, **dims, **F32), None
   if mode == "resident_out":
     tile = 16
   elif mode == "two_outputs":
-    monkeypatch.setattr(pallas_mosaic_tpu, "_RESIDENT_OUT_BYTES", 0)
+    resident = 0
   elif mode == "unrolled_bf16_pools":
     rolled, kw = 0, dict(_PADDED, **dims)
   else:
@@ -632,17 +636,35 @@ def check_padded_batch_skips_idle(mode, monkeypatch, dims=TINY, interpret=True):
   cfg = pallas_mosaic_tpu.Config(decode_tile=tile, chunk_size=64, min_chunked_tokens=128,
                                  decode_rolled=rolled)
   impl = pallas_mosaic_tpu.IMPLEMENTATION.replace(config=cfg)
-  results = {}
+  lowered = {}
   for skip in (True, False):
-    monkeypatch.setattr(pallas_mosaic_tpu, "_skip_idle", skip)
-    with config.interpret_mode() if interpret else contextlib.nullcontext():
-      results[skip] = jax.jit(lambda a, kw: impl(*a, **kw, **static))(tuple(args), arrays)
+    with contextlib.ExitStack() as stack:
+      stack.enter_context(mock.patch.object(pallas_mosaic_tpu, "_skip_idle", skip))
+      if resident is not None:
+        stack.enter_context(mock.patch.object(pallas_mosaic_tpu, "_RESIDENT_OUT_BYTES", resident))
+      if interpret:
+        stack.enter_context(config.interpret_mode())
+      lowered[skip] = jax.jit(lambda a, kw: impl(*a, **kw, **static)).trace(
+          tuple(args), arrays).lower()
+  return (tuple(args), arrays, static), lowered
+
+
+def check_padded_batch_skips_idle(programs):
+  """Tiles and groups none of whose requests runs compute nothing
+  (`DecodeStatic.skip_idle`): every output row and pool slot bit-identical
+  to the kernel that computes them and selects them away, and both match
+  the reference. Idle requests here are padding and requests with no
+  tokens, whole tiles of them and the tail of running ones. `programs`:
+  `padded_batch_programs`'s."""
+  (args, arrays, static), lowered = programs
+  assert lowered[True].as_text() != lowered[False].as_text(), "the switch did not take effect"
+  results = {skip: lo.compile()(args, arrays) for skip, lo in lowered.items()}
   for got, want in zip(jax.tree.leaves(results[True]), jax.tree.leaves(results[False])):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   (conv, rec), out = results[True]
-  _assert_matches_reference(tuple(args), static, conv, rec, out, arrays)
+  _assert_matches_reference(args, static, conv, rec, out, arrays)
 
 
 @pytest.mark.parametrize("mode", SKIP_MODES)
-def test_padded_batch_skips_idle_requests_bit_for_bit(mode, monkeypatch):
-  check_padded_batch_skips_idle(mode, monkeypatch)
+def test_padded_batch_skips_idle_requests_bit_for_bit(mode):
+  check_padded_batch_skips_idle(padded_batch_programs(mode))

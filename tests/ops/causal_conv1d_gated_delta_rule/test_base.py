@@ -14,12 +14,11 @@ inputs and random (non-zero) pools:
 Shapes are tokamax's layouts (`arg_specs.layout`) scaled down for CPU.
 """
 
-import concurrent.futures
 import contextlib
 import threading
-from typing import NamedTuple
 
 import jax
+from jax._src import dispatch
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -29,7 +28,9 @@ from tokamax._src.ops.causal_conv1d_gated_delta_rule import reference as tokamax
 from tokamax_gdn import config
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import api
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule import arg_specs
+from tokamax_gdn.testing import draws
 from tokamax_gdn.testing.specs import rel_rms, tolerance
+from tests import once
 
 TINY = dict(n_kq=1, n_v=2, d_k=16, d_v=16)
 F32 = dict(dtype=jnp.float32, state_dtype=jnp.float32)
@@ -55,122 +56,61 @@ SPEC_CASES = [
     ("spec3_padded_bf16", dict(lengths=[4, 3, 1, 2], context_lens=9, num_spec_tokens=3,
                                max_reqs=5, **TINY)),
 ]
-_EXPECTED = {}
-_AHEAD: dict[str, concurrent.futures.Future] = {}
-_AHEAD_LOCK = threading.Lock()
+_EXPECTED = once.Once()
 _JITTED = {}
+_JITTED_LOCK = threading.Lock()
+# Where a case's inputs and oracles may come from instead (`set_oracle_source`).
+_SOURCE = None
 
 
-def expected(case_id, lay, tokamax_fn, tokamax_jit=True):
-  """(inputs, tokamax's result, our reference's result) of a case, computed
-  once per process (shared by every implementation's tests), or by
-  `compute_ahead`'s threads (waited for here; an exception there is raised
-  here, in the test of that case)."""
-  with _AHEAD_LOCK:
-    ahead = _AHEAD.get(case_id)
-  if ahead is not None:
-    ahead.oracle.result()
-  if case_id not in _EXPECTED:
-    _compute_expected(case_id, lay, tokamax_fn, tokamax_jit)
-  return _EXPECTED[case_id]
+def expected(case_id, lay):
+  """(inputs, tokamax's result, our reference's result) of a case, on the
+  host: computed once per process (shared by every implementation's tests,
+  which on the chip run side by side: the first computes it), or taken from
+  the oracle source."""
+  def compute():
+    given = _SOURCE(case_id) if _SOURCE is not None else None
+    return given if given is not None else compute_expected(lay)
+  return _EXPECTED.get(case_id, compute)
 
 
-def _compute_expected(case_id, lay, tokamax_fn, tokamax_jit):
-  """`expected`'s computation: stores the case in _EXPECTED."""
+def set_oracle_source(source) -> None:
+  """`source(case_id)`: the case's `expected` tuple computed elsewhere (the
+  on-chip tier's child processes, tests/tpu/oracles.py), or None to compute
+  it here. `set_oracle_source(None)`: always here."""
+  global _SOURCE
+  _SOURCE = source
+
+
+def forget(case_id) -> None:
+  """Drops a case's inputs and oracles (once every test of it has run)."""
+  _EXPECTED.forget(case_id)
+
+
+def compute_expected(lay):
+  """A layout's fresh inputs and both oracles' results on them, on the host."""
   args, kwargs = make(lay)
   static = {k: v for k, v in kwargs.items() if k in STATIC}
   arrays = {k: v for k, v in kwargs.items() if k not in STATIC}
-  theirs = (jax.jit(lambda a, kw: tokamax_fn(a, kw | static))(args, arrays) if tokamax_jit
-            else tokamax_fn(args, kwargs))
+  tokamax_fn = tokamax_oracle(lay)
+  theirs = jax.jit(lambda a, kw: tokamax_fn(a, kw | static))(args, arrays)
   ours = jax.jit(lambda a, kw: api.causal_conv1d_gated_delta_rule(
       *a, **kw, **static, implementation="reference"))(args, arrays)
-  _EXPECTED[case_id] = (args, kwargs), _host(theirs), _host(ours)
-
-
-class _Ahead(NamedTuple):
-  """A case `compute_ahead` took: its thread's task, the oracles' future and
-  one future per implementation warmed there."""
-
-  task: concurrent.futures.Future
-  oracle: concurrent.futures.Future
-  warm: dict[str, concurrent.futures.Future]
-
-
-def _work_ahead(case_id, lay, oracle, warm, call):
-  """A `compute_ahead` thread's work on one case: its oracles, then `call`
-  of each implementation in `warm` on its inputs (compiled, and run once)."""
-  try:
-    _compute_expected(case_id, lay, *tokamax_oracle(lay))
-  except BaseException as e:  # pylint: disable=broad-exception-caught
-    oracle.set_exception(e)
-    for done in warm.values():
-      done.set_result(None)
-    return
-  oracle.set_result(None)
-  args, kwargs = _EXPECTED[case_id][0]
-  for impl, done in warm.items():
-    try:
-      call(args, kwargs, impl)
-    except Exception:  # pylint: disable=broad-exception-caught
-      pass    # the test's own call of it raises this again, in the test
-    done.set_result(None)
-
-
-def compute_ahead(cases, workers: int, warm=None, call=None
-                  ) -> concurrent.futures.ThreadPoolExecutor:
-  """Starts computing `expected` for `cases` ([(case_id, layout)], in the
-  order the tests will want them) in `workers` threads; returns the pool
-  (shut it down when the tests are done: what has not started is dropped).
-  `warm` (case_id -> the implementations its tests will call) and `call`
-  (`ServingTestBase.call`): once a case's oracles are done, its thread also
-  calls those implementations on its inputs, so that each one's compile is
-  done there too (`wait_warm`).
-
-  For the on-chip tier: there the oracles (tokamax's reference and ours) and
-  the implementations' programs are most of a named workload's time, all of
-  it compiles, and the chip host has cores to compile them side by side
-  while the tests run."""
-  pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="oracle")
-  for case_id, lay in cases:
-    with _AHEAD_LOCK:
-      if case_id in _AHEAD or case_id in _EXPECTED:
-        continue
-      oracle = concurrent.futures.Future()
-      impls = {impl: concurrent.futures.Future() for impl in (warm or {}).get(case_id, ())}
-      task = pool.submit(_work_ahead, case_id, lay, oracle, impls, call)
-      _AHEAD[case_id] = _Ahead(task, oracle, impls)
-  return pool
-
-
-def wait_warm(case_id, impl) -> None:
-  """Waits for `compute_ahead`'s call of `impl` on the case, if it took one
-  (so that the test's call finds it compiled, not compiling it again beside)."""
-  with _AHEAD_LOCK:
-    ahead = _AHEAD.get(case_id)
-  if ahead is not None and impl in ahead.warm:
-    ahead.warm[impl].result()
-
-
-def stop_ahead(pool: concurrent.futures.ThreadPoolExecutor) -> None:
-  """Drops what `compute_ahead` has not started (a later `expected` computes
-  it itself) and waits for what is running."""
-  with _AHEAD_LOCK:
-    for case_id, ahead in list(_AHEAD.items()):
-      if ahead.task.cancel():
-        del _AHEAD[case_id]
-  pool.shutdown(wait=True)
+  return _host((args, kwargs)), _host(theirs), _host(ours)
 
 
 def _host(tree):
   """`tree`'s arrays as numpy arrays: the checks index and compare them on the
   host (on a TPU every eager op on a new shape would be a compile of its own,
-  and the tier checks many shapes)."""
-  return jax.tree.map(np.asarray, tree)
+  and the tier checks many shapes), and the cases' inputs wait there for the
+  tests that want them, not in the chip's memory."""
+  return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, tree)
 
 
 def make(lay, seed=0):
-  """(args, kwargs) of a layout: positional arrays + optional + static keywords."""
-  return arg_specs.random_call(jax.random.key(seed), lay)
+  """(args, kwargs) of a layout: positional arrays + optional + static keywords
+  (drawn on the host: `tokamax_gdn.testing.draws`)."""
+  return draws.draw(lambda key: arg_specs.random_call(key, lay), seed)
 
 
 def written_slots(lay) -> set[int]:
@@ -192,25 +132,28 @@ def assert_close(actual, expected, dtype, what):
 
 
 def tokamax_oracle(lay):
-  """tokamax's oracle for a layout: (fn(args, kwargs), whether it may be
-  jitted). Its local reference for plain batches; for verify windows its test
-  module's token-by-token `gdn_attention_spec_ref`, eager (it loops in
-  Python over concrete indices)."""
+  """tokamax's oracle for a layout, fn(args, kwargs) to call under jit. Its
+  local reference for plain batches; for verify windows its test module's
+  token-by-token `gdn_attention_spec_ref`, which loops in Python over the
+  requests' concrete indices: those are the layout's own (numpy), so under
+  jit it is one program (called eagerly on a chip, each of its thousands of
+  steps on a new slice was a compile of its own)."""
   if not lay.get("num_spec_tokens"):
     def plain(args, kwargs):
       kwargs = {k: v for k, v in kwargs.items() if k != "num_spec_tokens"}
       return tokamax_reference.run_jax_gdn_attention_local_ref(*_fresh_conv_zeroed(args),
                                                                  **kwargs)
-    return plain, True
+    return plain
 
   def windows(args, kwargs):
     names = arg_specs.POSITIONAL
     full = dict(zip(names, args)) | kwargs
+    concrete = ("query_start_loc", "state_indices", "read_offsets", "seq_lens")
     return tokamax_tests.gdn_attention_spec_ref(
-        **{n: full[n] for n in names[:11]}, read_offsets=full["read_offsets"],
-        num_spec_seqs=int(lay["distribution"][0]), seq_lens=full["seq_lens"],
+        **{n: full[n] for n in names[:9]}, **{n: np.asarray(lay[n]) for n in concrete},
+        num_spec_seqs=int(lay["distribution"][0]),
         **{n: full[n] for n in STATIC if n != "num_spec_tokens"})
-  return windows, False
+  return windows
 
 
 def _fresh_conv_zeroed(args):
@@ -230,6 +173,26 @@ def _fresh_conv_zeroed(args):
   conv = args[3]
   args[3] = conv.at[jnp.where(fresh, slots, conv.shape[0])].set(0, mode="drop")
   return tuple(args)
+
+
+@contextlib.contextmanager
+def traced_or_compiled_here():
+  """The jax functions traced or compiled in this thread inside the block (a
+  list, filled as it runs). Other threads' (the on-chip tier runs tests side
+  by side, calling the same jitted functions) are not counted."""
+  me, seen = threading.get_ident(), []
+
+  def listen(event, seconds, **kwargs):
+    del seconds
+    if event in (dispatch.JAXPR_TRACE_EVENT, dispatch.BACKEND_COMPILE_EVENT) and (
+        threading.get_ident() == me):
+      seen.append(kwargs.get("fun_name", event))
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    yield seen
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def _bits(x):
@@ -260,7 +223,7 @@ class ServingTestBase:
     static = {k: v for k, v in kwargs.items() if k in STATIC}
     arrays = {k: v for k, v in kwargs.items() if k not in STATIC}
     key = (impl, config.target_generation().name, tuple(sorted(static.items())))
-    with _AHEAD_LOCK:     # (`compute_ahead`'s threads call it too)
+    with _JITTED_LOCK:     # (the on-chip tier's tests call it from several threads)
       if key not in _JITTED:
         _JITTED[key] = jax.jit(lambda a, kw: api.causal_conv1d_gated_delta_rule(
             *a, **kw, **static, implementation=impl))
@@ -268,10 +231,8 @@ class ServingTestBase:
     with self.context():
       return jax.block_until_ready(fn(args, arrays))
 
-  def _check_against_ours_and_tokamax(self, case_id, lay, tokamax_fn, tokamax_jit=True):
-    (args, kwargs), (t_pools, t_out), (r_pools, r_out) = expected(case_id, lay, tokamax_fn,
-                                                                  tokamax_jit)
-    wait_warm(case_id, self.IMPL)
+  def _check_against_ours_and_tokamax(self, case_id, lay):
+    (args, kwargs), (t_pools, t_out), (r_pools, r_out) = expected(case_id, lay)
     (conv, rec), out = ((r_pools, r_out) if self.IMPL == "reference" else
                         _host(self.call(args, kwargs)))
     conv_in, rec_in = np.asarray(args[3]), np.asarray(args[4])
@@ -294,12 +255,12 @@ class ServingTestBase:
   @pytest.mark.parametrize("case_id,lay", CASES, ids=[c[0] for c in CASES])
   def test_against_tokamax_reference(self, case_id, lay):
     lay = arg_specs.layout(**lay)
-    self._check_against_ours_and_tokamax(case_id, lay, *tokamax_oracle(lay))
+    self._check_against_ours_and_tokamax(case_id, lay)
 
   @pytest.mark.parametrize("case_id,lay", SPEC_CASES, ids=[c[0] for c in SPEC_CASES])
   def test_spec_windows_against_tokamax(self, case_id, lay):
     lay = arg_specs.layout(**lay)
-    self._check_against_ours_and_tokamax(case_id, lay, *tokamax_oracle(lay))
+    self._check_against_ours_and_tokamax(case_id, lay)
 
   def test_window_checkpoints_are_single_token_decodes(self):
     """Checkpoint j of a 3-token window = the state after j + 1 one-token
@@ -441,11 +402,10 @@ class ServingTestBase:
                              **self.DIMS, **F32)
     other = arg_specs.layout(lengths=[31], max_reqs=6, **self.DIMS, **F32)
     self.call(*make(first))
-    fn = _JITTED[(self.IMPL, config.target_generation().name,
-                  tuple(sorted((n, first[n]) for n in STATIC if n in first)))]
-    compiled = fn._cache_size()  # pylint: disable=protected-access
-    self.call(*make(other))
-    assert fn._cache_size() == compiled  # pylint: disable=protected-access
+    args, kwargs = make(other)
+    with traced_or_compiled_here() as programs:
+      self.call(args, kwargs)
+    assert not programs, f"traced or compiled again: {programs}"
 
   @pytest.mark.parametrize("change,argname", [
       (dict(query_start_loc=[0, 2, 1, 12]), "query_start_loc"),       # decreasing
