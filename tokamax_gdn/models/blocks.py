@@ -4,7 +4,8 @@
                                                               Qwen3-Next's zero-centred norm)
   attention(x)     = softmax(rope(q) rope(k)ᵀ / sqrt(d) + causal mask) v @ o
                      q = norm(x Wq), k = norm(x Wk), v = x Wv   (per head; GQA: query head
-                     h reads key/value head h // (heads / kv_heads))
+                     h reads key/value head h // (heads / kv_heads); the core in
+                     `softmax_attention`: splash attention on TPU)
   moe(x)           = Σ_{e in topk(p)} w_e · down_e(silu(gate_e x) ⊙ up_e x),
                      p = softmax(x W_router), w = topk weights (renormalised to sum 1)
 
@@ -16,11 +17,14 @@ gradient through the routing weights w (top-k of a softmax is differentiable
 in the selected values) and through the load-balancing loss.
 """
 
+from collections.abc import Callable
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
+from tokamax_gdn.models import softmax_attention
 from tokamax_gdn.ops.gmm.api import gmm
 
 Params = dict[str, jax.Array]
@@ -87,19 +91,22 @@ def attention_qkv(params: Params, x: jax.Array, positions: jax.Array, *, heads: 
 
 
 def attention(params: Params, x: jax.Array, *, heads: int, kv_heads: int, head_dim: int,
-              eps: float, rope_theta: float) -> jax.Array:
-  """Causal GQA softmax attention, x [B, T, hidden] -> [B, T, hidden]."""
+              eps: float, rope_theta: float, implementation=None,
+              core: Callable[..., jax.Array] | None = None) -> jax.Array:
+  """Causal GQA softmax attention, x [B, T, hidden] -> [B, T, hidden].
+
+  The core (softmax(q kᵀ) v) is `softmax_attention.causal_attention`: splash
+  attention's Pallas kernels on TPU, the jnp formula elsewhere, as
+  `implementation` says; `core(q, k, v)` replaces it (`models.sharding` runs
+  it under `shard_map`).
+  """
   b, t, _ = x.shape
   q, k, v = attention_qkv(params, x, jnp.arange(t), heads=heads, kv_heads=kv_heads,
                           head_dim=head_dim, eps=eps, rope_theta=rope_theta)
-  q = q.reshape(b, t, kv_heads, heads // kv_heads, head_dim)
-  s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
-  s = s / math.sqrt(head_dim)
-  causal = jnp.tril(jnp.ones((t, t), bool))
-  s = jnp.where(causal, s, -jnp.inf)
-  p = jax.nn.softmax(s, axis=-1).astype(x.dtype)
-  o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v, preferred_element_type=jnp.float32)
-  return matmul(o.astype(x.dtype).reshape(b, t, heads * head_dim), params["o_proj"])
+  if core is None:
+    core = functools.partial(softmax_attention.causal_attention, implementation=implementation)
+  o = core(q, k, v)
+  return matmul(o.reshape(b, t, heads * head_dim), params["o_proj"])
 
 
 # ----------------------------------------------------------------------------
