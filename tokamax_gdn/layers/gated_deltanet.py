@@ -41,6 +41,7 @@ from tokamax_gdn.ops.causal_conv1d.api import causal_conv1d
 from tokamax_gdn.ops.gated_delta_rule import remat as gdn_remat
 from tokamax_gdn.ops.gated_delta_rule import xla as gdn_xla
 from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule
+from tokamax_gdn.ops.gated_rmsnorm.api import gated_rmsnorm as gated_rmsnorm_op
 
 VARIANTS = ("qwen3_next", "qwen3_5")
 Params = dict[str, jax.Array]
@@ -266,56 +267,16 @@ def _gated_rmsnorm_fwd_math(o, z, weight, eps):
   return y, o32, r, n
 
 
-def _sum_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """x summed over the axes broadcasting added to `shape` (the transpose of
-  a broadcast from `shape` to x's shape)."""
-  x = jnp.sum(x, axis=tuple(range(x.ndim - len(shape))))
-  ones = tuple(i for i, d in enumerate(shape) if d == 1 and x.shape[i] != 1)
-  return jnp.sum(x, axis=ones, keepdims=True) if ones else x
+def gated_rmsnorm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float, *,
+                  implementation=None) -> jax.Array:
+  """HF Qwen3NextRMSNormGated (see module docstring) over each group of V =
+  len(weight) elements of the last axis: the `tokamax_gdn.gated_rmsnorm` op
+  (o, z [..., H·V], weight [V]; the result in o's dtype)."""
+  return gated_rmsnorm_op(o, z, weight, eps=eps, implementation=implementation)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gated_rmsnorm(o, z, weight, eps):
-  return _gated_rmsnorm_fwd_math(o, z, weight, eps)[0]
-
-
-def _gated_rmsnorm_fwd(o, z, weight, eps):
-  return _gated_rmsnorm(o, z, weight, eps), (o, z, weight)
-
-
-def _gated_rmsnorm_bwd(eps, res, dy):
-  """The backward in one pass over (o, z, dy), in float32 throughout.
-
-  Autodiff of the forward took ~4x the HBM traffic of its inputs and
-  outputs on TPU: XLA split it into several fusions that each wrote
-  float32 [T, Hv, V] intermediates (the normalised o, silu(z), their
-  products) and relaid them out between the fusions. Here every
-  intermediate is recomputed from the saved inputs in the fusion that needs
-  it. The casts' cotangents are not rounded to the activation dtype (as
-  autodiff rounds them): within rounding of autodiff's gradients.
-  """
-  o, z, weight = res
-  _, o32, r, n = _gated_rmsnorm_fwd_math(o, z, weight, eps)
-  z32, dy32, w32 = z.astype(jnp.float32), dy.astype(jnp.float32), weight.astype(jnp.float32)
-  sig = jax.nn.sigmoid(z32)
-  h32 = (weight * n).astype(jnp.float32)
-  dh = dy32 * z32 * sig
-  dz = dy32 * h32 * sig * (1.0 + z32 * (1.0 - sig))        # silu'(z) = σ(1 + z(1 - σ))
-  dweight = _sum_to(dh * n.astype(jnp.float32), weight.shape)
-  dn = dh * w32
-  n32 = o32 * r
-  do = r * (dn - n32 * jnp.mean(dn * n32, axis=-1, keepdims=True))
-  return do.astype(o.dtype), dz.astype(z.dtype), dweight.astype(weight.dtype)
-
-
-_gated_rmsnorm.defvjp(_gated_rmsnorm_fwd, _gated_rmsnorm_bwd)
-
-
-def gated_rmsnorm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-  """HF Qwen3NextRMSNormGated over the last axis (see module docstring):
-  o, z [..., V] and weight [V]; the result in o's dtype. Its VJP is written
-  by hand (`_gated_rmsnorm_bwd`: one pass over the inputs)."""
-  return _gated_rmsnorm(o, z, weight, float(eps))
+def _slices(x: jax.Array, bounds: tuple[int, ...], axis: int) -> tuple[jax.Array, ...]:
+  return tuple(jax.lax.slice_in_dim(x, a, b, axis=axis) for a, b in zip(bounds, bounds[1:]))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -323,7 +284,7 @@ def split(x: jax.Array, bounds: tuple[int, ...], axis: int) -> tuple[jax.Array, 
   """x's slices [bounds[i], bounds[i+1]) along `axis`; the VJP concatenates
   the cotangents (autodiff would pad each one to x's shape and add them, in
   float32 for low-precision x)."""
-  return tuple(jax.lax.slice_in_dim(x, a, b, axis=axis) for a, b in zip(bounds, bounds[1:]))
+  return _slices(x, bounds, axis)
 
 
 split.defvjp(lambda x, bounds, axis: (split(x, bounds, axis), None),
@@ -367,14 +328,18 @@ def conv_groups(cfg: GatedDeltaNetConfig) -> tuple[int, ...]:
 
 
 def out_projection(params: Params, o: jax.Array, z: jax.Array,
-                   cfg: GatedDeltaNetConfig) -> jax.Array:
+                   cfg: GatedDeltaNetConfig, implementation=None) -> jax.Array:
   """GDN output o [..., Hv, V] and gate z [..., Hv*V] -> y [..., hidden] in
-  z's dtype: the gated RMSNorm per value head, then `out_proj`."""
+  z's dtype: the gated RMSNorm per value head (`implementation=` as the
+  layer's), then `out_proj`."""
   dtype = z.dtype
   lead = z.shape[:-1]
-  o = gated_rmsnorm(o.astype(dtype), z.reshape(*lead, cfg.num_v_heads, cfg.head_v_dim),
-                    params["norm_weight"].astype(dtype), cfg.rms_norm_eps)
-  return _matmul(o.reshape(*lead, cfg.value_dim), params["out_proj"])
+  # Flat [..., Hv·V], as the GDN kernels write o and the projection writes z:
+  # the op normalises each value head's V (groups of V), with no relayout.
+  o = gated_rmsnorm(o.astype(dtype).reshape(*lead, cfg.value_dim), z,
+                    params["norm_weight"].astype(dtype), cfg.rms_norm_eps,
+                    implementation=_implementations("gated_rmsnorm", implementation, cfg))
+  return _matmul(o, params["out_proj"])
 
 
 def gated_deltanet(
@@ -395,7 +360,7 @@ def gated_deltanet(
     params: from `init_params` or `hf.params_from_hf`.
     x: [B, T, hidden] activations.
     cfg: the layer's shapes.
-    implementation: for both `causal_conv1d` and `gated_delta_rule`: a name,
+    implementation: for `causal_conv1d`, `gated_delta_rule` and `gated_rmsnorm`: a name,
       a sequence of names tried in order, or a dict {op name: that}. None:
       ("pallas_mosaic_tpu", "xla") when `cfg.use_gdn_kernel` else "xla",
       restricted to what the registry has.
@@ -427,8 +392,10 @@ def gated_deltanet(
   n = len(groups) - 1
   bounds = in_proj_bounds(cfg)
   # The in-projection by parts: each conv group's columns, then z's, then b|a's.
-  w_parts = split(params["in_proj"], groups + (bounds[4], bounds[6]), 1)
-  conv_weights = split(params["conv_weight"], groups, 0)
+  # (Plain slices: autodiff's pads of their gradients fuse into the
+  # optimizer's update, where a concatenation fixed a layout of its own.)
+  w_parts = _slices(params["in_proj"], groups + (bounds[4], bounds[6]), 1)
+  conv_weights = _slices(params["conv_weight"], groups, 0)
   conv_states = ((None,) * n if cache is None
                  else split(cache.conv_state.astype(dtype), groups, cache.conv_state.ndim - 1))
   conv_impl = _implementations("causal_conv1d", implementation, cfg)
@@ -462,7 +429,7 @@ def gated_deltanet(
       context_parallel_axis=context_parallel_axis,
       named_residuals=named_residuals,
   )
-  y = out_projection(params, o, z, cfg)
+  y = out_projection(params, o, z, cfg, implementation)
   if return_cache:
     return y, GatedDeltaNetCache(jnp.concatenate(new_conv_states, axis=-1), new_state)
   return y
