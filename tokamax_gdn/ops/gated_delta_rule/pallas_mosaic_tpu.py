@@ -3,6 +3,11 @@
 The kernels live in `pallas_mosaic_tpu_*.py`, one module per concept (their TPU-specific design
 in `pallas_mosaic_tpu.md`; the math in `math.md`).
 
+Rows shorter than a chunk (B > 1, T < C: short sequences, a batch of short
+documents) run as one row of B·T tokens with a segment per row
+(`batch_fold`) wherever no state crosses the call: about B·T / C chunks
+instead of B, each mostly padding.
+
 The shared prologue (q/k L2-norm, gate activation -exp(a_log)·softplus(g+dt_bias),
 the -30 floor) runs inside the kernels (`prologue_in_core`, `kernel.Prologue`):
 they read the raw q, k and gate, and the backward kernel does the prologue's
