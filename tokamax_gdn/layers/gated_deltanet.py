@@ -392,19 +392,19 @@ def gated_deltanet(
   n = len(groups) - 1
   bounds = in_proj_bounds(cfg)
   # The in-projection by parts: each conv group's columns, then z's, then b|a's.
-  # Plain slices (autodiff's pads of their gradients fuse into the optimizer's
+  # Plain slices: autodiff's pads of their gradients fuse into the optimizer's
   # update, where a concatenation fixed a layout of its own and relaid the
-  # parameter out), of the weight already in the activation dtype (so the
-  # per-layer gradient is assembled in that dtype, not in float32).
-  w_parts = _slices(params["in_proj"].astype(dtype), groups + (bounds[4], bounds[6]), 1)
-  conv_weights = _slices(params["conv_weight"].astype(dtype), groups, 0)
+  # parameter out. (Slicing the weight cast to the activation dtype made XLA
+  # write the whole cast weight and its slices.)
+  w_parts = _slices(params["in_proj"], groups + (bounds[4], bounds[6]), 1)
+  conv_weights = _slices(params["conv_weight"], groups, 0)
   conv_states = ((None,) * n if cache is None
                  else split(cache.conv_state.astype(dtype), groups, cache.conv_state.ndim - 1))
   conv_impl = _implementations("causal_conv1d", implementation, cfg)
   conv_out, new_conv_states = [], []
   for w_part, conv_weight, conv_state in zip(w_parts, conv_weights, conv_states):
     y, final = causal_conv1d(
-        _matmul(x, w_part), conv_weight, None,
+        _matmul(x, w_part), conv_weight.astype(dtype), None,
         activation="silu",
         initial_state=conv_state,
         output_final_state=return_cache,
