@@ -1,10 +1,9 @@
 """Named gated-RMSNorm workloads: conformance cases and Qwen3-Next/3.5 shapes.
 
-One list, three users: the conformance suite ('conformance', and
-'interpret' for the ones small enough for Pallas interpret mode), the
-benchmark ('bench') and AOT compiles / autotuning ('aot', model tags). The
-model shapes are the GatedDeltaNet layer's output norm: x and gate [B, T,
-Hv·V], normalised per value head (groups of V).
+The conformance suite reads 'conformance' (and 'interpret': small enough
+for Pallas interpret mode); the model shapes ('aot' and model tags) are the
+GatedDeltaNet layer's output norm: x and gate [B, T, Hv·V], normalised per
+value head (groups of V).
 """
 
 import jax
@@ -45,5 +44,5 @@ ARG_SPECS: list[ArgSpec] = [
     _spec("empty_T0", shape=(2, 0, 32), v=16),
     # The GatedDeltaNet layer's output norm: qwen3.5-tiny / Qwen3-Next heads.
     _spec("qwen3_5_B1_T4096_H32_V128", shape=(1, 4096, 4096), v=128, dtype=jnp.bfloat16,
-          tags=("bench", "aot", "qwen3_5", "qwen3_next")),
+          tags=("aot", "qwen3_5", "qwen3_next")),
 ]
