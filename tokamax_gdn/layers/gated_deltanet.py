@@ -257,16 +257,6 @@ def _with_chunk_size(impl, chunk_size: int):
   return op.replace(**kw)
 
 
-def _gated_rmsnorm_fwd_math(o, z, weight, eps):
-  """(y, o32, r, n): the forward of `gated_rmsnorm`, with its intermediates."""
-  o32 = o.astype(jnp.float32)
-  r = jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
-  n = (o32 * r).astype(o.dtype)
-  h = weight * n
-  y = (h.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
-  return y, o32, r, n
-
-
 def gated_rmsnorm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float, *,
                   implementation=None) -> jax.Array:
   """HF Qwen3NextRMSNormGated (see module docstring) over each group of V =

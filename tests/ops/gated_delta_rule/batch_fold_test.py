@@ -3,7 +3,6 @@ Pallas kernels run them: forward and every gradient against the reference on
 fresh random inputs, where the fold applies and where it must not, and NaN
 isolation between the folded rows. Pallas runs in interpret mode: tiny shapes."""
 
-import functools
 
 import jax
 from jax._src import core as jax_core
