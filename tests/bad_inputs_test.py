@@ -26,6 +26,7 @@ from tokamax_gdn.ops.causal_conv1d.api import causal_conv1d
 from tokamax_gdn.ops.causal_conv1d_gated_delta_rule.api import causal_conv1d_gated_delta_rule
 from tokamax_gdn.ops.gated_delta_rule import base as gdn_base
 from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule
+from tokamax_gdn.ops.gated_rmsnorm.api import gated_rmsnorm
 from tokamax_gdn.ops.gmm.api import gmm
 from tokamax_gdn.ops.tgmm.api import tgmm
 from tokamax_gdn.testing import conformance as conf
@@ -33,7 +34,8 @@ from tokamax_gdn.testing import specs
 
 f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
 API = {"gated_delta_rule": gated_delta_rule, "causal_conv1d": causal_conv1d,
-       "gmm": gmm, "tgmm": tgmm, "causal_conv1d_gated_delta_rule": causal_conv1d_gated_delta_rule}
+       "gmm": gmm, "tgmm": tgmm, "causal_conv1d_gated_delta_rule": causal_conv1d_gated_delta_rule,
+       "gated_rmsnorm": gated_rmsnorm}
 
 
 def z(shape, dtype=f32):
@@ -83,8 +85,13 @@ def serve_good():
               seq_lens=jnp.array([T], i32)), dict(SERVE)
 
 
+def norm_good():
+  return dict(x=z((B, T, HV, DV)), gate=z((B, T, HV, DV)), weight=z((DV,))), dict(eps=1e-6)
+
+
 GOOD = {"gated_delta_rule": gdn_good, "causal_conv1d": conv_good, "gmm": gmm_good,
-        "tgmm": tgmm_good, "causal_conv1d_gated_delta_rule": serve_good}
+        "tgmm": tgmm_good, "causal_conv1d_gated_delta_rule": serve_good,
+        "gated_rmsnorm": norm_good}
 POSITIONAL = {"gated_delta_rule": ("query", "key", "value", "g", "beta"),
               "causal_conv1d": ("x", "weight", "bias"),
               "gmm": ("lhs", "rhs", "group_sizes"),
@@ -92,7 +99,8 @@ POSITIONAL = {"gated_delta_rule": ("query", "key", "value", "g", "beta"),
               "causal_conv1d_gated_delta_rule": (
                   "qkv", "b", "a", "conv_state", "recurrent_state", "conv_weight", "conv_bias",
                   "a_log", "dt_bias", "query_start_loc", "state_indices", "distribution",
-                  "seq_lens")}
+                  "seq_lens"),
+              "gated_rmsnorm": ("x", "gate", "weight")}
 
 # (op, case id, argument named in the error, exception, replacement kwargs)
 BAD = [
@@ -189,6 +197,14 @@ BAD = [
      dict(query_start_loc=jnp.array([0, T, T], i32))),
     ("causal_conv1d_gated_delta_rule", "state_indices_float", "state_indices", TypeError,
      dict(state_indices=jnp.array([1.0]))),
+    # gated_rmsnorm
+    ("gated_rmsnorm", "x_int", "x", TypeError, dict(x=z((B, T, HV, DV), i32))),
+    ("gated_rmsnorm", "x_scalar", "x", ValueError, dict(x=z(()))),
+    ("gated_rmsnorm", "gate_shape", "gate", ValueError, dict(gate=z((B, T, HV, DV + 1)))),
+    ("gated_rmsnorm", "gate_bool", "gate", TypeError, dict(gate=z((B, T, HV, DV), jnp.bool_))),
+    ("gated_rmsnorm", "weight_shape", "weight", ValueError, dict(weight=z((HV, DV)))),
+    ("gated_rmsnorm", "weight_int", "weight", TypeError, dict(weight=z((DV,), i32))),
+    ("gated_rmsnorm", "eps_zero", "eps", ValueError, dict(eps=0.0)),
     ("causal_conv1d_gated_delta_rule", "slot_out_of_pool", "state_indices", ValueError,
      dict(state_indices=jnp.array([2], i32))),
     ("causal_conv1d_gated_delta_rule", "spec_without_offsets", "read_offsets", ValueError,
@@ -277,6 +293,7 @@ def test_bad_input_raises_under_jit_trace(op_name, impl_name):
                               "gmm": dict(rhs=z((G, K + 1, N))),
                               "tgmm": dict(rhs=z((M + 1, N))),
                               "causal_conv1d_gated_delta_rule": dict(b=z((T + 1, HV))),
+                              "gated_rmsnorm": dict(weight=z((DV + 1,))),
                               }[op_name])
   arrays = {n: x for n, x in {**args, **kw}.items() if isinstance(x, jax.Array)}
   static = {n: x for n, x in {**args, **kw}.items() if n not in arrays}
@@ -345,6 +362,8 @@ def _poison(op_name, which, value):
     args["x"] = args["x"].at[0, 3, 1].set(value)
   elif op_name == "causal_conv1d_gated_delta_rule":
     args["qkv"] = args["qkv"].at[3, 1].set(value)
+  elif op_name == "gated_rmsnorm":
+    args["x"] = args["x"].at[0, 3, 1, 2].set(value)
   else:
     args["lhs"] = args["lhs"].at[1, 0].set(value)
   return args, kw

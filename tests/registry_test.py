@@ -11,7 +11,7 @@ from tokamax_gdn.ops.gated_delta_rule.arg_specs import random_inputs
 
 def test_ops_listed_and_implementations_are_ops():
   assert registry.list_ops() == ["gated_delta_rule", "causal_conv1d", "gmm", "tgmm",
-                                 "causal_conv1d_gated_delta_rule"]
+                                 "causal_conv1d_gated_delta_rule", "gated_rmsnorm"]
   # Registration is by module discovery: a lost module would otherwise only
   # shrink the parametrised suites. (The serving op's Pallas kernel may land
   # separately from its reference and xla.)

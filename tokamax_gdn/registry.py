@@ -20,7 +20,7 @@ from tokamax_gdn import autotuning
 from tokamax_gdn import config
 
 OPS: tuple[str, ...] = ("gated_delta_rule", "causal_conv1d", "gmm", "tgmm",
-                        "causal_conv1d_gated_delta_rule")
+                        "causal_conv1d_gated_delta_rule", "gated_rmsnorm")
 IMPLEMENTATION_NAMES: tuple[str, ...] = ("pallas_mosaic_tpu", "xla", "reference")
 
 _cache: dict[str, dict[str, op_lib.Op]] = {}

@@ -396,3 +396,94 @@ def test_init_params_shapes():
   shapes = jax.eval_shape(lambda k: init_params(k, cfg), jax.random.key(0))
   assert {k: v.shape for k, v in shapes.items()} == param_shapes(cfg)
   assert shapes["in_proj"].shape == (1024, 8192 + 4096 + 64)
+
+
+def _gated_rmsnorm_by_autodiff(o, z, weight, eps):
+  """The gated RMSNorm's forward as plain jnp, differentiated by autodiff."""
+  o32 = o.astype(jnp.float32)
+  o32 = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
+  h = weight * o32.astype(o.dtype)
+  return (h.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
+
+
+@pytest.mark.parametrize("dtype,weight_dtype,tol", [
+    (jnp.float32, jnp.float32, 1e-5), (jnp.bfloat16, jnp.bfloat16, 2e-2),
+    (jnp.bfloat16, jnp.float32, 2e-2)])
+def test_gated_rmsnorm_vjp_matches_autodiff(dtype, weight_dtype, tol):
+  from tokamax_gdn.layers import gated_rmsnorm  # pylint: disable=g-import-not-at-top
+  ko, kz, kw, kc = jax.random.split(jax.random.key(3), 4)
+  o = jax.random.normal(ko, (2, 5, 3, 16)).astype(dtype)
+  z = jax.random.normal(kz, (2, 5, 3, 16)).astype(dtype)
+  w = (1.0 + 0.3 * jax.random.normal(kw, (16,))).astype(weight_dtype)
+  cot = jax.random.normal(kc, o.shape).astype(dtype)
+  got, got_vjp = jax.vjp(lambda *a: gated_rmsnorm(*a, 1e-6), o, z, w)
+  want, want_vjp = jax.vjp(lambda *a: _gated_rmsnorm_by_autodiff(*a, 1e-6), o, z, w)
+  assert got.dtype == want.dtype == dtype
+  np.testing.assert_array_equal(got, want)       # the forward is the same computation
+  for g, w_, name in zip(got_vjp(cot), want_vjp(cot), ("o", "z", "weight")):
+    assert g.dtype == w_.dtype, name
+    assert rel_rms(g, w_) < tol, name
+
+
+def _aligned_cfg():
+  """q, k and v each span a whole 128-lane tile: `conv_groups` splits them."""
+  return GatedDeltaNetConfig(hidden_size=32, num_k_heads=1, num_v_heads=2, head_k_dim=128,
+                             head_v_dim=64, conv_kernel_size=4)
+
+
+def _layer_by_one_projection(params, x, cfg, cache=None):
+  """The layer as its module docstring writes it: one in-projection matmul,
+  one conv over [q k v], reference GDN; returns (y, cache)."""
+  from tokamax_gdn import causal_conv1d, gated_delta_rule  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.layers.gated_deltanet import in_projection, out_projection  # pylint: disable=g-import-not-at-top
+  b, t, _ = x.shape
+  qkv, z, beta, a = in_projection(params, x, cfg)
+  qkv, conv_state = causal_conv1d(qkv, params["conv_weight"], None, activation="silu",
+                                  initial_state=None if cache is None else cache.conv_state,
+                                  output_final_state=True, implementation="reference")
+  kd = cfg.key_dim
+  q = qkv[..., :kd].reshape(b, t, cfg.num_k_heads, cfg.head_k_dim)
+  k = qkv[..., kd:2 * kd].reshape(b, t, cfg.num_k_heads, cfg.head_k_dim)
+  v = qkv[..., 2 * kd:].reshape(b, t, cfg.num_v_heads, cfg.head_v_dim)
+  o, state = gated_delta_rule(q, k, v, a, jax.nn.sigmoid(beta), use_qk_l2norm=True,
+                              a_log=params["a_log"], dt_bias=params["dt_bias"],
+                              initial_state=None if cache is None else cache.recurrent_state,
+                              output_final_state=True, implementation="reference")
+  return out_projection(params, o, z, cfg), GatedDeltaNetCache(conv_state, state)
+
+
+def test_conv_groups_split_aligned_channels_only():
+  from tokamax_gdn.layers.gated_deltanet import conv_groups  # pylint: disable=g-import-not-at-top
+  assert conv_groups(_aligned_cfg()) == (0, 128, 256, 384)
+  assert conv_groups(_small_cfg()) == (0, _small_cfg().conv_dim)
+
+
+def test_split_projection_layer_matches_one_projection():
+  """The layer on q | k | v channel groups (`conv_groups`): forward, cache and
+  every gradient (params, x, the incoming cache) as the one-projection
+  formula's, both from a given cache."""
+  cfg = _aligned_cfg()
+  params = init_params(jax.random.key(0), cfg)
+  kx, kc, ks, kr = jax.random.split(jax.random.key(1), 4)
+  x = jax.random.normal(kx, (2, 9, cfg.hidden_size))
+  cache = GatedDeltaNetCache(
+      jax.random.normal(ks, (2, cfg.conv_kernel_size - 1, cfg.conv_dim)),
+      0.1 * jax.random.normal(kr, (2, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim)))
+  cot = jax.random.normal(kc, x.shape)
+
+  def loss(f):
+    def run(params, x, cache):
+      y, new = f(params, x, cache)
+      return jnp.sum(y * cot) + jnp.sum(new.conv_state) + jnp.sum(new.recurrent_state ** 2), (y, new)
+    return jax.jit(jax.grad(run, argnums=(0, 1, 2), has_aux=True))
+
+  got_grads, (got_y, got_cache) = loss(lambda p, x, c: gated_deltanet(
+      p, x, cfg, implementation="reference", cache=c, return_cache=True))(params, x, cache)
+  want_grads, (want_y, want_cache) = loss(lambda p, x, c: _layer_by_one_projection(
+      p, x, cfg, c))(params, x, cache)
+  assert rel_rms(got_y, want_y) < 1e-5
+  for a, b in zip(got_cache, want_cache):
+    assert rel_rms(a, b) < 1e-5
+  want_leaves = jax.tree.leaves(want_grads)
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), want_leaves):
+    assert rel_rms(g, w) < 1e-4, jax.tree_util.keystr(path)

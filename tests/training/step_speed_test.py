@@ -72,21 +72,25 @@ _HLO = r"""HloModule jit_step, is_scheduled=true
 FileNames
 1 "/src/tokamax_gdn/models/blocks.py"
 2 "/src/tokamax_gdn/ops/gated_delta_rule/xla.py"
+3 "/src/tokamax_gdn/models/softmax_attention.py"
 
 FunctionNames
 1 "attention"
 2 "matmul"
 3 "chunked"
+4 "splash_attention"
 
 FileLocations
 1 {file_name_id=1 function_name_id=1 line=105 end_line=105 column=2 end_column=9}
 2 {file_name_id=1 function_name_id=2 line=40 end_line=40 column=2 end_column=9}
 3 {file_name_id=2 function_name_id=3 line=7 end_line=7 column=2 end_column=9}
+4 {file_name_id=3 function_name_id=4 line=90 end_line=90 column=2 end_column=9}
 
 StackFrames
 1 {file_location_id=1 parent_frame_id=1}
 2 {file_location_id=2 parent_frame_id=1}
 3 {file_location_id=3 parent_frame_id=1}
+4 {file_location_id=4 parent_frame_id=1}
 
 ENTRY %main.1 (p: f32[8]) -> f32[8] {
   %gdn_bwd.18 = (f32[8]) custom-call(f32[8] %p), custom_call_target="tpu_custom_call", metadata={op_name="x" metadata_payload="tokamax:{\"op\":{\"__type\":\"tokamax_gdn.ops.gated_delta_rule.pallas_mosaic_tpu.PallasMosaicTpuGatedDeltaRuleVjp\"}}"}
@@ -95,6 +99,8 @@ ENTRY %main.1 (p: f32[8]) -> f32[8] {
   %tokamax_gdn_gmm.76 = f32[8] custom-call(f32[8] %p), custom_call_target="tpu_custom_call", metadata={op_name="x" metadata_payload="tokamax:{\"op\":{\"__type\":\"tokamax_gdn.ops.gmm.pallas_mosaic_tpu.PallasMosaicTpuGmm\"}}"}
   %ragged-dot-none.10 = f32[8] ragged-dot(f32[8] %p, f32[8] %p, s32[2] %g), metadata={op_name="x"}
   %convolution.9 = f32[8] convolution(f32[8] %p, f32[8] %p), metadata={op_name="x" stack_frame_id=1}
+  %splash_mqa_fwd_residuals.2 = f32[8] custom-call(f32[8] %p), custom_call_target="tpu_custom_call", metadata={op_name="x" stack_frame_id=4}
+  %transpose.4 = f32[8] transpose(f32[8] %p), dimensions={0}, metadata={op_name="x" stack_frame_id=4}
   %convolution.10 = f32[8] convolution(f32[8] %p, f32[8] %p), metadata={op_name="jit(step)/transpose(jvp())/while/body/...h,hp->...p/dot_general" stack_frame_id=2}
   %while.3 = (f32[8]) while((f32[8]) %t), condition=%c, body=%b
   ROOT %add.1 = f32[8] add(f32[8] %p, f32[8] %p)
@@ -118,6 +124,8 @@ def test_parse_hlo_reads_op_types_and_frames():
     ("tokamax_gdn_gmm.76", ss.GMM),
     ("ragged-dot-none.10", ss.GMM),    # xla's gmm
     ("convolution.9", ss.ATTENTION),   # inside models.blocks.attention
+    ("splash_mqa_fwd_residuals.2", ss.ATTENTION),   # a splash kernel ...
+    ("transpose.4", ss.ATTENTION),     # ... and its glue: frames in models/softmax_attention.py
     ("convolution.10", ss.REST),       # a projection (models.blocks.matmul)
     ("add.1", ss.REST),
     ("%add.1", ss.REST),
@@ -129,7 +137,8 @@ def test_classify_by_module(name, bucket):
 @pytest.mark.parametrize("name, bucket", [
     ("gdn_fwd", ss.GDN), ("gdn_fwd_states.2", ss.GDN), ("tokamax_gdn_tgmm", ss.GMM),
     ("tokamax_gdn_gmm.3", ss.GMM), ("ragged-dot.1", ss.GMM), ("fusion.12", ss.REST),
-    ("gdnx", ss.REST),
+    ("gdnx", ss.REST), ("splash_mqa_dkv_no_residuals.1", ss.ATTENTION),
+    ("gated_rmsnorm_bwd.2", ss.REST),
 ])
 def test_classify_by_kernel_name(name, bucket):
   """Events whose name is no instruction of the module (a profiler naming

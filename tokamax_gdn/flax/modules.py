@@ -79,11 +79,13 @@ class GatedDeltaNet(_ParamDict):
 
 
 class Attention(_ParamDict):
-  """Causal GQA softmax attention (`tokamax_gdn.models.attention`)."""
+  """Causal GQA softmax attention (`tokamax_gdn.models.attention`); its core
+runs as `implementation` says (`models.softmax_attention`)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32,
-               params: dict[str, Any] | None = None):
+               implementation=None, params: dict[str, Any] | None = None):
     self.cfg = cfg
+    self.implementation = implementation
     self._set_params(params, lambda key: blocks.init_attention(
         key, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
         dtype), rngs)
@@ -92,7 +94,8 @@ class Attention(_ParamDict):
     c = self.cfg
     return blocks.attention(self.params(), x, heads=c.num_attention_heads,
                             kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                            eps=c.rms_norm_eps, rope_theta=c.rope_theta)
+                            eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+                            implementation=self.implementation)
 
 
 class MoE(_ParamDict):
@@ -125,7 +128,7 @@ class DecoderBlock(nnx.Module):
     if kind == "gdn":
       self.mixer = GatedDeltaNet(cfg.gdn, params=p["gdn"], implementation=implementation)
     else:
-      self.mixer = Attention(cfg, params=p["attn"])
+      self.mixer = Attention(cfg, params=p["attn"], implementation=implementation)
     self.moe = MoE(cfg, params=p["moe"], implementation=_gmm_implementation(implementation))
 
   def params(self) -> dict[str, Any]:

@@ -15,8 +15,9 @@ projection is stored. Qwen3.5 keeps four matrices (`in_proj_qkv`, `in_proj_z`,
 `in_proj_b`, `in_proj_a`); Qwen3-Next fuses them into two, interleaved per key
 head: `in_proj_qkvz` rows are [q_h (K), k_h (K), v_h (r*V), z_h (r*V)] for each
 key head h, `in_proj_ba` rows are [b_h (r), a_h (r)]. The parameters here hold
-one fused, de-interleaved `in_proj` [hidden, 2*Hk*K + 2*Hv*V + 2*Hv] (one
-matmul, then plain slices), whatever the variant; `hf.params_from_hf` /
+one fused, de-interleaved `in_proj` [hidden, 2*Hk*K + 2*Hv*V + 2*Hv]
+(`in_proj_bounds`; the layer projects it by column groups, `conv_groups`),
+whatever the variant; `hf.params_from_hf` /
 `hf.params_to_hf` do the (linear, so also gradient-exact) re-layout.
 
 The gated RMSNorm follows HF to the cast: normalise in float32, cast back to
@@ -24,6 +25,7 @@ the activation dtype, multiply by the weight, then by silu(z) in float32.
 """
 
 import dataclasses
+import functools
 import os
 import typing
 from typing import Any, NamedTuple
@@ -40,6 +42,7 @@ from tokamax_gdn.ops.causal_conv1d.api import causal_conv1d
 from tokamax_gdn.ops.gated_delta_rule import remat as gdn_remat
 from tokamax_gdn.ops.gated_delta_rule import xla as gdn_xla
 from tokamax_gdn.ops.gated_delta_rule.api import gated_delta_rule
+from tokamax_gdn.ops.gated_rmsnorm.api import gated_rmsnorm as gated_rmsnorm_op
 
 VARIANTS = ("qwen3_next", "qwen3_5")
 Params = dict[str, jax.Array]
@@ -205,10 +208,18 @@ def init_params(key: jax.Array, cfg: GatedDeltaNetConfig, dtype=jnp.float32) -> 
   )
 
 
+def in_proj_bounds(cfg: GatedDeltaNetConfig) -> tuple[int, ...]:
+  """Column offsets of `in_proj`'s parts [q k v | z | b | a]: q starts at 0,
+  k at the second offset, ..., a ends at the last."""
+  kd, vd, hv = cfg.key_dim, cfg.value_dim, cfg.num_v_heads
+  return (0, kd, 2 * kd, cfg.conv_dim, cfg.conv_dim + vd, cfg.conv_dim + vd + hv,
+          cfg.in_proj_dim)
+
+
 def split_in_proj(w, cfg: GatedDeltaNetConfig):
   """Columns of `in_proj` -> (qkv, z, b, a)."""
-  c, v, hv = cfg.conv_dim, cfg.value_dim, cfg.num_v_heads
-  return w[..., :c], w[..., c:c + v], w[..., c + v:c + v + hv], w[..., c + v + hv:]
+  _, _, _, c, z_end, b_end, _ = in_proj_bounds(cfg)
+  return w[..., :c], w[..., c:z_end], w[..., z_end:b_end], w[..., b_end:]
 
 
 # ----------------------------------------------------------------------------
@@ -249,36 +260,79 @@ def _with_chunk_size(impl, chunk_size: int):
   return op.replace(**kw)
 
 
-def gated_rmsnorm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-  """HF Qwen3NextRMSNormGated over the last axis (see module docstring)."""
-  dtype = o.dtype
-  o32 = o.astype(jnp.float32)
-  o32 = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
-  h = weight * o32.astype(dtype)
-  h = h.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-  return h.astype(dtype)
+def gated_rmsnorm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float, *,
+                  implementation=None) -> jax.Array:
+  """HF Qwen3NextRMSNormGated (see module docstring) over each group of V =
+  len(weight) elements of the last axis: the `tokamax_gdn.gated_rmsnorm` op
+  (o, z [..., H·V], weight [V]; the result in o's dtype)."""
+  return gated_rmsnorm_op(o, z, weight, eps=eps, implementation=implementation)
+
+
+def _slices(x: jax.Array, bounds: tuple[int, ...], axis: int) -> tuple[jax.Array, ...]:
+  return tuple(jax.lax.slice_in_dim(x, a, b, axis=axis) for a, b in zip(bounds, bounds[1:]))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def split(x: jax.Array, bounds: tuple[int, ...], axis: int) -> tuple[jax.Array, ...]:
+  """x's slices [bounds[i], bounds[i+1]) along `axis`; the VJP concatenates
+  the cotangents (autodiff would pad each one to x's shape and add them, in
+  float32 for low-precision x)."""
+  return _slices(x, bounds, axis)
+
+
+split.defvjp(lambda x, bounds, axis: (split(x, bounds, axis), None),
+             lambda bounds, axis, _, cts: (jnp.concatenate(cts, axis=axis),))
+
+
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x @ w in x's dtype, accumulated in float32."""
+  return jnp.einsum("...h,hp->...p", x, w.astype(x.dtype),
+                    preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def in_projection(params: Params, x: jax.Array, cfg: GatedDeltaNetConfig):
   """x [..., hidden] -> (qkv, z, b, a), x's dtype: the conv input qkv
   [..., 2*Hk*K + Hv*V] (head-major q | k | v, the serving op's `qkv` layout),
   the output gate z [..., Hv*V] and the beta / decay gate inputs b, a [..., Hv]."""
-  proj = jnp.einsum("...h,hp->...p", x, params["in_proj"].astype(x.dtype),
-                    preferred_element_type=jnp.float32).astype(x.dtype)
-  return split_in_proj(proj, cfg)
+  return split_in_proj(_matmul(x, params["in_proj"]), cfg)
+
+
+# TPU vector lanes: a channel group of the conv input that spans whole lane
+# tiles is an array of its own without padding or relayout.
+_LANES = 128
+
+
+def conv_groups(cfg: GatedDeltaNetConfig) -> tuple[int, ...]:
+  """Bounds of the conv input's channel groups in `gated_deltanet`: q | k | v
+  when each spans whole 128-lane tiles, else q k v as one group.
+
+  Each group is projected by a matmul of its own, convolved by a conv of its
+  own and handed to the GDN op as it is: with one projection for the whole
+  `in_proj`, the conv input and the GDN op's q, k and v were slice copies of
+  the projection and of the conv output, and in the backward their
+  cotangents were assembled into the projection's (pads and adds in float32,
+  a concatenation fused into the projection's matmul). Unaligned groups
+  would each be padded to whole lanes by the conv instead.
+  """
+  kd = cfg.key_dim
+  if kd % _LANES == 0 and cfg.value_dim % _LANES == 0:
+    return (0, kd, 2 * kd, cfg.conv_dim)
+  return (0, cfg.conv_dim)
 
 
 def out_projection(params: Params, o: jax.Array, z: jax.Array,
-                   cfg: GatedDeltaNetConfig) -> jax.Array:
+                   cfg: GatedDeltaNetConfig, implementation=None) -> jax.Array:
   """GDN output o [..., Hv, V] and gate z [..., Hv*V] -> y [..., hidden] in
-  z's dtype: the gated RMSNorm per value head, then `out_proj`."""
+  z's dtype: the gated RMSNorm per value head (`implementation=` as the
+  layer's), then `out_proj`."""
   dtype = z.dtype
   lead = z.shape[:-1]
-  o = gated_rmsnorm(o.astype(dtype), z.reshape(*lead, cfg.num_v_heads, cfg.head_v_dim),
-                    params["norm_weight"].astype(dtype), cfg.rms_norm_eps)
-  return jnp.einsum("...v,vh->...h", o.reshape(*lead, cfg.value_dim),
-                    params["out_proj"].astype(dtype),
-                    preferred_element_type=jnp.float32).astype(dtype)
+  # Flat [..., Hv·V], as the GDN kernels write o and the projection writes z:
+  # the op normalises each value head's V (groups of V), with no relayout.
+  o = gated_rmsnorm(o.astype(dtype).reshape(*lead, cfg.value_dim), z,
+                    params["norm_weight"].astype(dtype), cfg.rms_norm_eps,
+                    implementation=_implementations("gated_rmsnorm", implementation, cfg))
+  return _matmul(o, params["out_proj"])
 
 
 def gated_deltanet(
@@ -299,8 +353,8 @@ def gated_deltanet(
     params: from `init_params` or `hf.params_from_hf`.
     x: [B, T, hidden] activations.
     cfg: the layer's shapes.
-    implementation: for both `causal_conv1d` and `gated_delta_rule`: a name,
-      a sequence of names tried in order, or a dict {op name: a name, a
+    implementation: for `causal_conv1d`, `gated_delta_rule` and `gated_rmsnorm`: a
+      name, a sequence of names tried in order, or a dict {op name: a name, a
       tokamax Op or a sequence of those}; anything else is a TypeError naming
       the valid names. None:
       ("pallas_mosaic_tpu", "xla") when `cfg.use_gdn_kernel` else "xla",
@@ -329,22 +383,36 @@ def gated_deltanet(
   dtype = x.dtype
   hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
 
-  qkv, z, beta_logit, a = in_projection(params, x, cfg)
-
-  conv_state = None if cache is None else cache.conv_state.astype(dtype)
-  qkv, new_conv_state = causal_conv1d(
-      qkv, params["conv_weight"].astype(dtype), None,
-      activation="silu",
-      initial_state=conv_state,
-      output_final_state=return_cache,
-      segment_ids=segment_ids,
-      implementation=_implementations("causal_conv1d", implementation, cfg),
-      context_parallel_axis=context_parallel_axis,
-  )
-  qkv = checkpoint_name(qkv, gdn_remat.CONV_OUT)
-  q = qkv[..., :cfg.key_dim].reshape(b, t, hk, dk)
-  k = qkv[..., cfg.key_dim:2 * cfg.key_dim].reshape(b, t, hk, dk)
-  v = qkv[..., 2 * cfg.key_dim:].reshape(b, t, hv, dv)
+  groups = conv_groups(cfg)
+  n = len(groups) - 1
+  bounds = in_proj_bounds(cfg)
+  # The in-projection by parts: each conv group's columns, then z's, then b|a's.
+  # Plain slices: autodiff's pads of their gradients fuse into the optimizer's
+  # update, where a concatenation fixed a layout of its own and relaid the
+  # parameter out. (Slicing the weight cast to the activation dtype made XLA
+  # write the whole cast weight and its slices.)
+  w_parts = _slices(params["in_proj"], groups + (bounds[4], bounds[6]), 1)
+  conv_weights = _slices(params["conv_weight"], groups, 0)
+  conv_states = ((None,) * n if cache is None
+                 else split(cache.conv_state.astype(dtype), groups, cache.conv_state.ndim - 1))
+  conv_impl = _implementations("causal_conv1d", implementation, cfg)
+  conv_out, new_conv_states = [], []
+  for w_part, conv_weight, conv_state in zip(w_parts, conv_weights, conv_states):
+    y, final = causal_conv1d(
+        _matmul(x, w_part), conv_weight.astype(dtype), None,
+        activation="silu",
+        initial_state=conv_state,
+        output_final_state=return_cache,
+        segment_ids=segment_ids,
+        implementation=conv_impl,
+        context_parallel_axis=context_parallel_axis,
+    )
+    conv_out.append(checkpoint_name(y, gdn_remat.CONV_OUT))
+    new_conv_states.append(final)
+  q, k, v = conv_out if n == 3 else split(conv_out[0], bounds[:4], 2)
+  q, k, v = q.reshape(b, t, hk, dk), k.reshape(b, t, hk, dk), v.reshape(b, t, hv, dv)
+  z = _matmul(x, w_parts[n])
+  beta_logit, a = split(_matmul(x, w_parts[n + 1]), (0, hv, 2 * hv), 2)
   o, new_state = gated_delta_rule(
       q, k, v, a, beta_logit,
       initial_state=None if cache is None else cache.recurrent_state,
@@ -358,7 +426,7 @@ def gated_deltanet(
       context_parallel_axis=context_parallel_axis,
       named_residuals=named_residuals,
   )
-  y = out_projection(params, o, z, cfg)
+  y = out_projection(params, o, z, cfg, implementation)
   if return_cache:
-    return y, GatedDeltaNetCache(new_conv_state, new_state)
+    return y, GatedDeltaNetCache(jnp.concatenate(new_conv_states, axis=-1), new_state)
   return y

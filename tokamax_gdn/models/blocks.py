@@ -4,7 +4,8 @@
                                                               Qwen3-Next's zero-centred norm)
   attention(x)     = softmax(rope(q) rope(k)ᵀ / sqrt(d) + causal mask) v @ o
                      q = norm(x Wq), k = norm(x Wk), v = x Wv   (per head; GQA: query head
-                     h reads key/value head h // (heads / kv_heads))
+                     h reads key/value head h // (heads / kv_heads); the core in
+                     `softmax_attention`: splash attention on TPU)
   moe(x)           = Σ_{e in topk(p)} w_e · down_e(silu(gate_e x) ⊙ up_e x),
                      p = softmax(x W_router), w = topk weights (renormalised to sum 1)
 
@@ -16,11 +17,14 @@ gradient through the routing weights w (top-k of a softmax is differentiable
 in the selected values) and through the load-balancing loss.
 """
 
+from collections.abc import Callable
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
+from tokamax_gdn.models import softmax_attention
 from tokamax_gdn.ops.gmm.api import gmm
 
 Params = dict[str, jax.Array]
@@ -87,19 +91,22 @@ def attention_qkv(params: Params, x: jax.Array, positions: jax.Array, *, heads: 
 
 
 def attention(params: Params, x: jax.Array, *, heads: int, kv_heads: int, head_dim: int,
-              eps: float, rope_theta: float) -> jax.Array:
-  """Causal GQA softmax attention, x [B, T, hidden] -> [B, T, hidden]."""
+              eps: float, rope_theta: float, implementation=None,
+              core: Callable[..., jax.Array] | None = None) -> jax.Array:
+  """Causal GQA softmax attention, x [B, T, hidden] -> [B, T, hidden].
+
+  The core (softmax(q kᵀ) v) is `softmax_attention.causal_attention`: splash
+  attention's Pallas kernels on TPU, the jnp formula elsewhere, as
+  `implementation` says; `core(q, k, v)` replaces it (`models.sharding` runs
+  it under `shard_map`).
+  """
   b, t, _ = x.shape
   q, k, v = attention_qkv(params, x, jnp.arange(t), heads=heads, kv_heads=kv_heads,
                           head_dim=head_dim, eps=eps, rope_theta=rope_theta)
-  q = q.reshape(b, t, kv_heads, heads // kv_heads, head_dim)
-  s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
-  s = s / math.sqrt(head_dim)
-  causal = jnp.tril(jnp.ones((t, t), bool))
-  s = jnp.where(causal, s, -jnp.inf)
-  p = jax.nn.softmax(s, axis=-1).astype(x.dtype)
-  o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v, preferred_element_type=jnp.float32)
-  return matmul(o.astype(x.dtype).reshape(b, t, heads * head_dim), params["o_proj"])
+  if core is None:
+    core = functools.partial(softmax_attention.causal_attention, implementation=implementation)
+  o = core(q, k, v)
+  return matmul(o.reshape(b, t, heads * head_dim), params["o_proj"])
 
 
 # ----------------------------------------------------------------------------
@@ -156,6 +163,34 @@ def sort_by_expert(experts: jax.Array, num_experts: int, cap: int | None):
   return order, jnp.minimum(counts, cap).astype(jnp.int32), kept
 
 
+@jax.custom_vjp
+def take_rows(x: jax.Array, rows: jax.Array, readers: jax.Array) -> jax.Array:
+  """x[rows] for x [N, ...] and rows [M] int, where every row of x is read
+  exactly k times: `readers` [k, N] lists the positions of `rows` that read
+  each row (readers[j, n] is the j-th position i with rows[i] = n).
+
+  The VJP sums those positions' cotangents by gathering them (in float32),
+  where autodiff of a gather scatter-adds, which XLA's TPU scatter runs
+  far slower than a gather. The MoE's dispatch (each token read top_k
+  times) and its return to token order (a permutation, k = 1) are such
+  gathers.
+  """
+  return x[rows]
+
+
+def _take_rows_fwd(x, rows, readers):
+  return x[rows], readers
+
+
+def _take_rows_bwd(readers, g):
+  k, n = readers.shape
+  picked = g[readers.reshape(-1)].reshape(k, n, *g.shape[1:])
+  return jnp.sum(picked.astype(jnp.float32), axis=0).astype(g.dtype), None, None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
 def load_balancing_loss(probs: jax.Array, experts: jax.Array, num_experts: int) -> jax.Array:
   """Switch / Qwen MoE auxiliary loss E · Σ_e f_e · P_e (1 when balanced):
   f_e the fraction of assignments routed to e, P_e the mean probability."""
@@ -180,7 +215,11 @@ def moe(params: Params, x: jax.Array, *, top_k: int, capacity_factor: float | No
   flat = experts.reshape(-1)
   cap = capacity(tokens, top_k, num_experts, capacity_factor)
   order, group_sizes, kept = sort_by_expert(flat, num_experts, cap)
-  xs = x[order // top_k]                                  # [A, hidden], grouped by expert
+  # inv[a]: the row of xs / ys holding assignment a = token * top_k + slot;
+  # copies [top_k, N]: the rows of each token's assignments, slot by slot.
+  inv = jnp.argsort(order)
+  copies = inv.reshape(tokens, top_k).T
+  xs = take_rows(x, order // top_k, copies)               # [A, hidden], grouped by expert
   w_in = jnp.concatenate([params["gate_proj"], params["up_proj"]], axis=-1).astype(x.dtype)
   h = gmm(xs, w_in, group_sizes, implementation=implementation)
   gate, up = jnp.split(h, 2, axis=-1)
@@ -188,10 +227,14 @@ def moe(params: Params, x: jax.Array, *, top_k: int, capacity_factor: float | No
   ys = gmm(h, params["down_proj"].astype(x.dtype), group_sizes, implementation=implementation)
   if model_axis is not None:
     ys = jax.lax.psum(ys, model_axis)
-  # Back to (token, slot) order. Dropped assignments sit past sum(group_sizes),
-  # where gmm writes zeros: no mask needed (the capacity test relies on it).
-  y = ys[jnp.argsort(order)].reshape(tokens, top_k, shape[-1])
-  y = jnp.einsum("nkh,nk->nh", y.astype(jnp.float32), weights)
+  # Back to (slot, token) order: [top_k, N, hidden] keeps N on the sublanes
+  # (with top_k there, a TPU tile of 8 sublanes held 2 rows). Dropped
+  # assignments sit past sum(group_sizes), where gmm writes zeros: no mask
+  # needed (the capacity test relies on it). Row r of ys goes to slot-major
+  # position (slot * N + token) of its assignment order[r].
+  back = ((order % top_k) * tokens + order // top_k)[None]
+  y = take_rows(ys, copies.reshape(-1), back).reshape(top_k, tokens, shape[-1])
+  y = jnp.sum(y.astype(jnp.float32) * weights.T[:, :, None], axis=0)
   stats = dict(aux_loss=load_balancing_loss(probs, experts, num_experts),
                group_sizes=group_sizes, dropped=jnp.sum(~kept))
   return y.astype(x.dtype).reshape(shape), stats

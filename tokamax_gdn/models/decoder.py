@@ -107,9 +107,10 @@ def block(params: Params, x: jax.Array, cfg: ModelConfig, kind: str, *,
     h = sharding.gdn_mixer(params["gdn"], h, cfg.gdn, implementation=implementation, mesh=mesh,
                            named_residuals=named_residuals)
   else:
-    h = blocks.attention(params["attn"], h, heads=cfg.num_attention_heads,
-                         kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                         eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta)
+    h = sharding.attention_mixer(params["attn"], h, heads=cfg.num_attention_heads,
+                                 kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                 eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+                                 implementation=implementation, mesh=mesh)
   return mlp_residual(params, x + h, cfg, implementation=implementation, mesh=mesh)
 
 
@@ -130,8 +131,9 @@ def forward(params: Params, tokens: jax.Array, cfg: ModelConfig, *, implementati
   """tokens [B, T] int -> (logits [B, T, V] float32, stats).
 
   Args:
-    implementation: for every op (GDN, conv, gmm/tgmm): a name, a sequence
-      tried in order, or {op name: that}; None: the ops' defaults.
+    implementation: for every op (GDN, conv, gmm/tgmm, and the attention
+      core, `models.softmax_attention`): a name, a sequence tried in order,
+      or {op name: that} ("attention" for the core); None: the ops' defaults.
     dtype: activation dtype (default: the embedding's). Params are cast to it
       at use; GDN states, norms, softmaxes and accumulations stay float32.
     remat: `jax.checkpoint` around every block.

@@ -7,8 +7,10 @@ run their Python `custom_partitioning` rules, so each mixer that calls them
 runs inside `jax.shard_map`, Megatron style: the batch (tokens) over "data",
 heads (GDN) or expert intermediate columns (MoE) over "model", and one
 `psum` over "model" of the output projection's partial sums. The kernels then
-see per-device shapes. Everything else (embedding, norms, the attention
-blocks, the LM head) is left to `jax.jit`'s partitioner.
+see per-device shapes. The attention blocks' core runs under `shard_map` too
+(batch over "data", key/value heads over "model" where they divide);
+everything else (embedding, norms, the attention projections, the LM head)
+is left to `jax.jit`'s partitioner.
 
 Without a mesh the same functions call the layer directly.
 
@@ -27,6 +29,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from tokamax_gdn.layers.gated_deltanet import GatedDeltaNetConfig, gated_deltanet
 from tokamax_gdn.models import blocks
+from tokamax_gdn.models import softmax_attention
 
 DATA = "data"
 MODEL = "model"
@@ -82,6 +85,27 @@ def gdn_mixer(params, x: jax.Array, cfg: GatedDeltaNetConfig, *, implementation=
       out_specs=P(DATA), check_vma=False)
   return fn(in_segs, conv_segs, params["a_log"], params["dt_bias"], params["norm_weight"],
             params["out_proj"], x)
+
+
+def attention_mixer(params, x: jax.Array, *, heads: int, kv_heads: int, head_dim: int,
+                    eps: float, rope_theta: float, implementation=None,
+                    mesh: Mesh | None = None) -> jax.Array:
+  """`blocks.attention`; with `mesh`, its core (splash attention's Pallas
+  kernels on TPU, which XLA's partitioner cannot split) under `shard_map`:
+  the batch over "data", the key/value heads (with their query heads) over
+  "model" when they divide evenly, else whole on every device. The
+  projections around it are left to the partitioner."""
+  shapes = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=eps,
+                rope_theta=rope_theta)
+  if mesh is None:
+    return blocks.attention(params, x, implementation=implementation, **shapes)
+  _require_divisible("batch", x.shape[0], mesh, DATA)
+  head_axis = MODEL if kv_heads % _model_size(mesh) == 0 else None
+  spec = P(DATA, None, head_axis, None)
+  core = jax.shard_map(
+      functools.partial(softmax_attention.causal_attention, implementation=implementation),
+      mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
+  return blocks.attention(params, x, core=core, **shapes)
 
 
 def moe_mixer(params, x: jax.Array, *, top_k: int, capacity_factor: float | None,

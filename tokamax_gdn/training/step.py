@@ -69,7 +69,11 @@ def loss_fn(params, batch, cfg: ModelConfig, step_cfg: StepConfig = StepConfig()
       remat=step_cfg.remat, scan=scan_layers(cfg, step_cfg), mesh=mesh,
       remat_policy=step_cfg.remat_policy)
   logp = jax.nn.log_softmax(logits, axis=-1)
-  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  # The target's log-probability as a masked sum over the vocabulary rather
+  # than a gather: its gradient is then elementwise (fused into the softmax's)
+  # where a gather's is a scatter into a [B, T, V] zero array.
+  nll = -jnp.sum(jnp.where(jax.nn.one_hot(targets, logits.shape[-1], dtype=bool), logp, 0.0),
+                 axis=-1)
   weight = mask.astype(jnp.float32)
   count = jnp.maximum(jnp.sum(weight), 1.0)
   loss = jnp.sum(nll * weight) / count

@@ -14,10 +14,12 @@ Each event is put in a bucket through that module's text:
   gmm/tgmm   the MoE's grouped matmuls: instructions of the `gmm` / `tgmm`
              Ops, `ragged-dot`s, kernels named `tokamax_gdn_gmm` / `_tgmm`.
   attention  the softmax-attention core (scores, mask, softmax, weighted
-             values): instructions whose innermost source frame is
-             `models.blocks.attention`. The q/k/v/o projections, norms and
-             rope are in `rest`, as the GDN layer's projections and gated
-             norm are: both mixers' buckets are their sequence mixing.
+             values): instructions whose innermost source frame is in
+             `models/softmax_attention.py` (splash attention's kernels, or
+             the jnp formula) or is `models.blocks.attention`, or kernels
+             named `splash_*`. The q/k/v/o projections, norms and rope are in
+             `rest`, as the GDN layer's projections and gated norm are: both
+             mixers' buckets are their sequence mixing.
   rest       everything else (projections, norms, router, loss, AdamW,
              copies).
 
@@ -54,9 +56,11 @@ _OP_DIRS = {
     GMM: ("tokamax_gdn/ops/gmm/", "tokamax_gdn/ops/tgmm/"),
 }
 _ATTENTION_FRAME = ("tokamax_gdn/models/blocks.py", "attention")
+_ATTENTION_FILE = "tokamax_gdn/models/softmax_attention.py"
 _KERNEL_PATTERNS = (
     (GDN, re.compile(r"^gdn_")),
     (GMM, re.compile(r"^(tokamax_gdn_)?t?gmm\b|ragged[-_]dot")),
+    (ATTENTION, re.compile(r"^splash_")),
 )
 
 _FRAME_ID = re.compile(r"\bstack_frame_id=(\d+)")
@@ -137,7 +141,8 @@ def classify_instruction(ins: Instruction) -> str:
   for bucket, dirs in _OP_DIRS.items():
     if any(d in file for d in dirs):
       return bucket
-  if file.endswith(_ATTENTION_FRAME[0]) and ins.function == _ATTENTION_FRAME[1]:
+  if file.endswith(_ATTENTION_FILE) or (file.endswith(_ATTENTION_FRAME[0])
+                                         and ins.function == _ATTENTION_FRAME[1]):
     return ATTENTION
   return REST
 

@@ -3,6 +3,11 @@
 The kernels live in `pallas_mosaic_tpu_*.py`, one module per concept (their TPU-specific design
 in `docs/gdn_pallas_tpu.md`; the math in `docs/gdn_math.md`).
 
+Rows shorter than a chunk (B > 1, T < C: short sequences, a batch of short
+documents) run as one row of B·T tokens with a segment per row
+(`batch_fold`) wherever no state crosses the call: about B·T / C chunks
+instead of B, each mostly padding.
+
 The shared prologue (q/k L2-norm, gate activation -exp(a_log)·softplus(g+dt_bias),
 the -30 floor) runs inside the kernels (`prologue_in_core`, `kernel.Prologue`):
 they read the raw q, k and gate, and the backward kernel does the prologue's
@@ -52,6 +57,7 @@ from tokamax_gdn.ops import config_hooks
 from tokamax_gdn.ops import partitioning
 from tokamax_gdn.ops import segments
 from tokamax_gdn.ops.gated_delta_rule import base
+from tokamax_gdn.ops.gated_delta_rule import batch_fold
 from tokamax_gdn.ops.gated_delta_rule import prologue
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_common as common
 from tokamax_gdn.ops.gated_delta_rule import pallas_mosaic_tpu_kernel as kernel
@@ -180,6 +186,15 @@ def _states_config(config: Config, sh: _Shapes) -> Config:
   return _most_interleaved(config.chunk_size, sh, "states", start=32)
 
 
+def _folds(config: Config, q: jax.Array, v: jax.Array, kind: str, *, stateless: bool) -> bool:
+  """Whether this (per-shard) kernel call runs its rows as one (`batch_fold`):
+  `stateless` (no state in or out, no residuals kept), rows shorter than the
+  chunk, and the config fits VMEM at the folded length."""
+  b, t = q.shape[:2]
+  return (stateless and batch_fold.folds(b, t, config.chunk_size)
+          and _fits(config, _shapes_of(q, v)._replace(length=b * t), kind))
+
+
 def _check_supported(q: jax.Array, v: jax.Array) -> bool:
   """Returns interpret mode; raises NotImplementedError where the kernels can't run."""
   interpret = gdn_config.require_pallas_tpu("gated_delta_rule")
@@ -290,10 +305,19 @@ class PallasMosaicTpuGatedDeltaRule(_KernelConfigs, base.GatedDeltaRule[Config, 
     def body(q, k, v, g, beta, initial_state, segment_ids, poison, a_log, dt_bias):
       pro = kernel.Prologue(qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
                             log_decay_floor=self.log_decay_floor, beta_sigmoid=beta_sigmoid)
+      b, t = q.shape[:2]
+      folded = _folds(config, q, v, "fwd", stateless=(
+          initial_state is None and not final_state and not config.save_states
+          and poison is None))
+      if folded:
+        q, k, v, g, beta = map(batch_fold.fold, (q, k, v, g, beta))
+        segment_ids = batch_fold.segment_ids(segment_ids, b, t)
       out, final, res = kernel.gdn_fwd(
           q, k, v, g, beta, scale=scale, initial_state=initial_state,
           segment_ids=segment_ids, emit_residuals=config.save_states, final_state=final_state,
           poison=poison, guard=guard, pro=pro, **_kernel_args(config, q, v, interpret, "fwd"))
+      if folded:
+        out = batch_fold.unfold(out, b)
       return (out, final) + (tuple(res) if res is not None else ())
 
     # (`_per_shard` drops None results: no label for an absent final state.)
@@ -350,6 +374,22 @@ class PallasMosaicTpuGatedDeltaRuleVjp(_KernelConfigs, base.GatedDeltaRuleVjp[Co
 
     def body(q, k, v, g, beta, d_out, d_final, states, tmats, guard_flags, initial_state,
              segment_ids, a_log, dt_bias):
+      b, t = q.shape[:2]
+      if _folds(config, q, v, "bwd", stateless=(
+          initial_state is None and d_final is None and states is None)):
+        grads = unfolded_body(
+            *map(batch_fold.fold, (q, k, v, g, beta, d_out)), None, None, None, None, None,
+            batch_fold.segment_ids(segment_ids, b, t), a_log, dt_bias)
+        per_token = tuple(batch_fold.unfold(x, b) for x in grads[:5])
+        # a_log's and dt_bias's per-row parts: the folded row's, then zeros.
+        rows = tuple(jnp.concatenate([x, jnp.zeros((b - 1,) + x.shape[1:], x.dtype)])
+                     for x in grads[6:])
+        return per_token + (None,) + rows
+      return unfolded_body(q, k, v, g, beta, d_out, d_final, states, tmats, guard_flags,
+                           initial_state, segment_ids, a_log, dt_bias)
+
+    def unfolded_body(q, k, v, g, beta, d_out, d_final, states, tmats, guard_flags,
+                      initial_state, segment_ids, a_log, dt_bias):
       pro = kernel.Prologue(qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
                             log_decay_floor=self.log_decay_floor, beta_sigmoid=beta_sigmoid)
       if states is None:   # pass 1: the forward kernel without outputs
