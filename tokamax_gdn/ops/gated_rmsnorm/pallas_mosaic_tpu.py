@@ -87,7 +87,7 @@ def _vmem_limit(block_rows: int, d: int, v: int, itemsize: int) -> int:
 
 def _check_supported(x: jax.Array) -> bool:
   """Returns interpret mode; raises NotImplementedError where the kernels can't run."""
-  interpret = gdn_config.require_pallas_tpu("gated_rmsnorm pallas_mosaic_tpu")
+  interpret = gdn_config.require_pallas_tpu("gated_rmsnorm")
   if x.dtype not in (jnp.float32, jnp.bfloat16):
     raise NotImplementedError(f"pallas_mosaic_tpu supports float32/bfloat16 x; got {x.dtype}.")
   return interpret
@@ -110,6 +110,7 @@ class PallasMosaicTpuGatedRmsNormVjp(config_hooks.PallasTpuHooks,
                                       base.GatedRmsNormVjp[Config, None]):
   """The backward kernel: dx, dgate and each batch row's dweight part."""
 
+  op_name: ClassVar[str] = "gated_rmsnorm"
   config_cls: ClassVar[type[Config]] = Config
   heuristics = _heuristics
   autotuning_configs = _autotuning_configs
@@ -134,6 +135,7 @@ class PallasMosaicTpuGatedRmsNormVjp(config_hooks.PallasTpuHooks,
 class PallasMosaicTpuGatedRmsNorm(config_hooks.PallasTpuHooks, base.GatedRmsNorm[Config, None]):
   """Row-blocked gated RMSNorm in Pallas Mosaic TPU (forward + backward kernels)."""
 
+  op_name: ClassVar[str] = "gated_rmsnorm"
   config_cls: ClassVar[type[Config]] = Config
   heuristics = _heuristics
   autotuning_configs = _autotuning_configs
