@@ -448,7 +448,11 @@ def _programs(groups, runnable) -> list[tuple[str, list[Program]]]:
   before the rest; in each group the implementations' gradients (the
   backward kernels), their forwards, then its reference (every row of the
   group needs it; the `reference` row runs the program its group is checked
-  against, so that is compiled once)."""
+  against, so that is compiled once). Among implementations, `xla` first:
+  at validate's short lengths its float32 programs (HIGHEST-precision
+  products, each a fusion of many passes) compile longer than the Pallas
+  kernels, which take their small grids' form there
+  (`pallas_mosaic_tpu_common.small_grid`)."""
   out = []
   for name in sorted(groups, key=lambda n: n not in ("gated_delta_rule", LAYER)):
     group = groups[name]
@@ -456,7 +460,7 @@ def _programs(groups, runnable) -> list[tuple[str, list[Program]]]:
       continue
     impls = [i for g, i in runnable if g == name and i != "reference"]
     parts = sorted(((i, p) for i in impls for p in group.parts(i)),
-                   key=lambda program: program[1] != GRADIENTS)
+                   key=lambda program: (program[1] != GRADIENTS, program[0] != "xla"))
     parts += [("reference", p) for p in group.parts("reference")]
     out.append((name, [Program(f"{name}/{i}{p}", i, group.program(i, p), group.abstract)
                        for i, p in parts]))
