@@ -286,6 +286,8 @@ def main(argv=None) -> int:
   p.add_argument("--train-dtype", default="bfloat16", choices=("bfloat16", "float32"))
   p.add_argument("--time", action="store_true", help="on a TPU: also time the gdn programs")
   p.add_argument("--json", action="store_true", help="only the JSON rows")
+  p.add_argument("--record", metavar="NAME",
+                 help="also write the rows as section NAME of docs/performance.md")
   args = p.parse_args(argv)
   sections = [x for x in args.sections.split(",") if x]
   variants = [x for x in args.variants.split(",") if x]
@@ -328,8 +330,27 @@ def main(argv=None) -> int:
           f" {max((r['lower_s'] + r['compile_s'] for r in done), default=0):.1f} s,"
           f" section {time.perf_counter() - start:.1f} s")
       rows += got
+  if args.record:
+    _record(args.record, rows, target, argv if argv is not None else sys.argv[1:])
   print(json.dumps(rows))
   return 1 if any("error" in r for r in rows) else 0
+
+
+def _record(name: str, rows: list[dict], target: Target, argv: list[str]) -> None:
+  from tokamax_gdn.benchmarks import record  # pylint: disable=g-import-not-at-top
+  columns = dict(variant="variant", program="program", lower_s="lower s",
+                 lower_cpu_s="lower CPU s", compile_s="compile s", compile_cpu_s="compile CPU s",
+                 kernels="kernels", ms="ms", error="error")
+  columns = {k: v for k, v in columns.items() if any(k in r for r in rows)}
+  cells = [{k: (round(v, 2 if k != "ms" else 4) if isinstance(v, float) else v)
+            for k, v in r.items()} for r in rows]
+  title = ("Compile time per program: the GDN layer's forward and step at the Qwen3-Next"
+           " shape (Pallas), each Pallas GDN kernel alone, validate's programs"
+           f" ({MODEL}), the {MODEL} training step, on {target.name} (wall clock, and this"
+           " process's CPU seconds, which add up the compile's threads)")
+  record.write_section(None, name, title,
+                       "python tools/compile_times.py " + " ".join(argv), cells, columns,
+                       device=target.name)
 
 
 if __name__ == "__main__":

@@ -83,3 +83,12 @@ def test_small_grids_loop_over_few_heads(steps, interleave, unroll):
       assert common.unroll_groups(backward=True, steps=steps) is unroll
     finally:
       gdn_config.set_target_chip(None)
+
+
+def test_the_aot_reports_short_lengths_take_the_long_grids_form():
+  """`tokamax-gdn aot` takes cycle estimates at short lengths and extrapolates
+  them to T: at B = 1 and C = 128 those must compile the long grids' form."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.aot import gated_delta_rule as report_lib  # pylint: disable=g-import-not-at-top
+  lengths = inspect.signature(report_lib.report).parameters["cycle_lengths"].default
+  assert not any(common.small_grid(-(-t // 128)) for t in lengths)

@@ -406,8 +406,10 @@ def v5e_forms() -> bool:
 # (`group_interleave`, `unroll_groups`). Unrolled, a grid step is one basic
 # block of every head's code, which Mosaic compiles in time growing faster
 # than the block; it saves a few microseconds a grid step, which only a long
-# grid repays (pallas_mosaic_tpu.md, "Compile time").
-SMALL_GRID_STEPS = 4
+# grid repays (pallas_mosaic_tpu.md, "Compile time"). (`tokamax-gdn aot`
+# takes its cycle estimates at T = 512, 4 steps at C = 128 and B = 1: the
+# long grids' form it extrapolates to T.)
+SMALL_GRID_STEPS = 2
 SMALL_GRID_INTERLEAVE = 4
 
 
