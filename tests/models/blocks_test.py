@@ -79,6 +79,23 @@ def test_moe_matches_dense_forward_and_grads(capacity_factor):
   assert float(jnp.abs(got[0]["router"]).max()) > 1e-3   # gradient reaches the router
 
 
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_moe_row_permutations_have_the_gathers_vjps(top_k):
+  """The MoE's row permutations, whose VJPs gather by the inverse permutation
+  (no scatter-add), give autodiff's gradients of the plain gathers."""
+  r = np.random.default_rng(top_k)
+  tokens, hidden = 6, 4
+  x = jnp.asarray(r.standard_normal((tokens, hidden)), F32)
+  order = jnp.asarray(r.permutation(tokens * top_k), jnp.int32)
+  inverse = jnp.argsort(order)
+  cot = jnp.asarray(r.standard_normal((tokens * top_k, hidden)), F32)
+  rows = lambda x: jnp.sum(blocks._expert_rows(x, order, inverse, top_k) * cot)  # pylint: disable=protected-access
+  plain = lambda x: jnp.sum(x[order // top_k] * cot)
+  np.testing.assert_allclose(jax.grad(rows)(x), jax.grad(plain)(x), rtol=1e-6, atol=1e-6)
+  back = lambda ys: jnp.sum(blocks._token_rows(ys, inverse, order) * cot)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(jax.grad(back)(cot), jax.grad(lambda ys: jnp.sum(ys[inverse] * cot))(cot))
+
+
 def test_moe_bf16_within_bf16_tolerance_of_f32():
   params, x = _moe_params(), _rng_x((40, H), 3)
   y32, _ = blocks.moe(params, x, top_k=K, implementation="xla")

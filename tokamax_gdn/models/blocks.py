@@ -16,6 +16,7 @@ gradient through the routing weights w (top-k of a softmax is differentiable
 in the selected values) and through the load-balancing loss.
 """
 
+import functools
 import math
 
 import jax
@@ -156,6 +157,51 @@ def sort_by_expert(experts: jax.Array, num_experts: int, cap: int | None):
   return order, jnp.minimum(counts, cap).astype(jnp.int32), kept
 
 
+# The MoE's two row permutations with their VJPs written as gathers. Autodiff
+# makes the VJP of a gather a scatter-add, which XLA:TPU compiles into a
+# custom scatter fusion after sorting its indices: in the qwen3.5-tiny
+# training step, four such scatters and eight sorts were among its largest
+# computations to compile. Both permutations have an inverse at hand.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _expert_rows(x: jax.Array, order: jax.Array, inverse: jax.Array, top_k: int) -> jax.Array:
+  """x[order // top_k]: each assignment's token row, in `order` (grouped by
+  expert); `inverse` = argsort(order). VJP: the rows back in (token, slot)
+  order by `inverse`, summed over each token's `top_k` slots."""
+  del inverse
+  return x[order // top_k]
+
+
+def _expert_rows_fwd(x, order, inverse, top_k):
+  return _expert_rows(x, order, inverse, top_k), inverse
+
+
+def _expert_rows_bwd(top_k, inverse, d_rows):
+  d = d_rows[inverse]
+  return d.reshape(-1, top_k, d.shape[-1]).sum(axis=1, dtype=d.dtype), None, None
+
+
+_expert_rows.defvjp(_expert_rows_fwd, _expert_rows_bwd)
+
+
+@jax.custom_vjp
+def _token_rows(ys: jax.Array, inverse: jax.Array, order: jax.Array) -> jax.Array:
+  """ys[inverse]: the experts' output rows back in (token, slot) order. VJP:
+  the cotangent's rows in expert order, by `order` (inverse's inverse)."""
+  del order
+  return ys[inverse]
+
+
+def _token_rows_fwd(ys, inverse, order):
+  return _token_rows(ys, inverse, order), order
+
+
+def _token_rows_bwd(order, dy):
+  return dy[order], None, None
+
+
+_token_rows.defvjp(_token_rows_fwd, _token_rows_bwd)
+
+
 def load_balancing_loss(probs: jax.Array, experts: jax.Array, num_experts: int) -> jax.Array:
   """Switch / Qwen MoE auxiliary loss E · Σ_e f_e · P_e (1 when balanced):
   f_e the fraction of assignments routed to e, P_e the mean probability."""
@@ -180,7 +226,8 @@ def moe(params: Params, x: jax.Array, *, top_k: int, capacity_factor: float | No
   flat = experts.reshape(-1)
   cap = capacity(tokens, top_k, num_experts, capacity_factor)
   order, group_sizes, kept = sort_by_expert(flat, num_experts, cap)
-  xs = x[order // top_k]                                  # [A, hidden], grouped by expert
+  inverse = jnp.argsort(order)
+  xs = _expert_rows(x, order, inverse, top_k)             # [A, hidden], grouped by expert
   w_in = jnp.concatenate([params["gate_proj"], params["up_proj"]], axis=-1).astype(x.dtype)
   h = gmm(xs, w_in, group_sizes, implementation=implementation)
   gate, up = jnp.split(h, 2, axis=-1)
@@ -190,7 +237,7 @@ def moe(params: Params, x: jax.Array, *, top_k: int, capacity_factor: float | No
     ys = jax.lax.psum(ys, model_axis)
   # Back to (token, slot) order. Dropped assignments sit past sum(group_sizes),
   # where gmm writes zeros: no mask needed (the capacity test relies on it).
-  y = ys[jnp.argsort(order)].reshape(tokens, top_k, shape[-1])
+  y = _token_rows(ys, inverse, order).reshape(tokens, top_k, shape[-1])
   y = jnp.einsum("nkh,nk->nh", y.astype(jnp.float32), weights)
   stats = dict(aux_loss=load_balancing_loss(probs, experts, num_experts),
                group_sizes=group_sizes, dropped=jnp.sum(~kept))
