@@ -31,9 +31,10 @@ Variants (`--variants`, each runs every section, in the order given; the
 static choices are patched while the programs are traced, as
 `tools/gdn_knob_sweep.py` does):
 - default: the code as it is.
-- main: as before the compile-time work: equal kernel calls traced again
-  (`pallas_mosaic_tpu_call.cache_calls(False)`) and small grids unrolled
-  like long ones (`common.small_grid` never true).
+- main: the Pallas GDN kernels' calls as before the compile-time work:
+  equal kernel calls traced again (`pallas_mosaic_tpu_call.cache_calls(False)`)
+  and small grids unrolled like long ones (`common.small_grid` never true).
+  (gmm's and tgmm's jitted kernels and the MoE's gather VJPs stay.)
 - uncached: only the former; unrolled-small: only the latter.
 - bwd-unroll2, rolled: the backward's head groups unrolled by 2 / every
   kernel's head groups in a loop, at every length (faster compiles, slower
