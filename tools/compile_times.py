@@ -36,9 +36,9 @@ static choices are patched while the programs are traced, as
   and small grids unrolled like long ones (`common.small_grid` never true).
   (gmm's and tgmm's jitted kernels and the MoE's gather VJPs stay.)
 - uncached: only the former; unrolled-small: only the latter.
-- bwd-unroll2, rolled: the backward's head groups unrolled by 2 / every
-  kernel's head groups in a loop, at every length (faster compiles, slower
-  kernels: time them with `--time`).
+- bwd-unroll2, rolled: the backward's head groups unrolled by 2 (two basic
+  blocks of 16 heads a grid step) / every kernel's head groups in a loop, at
+  every length (faster compiles, slower kernels: time them with `--time`).
 A process keeps JAX's own caches across variants (gmm's and tgmm's jitted
 kernels among them, which "main" does not undo): compare a variant with
 the one run before it in the same order, or run each in its own process.
