@@ -337,15 +337,31 @@ class _Turns:
     return self._turn(self._issued - 1)
 
 
-def _compile(group: _Group, impl_name: str, part: str = "", turn=None):
-  """One program of an implementation, lowered from shapes (in `turn`, a
-  context manager, if given) and compiled. Lowered in the implementation's
-  execution context: interpret mode is a per-thread flag read while tracing,
-  so it is set in the thread that lowers (compiling reads it no more)."""
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """One program `run` compiles: `fn(arguments)`, arguments shaped as
+  `abstract` (a ShapeDtypeStruct each), of `implementation`."""
+
+  label: str            # "<op or layer>/<implementation><part>"
+  implementation: str
+  fn: Callable[[list], Any]
+  abstract: list
+
+  def lower(self, abstract: list | None = None):
+    """`jax.jit(fn).lower` on `abstract` (default: the program's own), in the
+    implementation's execution context: interpret mode is a per-thread flag
+    read while tracing, so it is set in the thread that lowers (compiling
+    reads it no more)."""
+    with conformance.execution_context(self.implementation):
+      return jax.jit(self.fn).lower(self.abstract if abstract is None else abstract)
+
+
+def _compile(program: Program, turn=None):
+  """One program, lowered from shapes (in `turn`, a context manager, if
+  given) and compiled."""
   # The turn outermost: whatever raises, it passes on.
   with turn if turn is not None else contextlib.nullcontext():
-    with conformance.execution_context(impl_name):
-      lowered = jax.jit(group.program(impl_name, part)).lower(group.abstract)
+    lowered = program.lower()
   return lowered.compile()
 
 
@@ -403,6 +419,63 @@ def _fail_row(group_name, impl_name, e: Exception) -> dict:
               status=f"FAIL ({type(e).__name__}: {str(e)[:160]})")
 
 
+def _plan(interpret: bool):
+  """Every (op or layer, implementation) row, and those runnable here."""
+  plan = [(op_name, impl_name) for op_name in CASES
+          for impl_name in registry.implementations(op_name)]
+  plan += [(LAYER, n) for n in registry.implementations("gated_delta_rule")
+           if n in registry.implementations("causal_conv1d")]
+  return plan, [(g, i) for g, i in plan if _runnable(i, interpret) is None]
+
+
+def _groups(cfg, batch: int, seq_len: int, key, runnable) -> dict[str, "_Group | Exception"]:
+  """Shapes and programs of every group with a row to run (tracing only)."""
+  groups: dict[str, _Group | Exception] = {}
+  for name in dict.fromkeys(g for g, _ in runnable):
+    try:
+      groups[name] = (_layer_group(cfg, batch, seq_len, key) if name == LAYER
+                      else _op_group(name, CASES[name], cfg, batch, seq_len, key))
+    except Exception as e:  # pylint: disable=broad-except
+      groups[name] = e
+  return groups
+
+
+def _programs(groups, runnable) -> list[tuple[str, list[Program]]]:
+  """Per group that was built, its programs, in the order `run` compiles them.
+
+  Likely longest first, so that no long task starts last: the groups whose
+  programs hold a GatedDeltaNet (the op's chunked scans, and the layer)
+  before the rest; in each group the implementations' gradients (the
+  backward kernels), their forwards, then its reference (every row of the
+  group needs it; the `reference` row runs the program its group is checked
+  against, so that is compiled once). Among implementations, `xla` first:
+  at validate's short lengths its float32 programs (HIGHEST-precision
+  products, each a fusion of many passes) compile longer than the Pallas
+  kernels, which take their small grids' form there
+  (`pallas_mosaic_tpu_common.small_grid`)."""
+  out = []
+  for name in sorted(groups, key=lambda n: n not in ("gated_delta_rule", LAYER)):
+    group = groups[name]
+    if not isinstance(group, _Group):
+      continue
+    impls = [i for g, i in runnable if g == name and i != "reference"]
+    parts = sorted(((i, p) for i in impls for p in group.parts(i)),
+                   key=lambda program: (program[1] != GRADIENTS, program[0] != "xla"))
+    parts += [("reference", p) for p in group.parts("reference")]
+    out.append((name, [Program(f"{name}/{i}{p}", i, group.program(i, p), group.abstract)
+                       for i, p in parts]))
+  return out
+
+
+def programs(cfg, *, seq_len: int = 64, batch: int = 1, interpret: bool = False
+             ) -> list[Program]:
+  """Every program `run` compiles for these shapes, in its order (a timing
+  tool compiles them one by one: `tools/compile_times.py`)."""
+  _, runnable = _plan(interpret)
+  groups = _groups(cfg, batch, seq_len, jax.random.key(0), runnable)
+  return [p for _, progs in _programs(groups, runnable) for p in progs]
+
+
 def run(cfg, *, seq_len: int = 64, batch: int = 1, interpret: bool = False,
         progress: bool = True, workers: int | None = None) -> list[dict]:
   """Runs every check; returns one row per (op, implementation) and layer.
@@ -411,40 +484,17 @@ def run(cfg, *, seq_len: int = 64, batch: int = 1, interpret: bool = False,
   available CPU, at most one per task; 1 compiles one program after another. A
   row whose inputs, compile or run raise is a FAIL row; the others still run.
   """
-  plan = [(op_name, impl_name) for op_name in CASES
-          for impl_name in registry.implementations(op_name)]
-  plan += [(LAYER, n) for n in registry.implementations("gated_delta_rule")
-           if n in registry.implementations("causal_conv1d")]
-  runnable = [(g, i) for g, i in plan if _runnable(i, interpret) is None]
+  plan, runnable = _plan(interpret)
   key = jax.random.key(0)
+  groups = _groups(cfg, batch, seq_len, key, runnable)
 
-  # Shapes and programs of every group with a row to run (tracing only, here).
-  groups: dict[str, _Group | Exception] = {}
-  for name in dict.fromkeys(g for g, _ in runnable):
-    try:
-      groups[name] = (_layer_group(cfg, batch, seq_len, key) if name == LAYER
-                      else _op_group(name, CASES[name], cfg, batch, seq_len, key))
-    except Exception as e:  # pylint: disable=broad-except
-      groups[name] = e
-
-  # Likely longest first, so that no long task starts last: the groups whose programs
-  # hold a GatedDeltaNet (the op's chunked scans, and the layer) before the rest;
-  # in each group the implementations' gradients (the backward kernels), their
-  # forwards, its reference (every row of the group needs it), then its inputs.
-  # The `reference` row runs the program its group is checked against, so that
-  # is compiled once. The lowerings take turns in this order (`_Turns`).
-  impls = {n: [i for g, i in runnable if g == n and i != "reference"] for n in groups}
+  # Each group's programs (`_programs`' order), then its inputs. The lowerings
+  # take turns in this order (`_Turns`).
   tasks = {}
   turns = _Turns()
-  for name in sorted(groups, key=lambda n: n not in ("gated_delta_rule", LAYER)):
-    group = groups[name]
-    if isinstance(group, _Group):
-      programs = sorted(((i, p) for i in impls[name] for p in group.parts(i)),
-                        key=lambda program: program[1] != GRADIENTS)
-      programs += [("reference", p) for p in group.parts("reference")]
-      tasks |= {f"{name}/{i}{p}": functools.partial(_compile, group, i, p, turns.next())
-                for i, p in programs}
-      tasks[f"{name} inputs"] = functools.partial(_make_inputs, group, key)
+  for name, progs in _programs(groups, runnable):
+    tasks |= {p.label: functools.partial(_compile, p, turns.next()) for p in progs}
+    tasks[f"{name} inputs"] = functools.partial(_make_inputs, groups[name], key)
   workers = max(1, min(workers or _available_cpus(), len(tasks)))
   try:
     built = _build_all(tasks, workers, progress)

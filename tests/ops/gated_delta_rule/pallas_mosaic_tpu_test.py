@@ -161,7 +161,7 @@ def test_unrolled_groups_match_reference(monkeypatch):
   (2, 3) spans two groups; bf16, so one of a pair's T is used transposed."""
   monkeypatch.setattr(pk_call, "_interpret_static",
                       lambda st: dataclasses.replace(st, interpret=True))
-  monkeypatch.setattr(pk_common, "unroll_groups", lambda backward=False: True)
+  monkeypatch.setattr(pk_common, "unroll_groups", lambda backward=False, steps=None: True)
   _check_matches_reference(("unrolled", 1, 65, 6, 6, 16, 16, jnp.bfloat16, "zeros", True, True,
                             True, True, 64, 3))
 

@@ -6,8 +6,10 @@ the kernels through `pallas_call`. Algebra: `docs/gdn_math.md`; design:
 `docs/gdn_pallas_tpu.md`.
 """
 
+import collections
 import dataclasses
 import functools
+import threading
 
 import jax
 from jax.experimental import pallas as pl
@@ -30,6 +32,46 @@ def _starts(segment_ids):
   """[B, 1, T] int32: 1 where a segment starts (never at t = 0)."""
   return segments.segment_starts(segment_ids).astype(jnp.int32)[:, None, :]
 
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunks:
+  """The chunk grid step i visits: i, or (`reverse`, the backward) nc - 1 - i."""
+
+  nc: int
+  reverse: bool = False
+
+  def __call__(self, i):
+    return self.nc - 1 - i if self.reverse else i
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockIndex:
+  """A BlockSpec's index map as a value: grid step (b, i) and the
+  scalar-prefetched refs -> one block index per entry of `dims`: "b" (the
+  batch row), "c" (the chunk, `chunks(i)`), "slot" (the state slot of that
+  chunk's segment, from the per-segment codes: `common.code_slot`) or a
+  fixed index. Equal calls build equal index maps, so that `pallas_call`
+  can trace a kernel call once for all calls equal to it."""
+
+  dims: tuple[str | int, ...]
+  chunks: Chunks | None = None
+
+  def __call__(self, b, i, *refs):
+    def index(d):
+      if d == "b":
+        return b
+      if d == "c":
+        return self.chunks(i)
+      if d == "slot":
+        return common.code_slot(refs[0][b * self.chunks.nc + self.chunks(i)])
+      return d
+    return tuple(index(d) for d in self.dims)
+
+
+def block(shape, *dims: str | int, chunks: Chunks | None = None) -> pl.BlockSpec:
+  """`pl.BlockSpec(shape, BlockIndex(dims, chunks))`."""
+  return pl.BlockSpec(shape, BlockIndex(dims, chunks))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +115,15 @@ class _Segments:
 
 
 
+def _steps(q, chunk: int, interpret) -> int | None:
+  """The grid steps of a kernel call on q [B, T, ...] for `common.small_grid`;
+  None in interpret mode, which runs the head groups in a loop anyway
+  (`_interpret_static`) and keeps the interleave asked for."""
+  return None if interpret else q.shape[0] * -(-q.shape[1] // chunk)
+
+
 def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states=0,
-            pro: kernel_prologue.Prologue = kernel_prologue.Prologue()):
+            pro: kernel_prologue.Prologue = kernel_prologue.Prologue(), steps=None):
   b, t, hk, dim_k = q.shape
   hv, dim_v = v.shape[2], v.shape[3]
   passes = 1 if q.dtype == BF16 else 3
@@ -82,10 +131,11 @@ def _static(q, v, *, scale, chunk, interleave, newton, has_seg, has_h0, n_states
     newton = common.default_newton(passes)
   return common.Static(t_len=t, chunk=chunk, hk=hk, hv=hv, dim_k=dim_k, dim_v=dim_v,
                  scale=float(scale), passes=passes, newton=newton,
-                 interleave=common.normalize_interleave(interleave, hv, hv // hk),
+                 interleave=common.group_interleave(interleave, hv, hv // hk, steps),
                  has_seg=has_seg, has_h0=has_h0, n_states=n_states, v5e_forms=common.v5e_forms(),
                  qk_in_place=gdn_config.target_generation().name == "tpu7x",
-                 unroll_groups=common.unroll_groups(), f_cols=common.f_sums_as_columns(),
+                 unroll_groups=common.unroll_groups(steps=steps),
+                 f_cols=common.f_sums_as_columns(),
                  paired_tmats=common.paired_tmats(), **pro.static())
 
 
@@ -99,9 +149,9 @@ def head_scratch(st: common.Static, values: tuple[str, ...], q: bool = True,
           + [common.Operand(n, shape=pltpu.VMEM((st.hv, st.chunk, st.dim_v), F32)) for n in values])
 
 
-def _token_block(st: common.Static, chunk_of, *dims: int) -> pl.BlockSpec:
-  """The BlockSpec of one chunk of a [B, T, *dims] array: chunk `chunk_of(i)`
-  at grid step (b, i). Index maps take (b, i, *scalar_prefetch_refs).
+def _token_block(st: common.Static, chunks: Chunks, *dims: int) -> pl.BlockSpec:
+  """The BlockSpec of one chunk of a [B, T, *dims] array: chunk `chunks(i)`
+  at grid step (b, i).
 
   Per-head arrays ([B, T, H, D]: q, k, v, the output, their gradients) go to
   the kernels flat, [B, T, H D] (`_flat`), their blocks (C, H D): a head is
@@ -113,8 +163,7 @@ def _token_block(st: common.Static, chunk_of, *dims: int) -> pl.BlockSpec:
   out for the kernel); a [B, T, H, D] argument at a jit boundary, in the
   default layout tiled over (H, D), is copied into it by XLA.
   """
-  return pl.BlockSpec((None, st.chunk, *dims),
-                      lambda b, i, *_: (b, chunk_of(i)) + (0,) * len(dims))
+  return block((None, st.chunk, *dims), "b", "c", *(0,) * len(dims), chunks=chunks)
 
 
 def _flat(x):
@@ -122,42 +171,38 @@ def _flat(x):
   return x.reshape(*x.shape[:2], -1)
 
 
-def _common_inputs(q, k, v, log_decay, beta, starts, st: common.Static, chunk_of,
+def _common_inputs(q, k, v, log_decay, beta, starts, st: common.Static, chunks: Chunks,
                    poison=None, pro: kernel_prologue.Prologue = kernel_prologue.Prologue()) -> list[common.Operand]:
   """The inputs both kernels read per chunk (array and BlockSpec each), the
   forward's poison rows when given, and the gate's a_log / dt_bias when the
   kernel activates it (`kernel_prologue.Prologue`)."""
   hk, hv = q.shape[2], v.shape[2]
   ops = [
-      common.Operand("q", _flat(q), block=_token_block(st, chunk_of, hk * st.dim_k)),
-      common.Operand("k", _flat(k), block=_token_block(st, chunk_of, hk * st.dim_k)),
-      common.Operand("v", _flat(v), block=_token_block(st, chunk_of, hv * st.dim_v)),
-      common.Operand("log_decay", log_decay, block=_token_block(st, chunk_of, hv)),
-      common.Operand("beta", beta, block=_token_block(st, chunk_of, hv)),
+      common.Operand("q", _flat(q), block=_token_block(st, chunks, hk * st.dim_k)),
+      common.Operand("k", _flat(k), block=_token_block(st, chunks, hk * st.dim_k)),
+      common.Operand("v", _flat(v), block=_token_block(st, chunks, hv * st.dim_v)),
+      common.Operand("log_decay", log_decay, block=_token_block(st, chunks, hv)),
+      common.Operand("beta", beta, block=_token_block(st, chunks, hv)),
   ]
   if poison is not None:   # [B, Hv, T]: a chunk's block is its rows (tokens in lanes)
-    ops.append(common.Operand("poison", poison, block=pl.BlockSpec(
-        (None, hv, st.chunk), lambda b, i, *_: (b, 0, chunk_of(i)))))
+    ops.append(common.Operand("poison", poison,
+                              block=block((None, hv, st.chunk), "b", 0, "c", chunks=chunks)))
   if st.has_seg:
-    ops.append(common.Operand("starts", starts, block=pl.BlockSpec(
-        (None, 1, st.chunk), lambda b, i, *_: (b, 0, chunk_of(i)))))
+    ops.append(common.Operand("starts", starts,
+                              block=block((None, 1, st.chunk), "b", 0, "c", chunks=chunks)))
   if st.gate_act:
-    ops += [common.Operand(name, x, block=pl.BlockSpec((1, hv), lambda b, i, *_: (0, 0)))
+    ops += [common.Operand(name, x, block=block((1, hv), 0, 0))
             for name, x in zip(("a_log", "dt_bias"), pro.gate_params())]
   return ops
 
 
-def _state_spec(st: common.Static, chunk_of):
+def _state_spec(st: common.Static, chunks: Chunks):
   """The BlockSpec of a state-shaped operand: the row's [Hv, K, V] state, or
-  with per-segment states the slot of the chunk's segment."""
+  with per-segment states the slot of the chunk's segment (`chunks.nc` is the
+  aligned layout's number of chunks)."""
   if not st.n_states:
-    return pl.BlockSpec((None, st.hv, st.dim_k, st.dim_v), lambda b, i, *_: (b, 0, 0, 0))
-  nc = st.t_len // st.chunk
-
-  def index(b, i, code_ref):
-    return (b, common.code_slot(code_ref[b * nc + chunk_of(i)]), 0, 0, 0)
-
-  return pl.BlockSpec((None, None, st.hv, st.dim_k, st.dim_v), index)
+    return block((None, st.hv, st.dim_k, st.dim_v), "b", 0, 0, 0)
+  return block((None, None, st.hv, st.dim_k, st.dim_v), "b", "slot", 0, 0, 0, chunks=chunks)
 
 
 def _state_shape(st: common.Static, b: int) -> jax.ShapeDtypeStruct:
@@ -184,30 +229,97 @@ def pallas_call(kernel, st: common.Static, prefetch: dict[str, jax.Array] | None
   first, as scalar prefetch into SMEM, readable by the index maps too.
   `aliases`: input name -> the output name that updates it in place.
   """
-  params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                vmem_limit_bytes=vmem_limit_bytes)
   if interpret:
     st = _interpret_static(st)
   prefetch = prefetch or {}
   names = tuple(prefetch) + tuple(o.name for o in (*inputs, *outputs, *scratch))
-  body = functools.partial(kernel, names=names, st=st)
-  in_specs, args = [o.block for o in inputs], [o.array for o in inputs]
-  out_specs, out_shape = [o.block for o in outputs], [o.shape for o in outputs]
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs, out_specs=out_specs,
-      scratch_shapes=[o.shape for o in scratch])
-  in_index = {o.name: len(prefetch) + i for i, o in enumerate(inputs)}
-  out_index = {o.name: i for i, o in enumerate(outputs)}
-  res = pl.pallas_call(body, grid_spec=grid_spec, out_shape=out_shape, compiler_params=params,
-                       interpret=interpret, name=name,
-                       input_output_aliases={in_index[i]: out_index[o]
-                                             for i, o in (aliases or {}).items()}
-                       )(*prefetch.values(), *args)
+  args = [*prefetch.values(), *(o.array for o in inputs)]
+
+  def build():
+    params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                  vmem_limit_bytes=vmem_limit_bytes)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(prefetch), grid=grid, in_specs=[o.block for o in inputs],
+        out_specs=[o.block for o in outputs], scratch_shapes=[o.shape for o in scratch])
+    in_index = {o.name: len(prefetch) + i for i, o in enumerate(inputs)}
+    out_index = {o.name: i for i, o in enumerate(outputs)}
+    return pl.pallas_call(functools.partial(kernel, names=names, st=st), grid_spec=grid_spec,
+                          out_shape=[o.shape for o in outputs], compiler_params=params,
+                          interpret=interpret, name=name,
+                          input_output_aliases={in_index[i]: out_index[o]
+                                                for i, o in (aliases or {}).items()})
+
+  key = _call_key(kernel, st, names, grid, inputs, outputs, scratch,
+                  (vmem_limit_bytes, interpret, name, tuple(sorted((aliases or {}).items()))))
+  res = (build() if key is None else _traced_call(key, build, name))(*args)
   return dict(zip((o.name for o in outputs), res))
 
 
+# `pallas_call`s traced once per process for every call equal to them: the
+# kernels of a model's layers, the forward program's kernel again in the
+# step's, the programs `validate` compiles. Each entry is a `jax.jit` of the
+# call: equal calls reuse its trace (the kernel body's Python, about half of
+# lowering a GDN kernel), and calls of it in one program are lowered once
+# there. At most `_TRACED_MAX` entries, least recently used out first.
+# `cache_calls(False)` turns it off (to time lowering without it).
+_TRACED: collections.OrderedDict = collections.OrderedDict()
+_TRACED_MAX = 64
+_TRACED_LOCK = threading.Lock()
+_CACHE_CALLS = [True]
+
+
+def cache_calls(enabled: bool) -> None:
+  """Whether equal kernel calls share one trace (`_TRACED`); on by default."""
+  _CACHE_CALLS[0] = enabled
+  with _TRACED_LOCK:
+    _TRACED.clear()
+
+
+def _call_key(kernel, st: common.Static, names, grid, inputs, outputs, scratch, rest):
+  """A hashable key equal for equal calls of `pallas_call`, or None where a
+  call has an index map that is not a `BlockIndex` (a function compares by
+  identity: such calls are not shared)."""
+  if not _CACHE_CALLS[0]:
+    return None
+  specs = [o.block for o in (*inputs, *outputs)]
+  if not all(isinstance(getattr(s.index_map, "index_map", None), BlockIndex) for s in specs):
+    return None
+  if isinstance(kernel, functools.partial):
+    kernel = (kernel.func, kernel.args, tuple(sorted(kernel.keywords.items())))
+  key = (kernel, st, names, tuple(grid),
+         tuple((o.name, tuple(o.block.block_shape), o.block.index_map, o.block.memory_space,
+                o.block.pipeline_mode) for o in (*inputs, *outputs)),
+         tuple(o.shape for o in (*outputs, *scratch)), rest)
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
+
+
+def _traced_call(key, build, name: str):
+  """The `jax.jit` of `build()` (a pallas_call) shared by every call with `key`."""
+  with _TRACED_LOCK:
+    fn = _TRACED.get(key)
+    if fn is not None:
+      _TRACED.move_to_end(key)
+      return fn
+  call = build()
+
+  def run(*args):
+    return call(*args)
+
+  run.__name__ = run.__qualname__ = name
+  fn = jax.jit(run)
+  with _TRACED_LOCK:
+    _TRACED[key] = fn
+    while len(_TRACED) > _TRACED_MAX:
+      _TRACED.popitem(last=False)
+  return fn
+
+
 def _prepare(q, k, v, log_decay, beta, *, initial_state, segment_ids, chunk, scale,
-             interleave, newton, poison=None, sanitize=False, guard=False,
+             interleave, newton, interpret, poison=None, sanitize=False, guard=False,
              pro: kernel_prologue.Prologue = kernel_prologue.Prologue()):
   """(inputs, h0, starts, segments, static, number of chunks) of one kernel call.
 
@@ -228,7 +340,8 @@ def _prepare(q, k, v, log_decay, beta, *, initial_state, segment_ids, chunk, sca
     h0, starts = seg.with_zero_slot(initial_state), seg.starts()
   st = _static(xs[0], xs[2], scale=scale, chunk=chunk, interleave=interleave, newton=newton,
                has_seg=starts is not None, has_h0=h0 is not None,
-               n_states=0 if seg is None else seg.n_states, pro=pro)
+               n_states=0 if seg is None else seg.n_states, pro=pro,
+               steps=_steps(xs[0], chunk, interpret))
   if guard and seg is not None:
     raise NotImplementedError("the in-kernel guard does not take per-segment states.")
   st = dataclasses.replace(st, sanitize=sanitize and not guard, guard=guard)
@@ -277,15 +390,15 @@ def gdn_fwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
   """
   xs, h0, starts, seg, st, nc = _prepare(
       q, k, v, log_decay, beta, initial_state=initial_state, segment_ids=segment_ids,
-      chunk=chunk, scale=scale, interleave=interleave, newton=newton, poison=poison,
-      sanitize=sanitize, guard=guard, pro=pro)
+      chunk=chunk, scale=scale, interleave=interleave, newton=newton, interpret=interpret,
+      poison=poison, sanitize=sanitize, guard=guard, pro=pro)
   q, k, v, log_decay, beta = xs[:5]
   b, t = q.shape[:2]
   poison_rows = (jnp.swapaxes(xs[5], 1, 2).astype(F32)
                  if poison is not None and write_out else None)
-  inputs = _common_inputs(q, k, v, log_decay, beta, starts, st, lambda i: i,
+  inputs = _common_inputs(q, k, v, log_decay, beta, starts, st, Chunks(nc),
                           poison=poison_rows, pro=pro)
-  out_block = _token_block(st, lambda i: i, st.hv * st.dim_v)
+  out_block = _token_block(st, Chunks(nc), st.hv * st.dim_v)
   out_shape = jax.ShapeDtypeStruct((b, t, st.hv * st.dim_v), v.dtype)
   return _run_fwd(inputs, h0, st, seg, nc, b, out_block if write_out else None, out_shape,
                   emit_residuals=emit_residuals, final_state=final_state, interpret=interpret,
@@ -302,7 +415,7 @@ def _run_fwd(inputs: list[common.Operand], h0, st: common.Static, seg: "_Segment
   write_out = out_block is not None
   chunk = st.chunk
   copies = common.head_copies(st, write_out)
-  state_spec = _state_spec(st, lambda i: i)
+  state_spec = _state_spec(st, Chunks(nc))
   if st.has_h0:
     inputs.append(common.Operand("h0", h0.astype(F32), block=state_spec))
   outputs = []
@@ -312,14 +425,12 @@ def _run_fwd(inputs: list[common.Operand], h0, st: common.Static, seg: "_Segment
     outputs.append(common.Operand("final", block=state_spec, shape=_state_shape(st, b)))
   if emit_residuals:
     outputs += [
-        common.Operand("states", block=pl.BlockSpec((None, None, st.hv, st.dim_k, st.dim_v),
-                                              lambda b, i, *_: (b, i, 0, 0, 0)),
-                 shape=jax.ShapeDtypeStruct((b, nc, st.hv, st.dim_k, st.dim_v), st.mm)),
-        common.Operand("tmats", block=pl.BlockSpec((None, None, st.hv, chunk, chunk),
-                                             lambda b, i, *_: (b, i, 0, 0, 0)),
-                 shape=jax.ShapeDtypeStruct((b, nc, st.hv, chunk, chunk), st.mm))]
+        common.Operand("states", block=_residual_block(st, Chunks(nc), st.dim_k, st.dim_v),
+                       shape=jax.ShapeDtypeStruct((b, nc, st.hv, st.dim_k, st.dim_v), st.mm)),
+        common.Operand("tmats", block=_residual_block(st, Chunks(nc), chunk, chunk),
+                       shape=jax.ShapeDtypeStruct((b, nc, st.hv, chunk, chunk), st.mm))]
     if st.guard:
-      outputs.append(_guard_fwd_operand(st, b, nc, lambda i: i))
+      outputs.append(_guard_fwd_operand(st, b, Chunks(nc)))
   scratch = ([common.Operand("s", shape=pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32))]
              + head_scratch(st, ("vh",) * copies[2] + ("out_heads",) * write_out,
                             q=copies[0], k=copies[1])
@@ -342,14 +453,19 @@ def _run_fwd(inputs: list[common.Operand], h0, st: common.Static, seg: "_Segment
   return out, final, residuals
 
 
-def _guard_fwd_operand(st: common.Static, b: int, nc: int, chunk_of, array=None) -> common.Operand:
+def _residual_block(st: common.Static, chunks: Chunks, *dims: int) -> pl.BlockSpec:
+  """The BlockSpec of a per-chunk residual [B, NC, Hv, *dims]: the chunk's."""
+  return block((None, None, st.hv, *dims), "b", "c", 0, *(0,) * len(dims), chunks=chunks)
+
+
+def _guard_fwd_operand(st: common.Static, b: int, chunks: Chunks, array=None) -> common.Operand:
   """The forward's guard flags [B, NC, Hv, C] f32 (`guard.guard_fwd_rows`): an
   output of the forward kernels, an input (`array`) of the backward."""
-  block = pl.BlockSpec((None, None, st.hv, st.chunk), lambda b, i, *_: (b, chunk_of(i), 0, 0))
+  spec = _residual_block(st, chunks, st.chunk)
   if array is not None:
-    return common.Operand("guard_fwd", array, block=block)
-  return common.Operand("guard_fwd", block=block,
-                  shape=jax.ShapeDtypeStruct((b, nc, st.hv, st.chunk), F32))
+    return common.Operand("guard_fwd", array, block=spec)
+  return common.Operand("guard_fwd", block=spec,
+                        shape=jax.ShapeDtypeStruct((b, chunks.nc, st.hv, st.chunk), F32))
 
 
 def _guard_scratch(st: common.Static, n_rows: int) -> list[common.Operand]:
@@ -400,16 +516,17 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
   t_in = q.shape[1]
   (q, k, v, log_decay, beta), h0, starts, seg, st, nc = _prepare(
       q, k, v, log_decay, beta, initial_state=initial_state, segment_ids=segment_ids,
-      chunk=chunk, scale=scale, interleave=interleave, newton=newton, sanitize=sanitize,
-      guard=guard, pro=pro)
+      chunk=chunk, scale=scale, interleave=interleave, newton=newton, interpret=interpret,
+      sanitize=sanitize, guard=guard, pro=pro)
   b, t = q.shape[:2]
-  st = dataclasses.replace(st, unroll_groups=common.unroll_groups(backward=True),
+  st = dataclasses.replace(st, unroll_groups=common.unroll_groups(
+                               backward=True, steps=_steps(q, chunk, interpret)),
                            bwd_copies=common.bwd_head_copies(st), dk_sym=common.dk_symmetric(),
                            bwd_vnew=common.bwd_through_vnew())
   states, tmats = residuals[:2]
   if states.shape[1] != nc:
     raise ValueError(f"residuals for {states.shape[1]} chunks; this call has {nc}.")
-  rev = lambda i: nc - 1 - i
+  rev = Chunks(nc, reverse=True)
   inputs = _common_inputs(q, k, v, log_decay, beta, starts, st, rev, pro=pro)
   state_spec = _state_spec(st, rev)
   if d_final is None and not st.guard:   # (the guard's kernel reads none as zeros)
@@ -419,16 +536,14 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
   if seg is not None:
     d_out = seg.layout.to_aligned(d_out)
   inputs += [
-      common.Operand("states", states, block=pl.BlockSpec((None, None, st.hv, st.dim_k, st.dim_v),
-                                                    lambda b, i, *_: (b, rev(i), 0, 0, 0))),
-      common.Operand("tmats", tmats, block=pl.BlockSpec((None, None, st.hv, chunk, chunk),
-                                                  lambda b, i, *_: (b, rev(i), 0, 0, 0))),
+      common.Operand("states", states, block=_residual_block(st, rev, st.dim_k, st.dim_v)),
+      common.Operand("tmats", tmats, block=_residual_block(st, rev, chunk, chunk)),
       common.Operand("d_out", _flat(d_out), block=_token_block(st, rev, st.hv * st.dim_v)),
   ]
   if d_final is not None:
     inputs.append(common.Operand("d_final", d_final.astype(F32), block=state_spec))
   if st.guard:
-    inputs.append(_guard_fwd_operand(st, b, nc, rev, residuals[2]))
+    inputs.append(_guard_fwd_operand(st, b, rev, residuals[2]))
   hk = q.shape[2]
   grad_names = ("dq", "dk", "dv", "d_gate", "dbeta", "d_h0") + (
       ("d_a_log", "d_dt_bias") if st.gate_act else ())
@@ -446,7 +561,7 @@ def gdn_bwd(q: Float[Array, "B T Hk K"], k: Float[Array, "B T Hk K"],
     outputs.append(common.Operand("d_h0", block=state_spec, shape=_state_shape(st, b)))
   if st.gate_act:
     # Resident over the chunks: the kernel accumulates into them.
-    outputs += [common.Operand(name, block=pl.BlockSpec((None, 1, st.hv), lambda b, i, *_: (b, 0, 0)),
+    outputs += [common.Operand(name, block=block((None, 1, st.hv), "b", 0, 0),
                          shape=jax.ShapeDtypeStruct((b, 1, st.hv), F32))
                 for name in ("d_a_log", "d_dt_bias")]
   scratch = ([common.Operand("ds", shape=pltpu.VMEM((st.hv, st.dim_k, st.dim_v), F32))]

@@ -400,8 +400,38 @@ def v5e_forms() -> bool:
   return gdn_config.target_generation().name == "v5e"
 
 
-def unroll_groups(backward: bool = False) -> bool | int:
-  """How the head groups are unrolled (`Static.unroll_groups`)."""
+# A kernel call of at most this many grid steps (batch rows x chunks: short
+# sequences, as `validate` and the conformance suite run them) runs its head
+# groups in a loop of at most `SMALL_GRID_INTERLEAVE` heads, not unrolled
+# (`group_interleave`, `unroll_groups`). Unrolled, a grid step is one basic
+# block of every head's code, which Mosaic compiles in time growing faster
+# than the block; it saves a few microseconds a grid step, which only a long
+# grid repays (pallas_mosaic_tpu.md, "Compile time"). (`tokamax-gdn aot`
+# takes its cycle estimates at T = 512, 4 steps at C = 128 and B = 1: the
+# long grids' form it extrapolates to T.)
+SMALL_GRID_STEPS = 2
+SMALL_GRID_INTERLEAVE = 4
+
+
+def small_grid(steps: int | None) -> bool:
+  """Whether a call of `steps` grid steps takes the small grids' form (None:
+  unknown, no)."""
+  return steps is not None and steps <= SMALL_GRID_STEPS
+
+
+def group_interleave(requested: int, hv: int, group: int, steps: int | None = None) -> int:
+  """`Static.interleave`: `normalize_interleave` of the request, at most
+  `SMALL_GRID_INTERLEAVE` on a small grid (`small_grid`)."""
+  if small_grid(steps):
+    requested = min(requested, SMALL_GRID_INTERLEAVE)
+  return normalize_interleave(requested, hv, group)
+
+
+def unroll_groups(backward: bool = False, steps: int | None = None) -> bool | int:
+  """How the head groups are unrolled (`Static.unroll_groups`): not on a
+  small grid of `steps` grid steps (`small_grid`)."""
+  if small_grid(steps):
+    return False
   if gdn_config.target_generation().name != "tpu7x":
     return True
   return 2 if backward else False

@@ -33,6 +33,7 @@ masks the columns past K.
 """
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -243,6 +244,11 @@ def _dot_precision(compute_dtype):
   return lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else None
 
 
+# gmm and tgmm are jitted: calls with equal shapes and static arguments (a
+# model's MoE layers, their VJPs' products) share one trace of the kernel, and
+# its calls in one program are lowered once there.
+@functools.partial(jax.jit, static_argnames=("tiles", "out_dtype", "transpose_rhs", "interpret",
+                                             "vmem_limit_bytes"))
 def gmm(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -447,6 +453,8 @@ def _gmm_whole_groups(lhs, rhs, group_sizes, sched: Schedule, store, *, grid: Gr
       name="tokamax_gdn_gmm", interpret=interpret, vmem_limit_bytes=vmem_limit_bytes)
 
 
+@functools.partial(jax.jit, static_argnames=("tiles", "out_dtype", "interpret",
+                                             "vmem_limit_bytes"))
 def tgmm(
     lhs: jax.Array,
     rhs: jax.Array,
