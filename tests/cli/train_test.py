@@ -42,9 +42,15 @@ def _parse(argv):
   return p.parse_args(argv)
 
 
-def test_defaults():
+def test_defaults(monkeypatch):
   args = _parse([])
-  assert args.model == "qwen3.5-micro" and args.impl == "xla" and not args.interpret
+  assert args.model == "qwen3.5-micro" and args.impl is None and not args.interpret
+  # --impl's default: the Pallas kernels where they run, else xla.
+  from tokamax_gdn import config  # pylint: disable=g-import-not-at-top
+  assert train.default_impl(interpret=False) == "xla"     # this CPU
+  assert train.default_impl(interpret=True) == "pallas_mosaic_tpu"
+  monkeypatch.setattr(config, "on_tpu", lambda: True)
+  assert train.default_impl(interpret=False) == "pallas_mosaic_tpu"
 
 
 @pytest.fixture(scope="module")

@@ -64,8 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--steps", type=int, help=f"default {DEFAULT_STEPS} ({INTERPRET_STEPS} with"
                  " --interpret); stops early once the recall accuracy of the last 10 steps"
                  f" reaches {STOP_AT_ACCURACY * 100:.0f}%% unless --steps is given")  # %%: argparse formats help
-  p.add_argument("--impl", default="xla", help="implementation of every op (xla,"
-                 " pallas_mosaic_tpu, reference)")
+  p.add_argument("--impl", default=None, help="implementation of every op (xla,"
+                 " pallas_mosaic_tpu, reference); default pallas_mosaic_tpu on a TPU or with"
+                 " --interpret, else xla")
   p.add_argument("--batch", type=int, help=f"sequences per step (default {DEFAULT_BATCH})")
   p.add_argument("--seq-len", type=int, help="tokens per sequence, a multiple of 4: seq-len/4"
                  f" key-value pairs and as many queries (default {DEFAULT_SEQ_LEN})")
@@ -88,6 +89,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  help="with --compare-impls: also list each implementation's N instructions"
                       " with the most device time in the profiled step, with their split"
                       " bucket, pass and source line (needs a TPU)")
+
+
+def default_impl(interpret: bool) -> str:
+  """`--impl`'s default: the Pallas kernels where they run (a TPU, or Pallas
+  interpret mode with --interpret), else xla."""
+  from tokamax_gdn import config  # pylint: disable=g-import-not-at-top
+  return "pallas_mosaic_tpu" if interpret or config.on_tpu() else "xla"
 
 
 def _pct(x: float | None) -> str:
@@ -316,7 +324,7 @@ def run(args: argparse.Namespace, print_table=common.print_table) -> int:
   task = RecallTask.for_seq_len(pick(args.seq_len, INTERPRET_SEQ_LEN, DEFAULT_SEQ_LEN))
   cfg = ModelConfig.load(args.model, vocab_size=task.vocab_size)
   stop = None if (args.steps is not None or interpret) else STOP_AT_ACCURACY
-  impl = "pallas_mosaic_tpu" if interpret and args.impl == "xla" else args.impl
+  impl = default_impl(interpret) if args.impl is None else args.impl
   profile_step = getattr(args, "profile_step", False)
   # With --profile-step, step 1 (after step 0, the warm-up) even in short runs.
   profiled = (1 if steps > 1 else 0) if profile_step else (1 if steps > 2 else None)
