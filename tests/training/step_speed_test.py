@@ -73,24 +73,28 @@ FileNames
 1 "/src/tokamax_gdn/models/blocks.py"
 2 "/src/tokamax_gdn/ops/gated_delta_rule/xla.py"
 3 "/src/tokamax_gdn/models/softmax_attention.py"
+4 "/site/jax/experimental/pallas/ops/tpu/splash_attention/splash_attention_kernel.py"
 
 FunctionNames
 1 "attention"
 2 "matmul"
 3 "chunked"
 4 "splash_attention"
+5 "_splash_attention_bwd"
 
 FileLocations
 1 {file_name_id=1 function_name_id=1 line=105 end_line=105 column=2 end_column=9}
 2 {file_name_id=1 function_name_id=2 line=40 end_line=40 column=2 end_column=9}
 3 {file_name_id=2 function_name_id=3 line=7 end_line=7 column=2 end_column=9}
 4 {file_name_id=3 function_name_id=4 line=90 end_line=90 column=2 end_column=9}
+5 {file_name_id=4 function_name_id=5 line=900 end_line=900 column=2 end_column=9}
 
 StackFrames
 1 {file_location_id=1 parent_frame_id=1}
 2 {file_location_id=2 parent_frame_id=1}
 3 {file_location_id=3 parent_frame_id=1}
 4 {file_location_id=4 parent_frame_id=1}
+5 {file_location_id=5 parent_frame_id=1}
 
 ENTRY %main.1 (p: f32[8]) -> f32[8] {
   %gdn_bwd.18 = (f32[8]) custom-call(f32[8] %p), custom_call_target="tpu_custom_call", metadata={op_name="x" metadata_payload="tokamax:{\"op\":{\"__type\":\"tokamax_gdn.ops.gated_delta_rule.pallas_mosaic_tpu.PallasMosaicTpuGatedDeltaRuleVjp\"}}"}
@@ -100,6 +104,8 @@ ENTRY %main.1 (p: f32[8]) -> f32[8] {
   %ragged-dot-none.10 = f32[8] ragged-dot(f32[8] %p, f32[8] %p, s32[2] %g), metadata={op_name="x"}
   %convolution.9 = f32[8] convolution(f32[8] %p, f32[8] %p), metadata={op_name="x" stack_frame_id=1}
   %splash_mqa_fwd_residuals.2 = f32[8] custom-call(f32[8] %p), custom_call_target="tpu_custom_call", metadata={op_name="x" stack_frame_id=4}
+  %splash_mqa_dkv_no_residuals.1 = f32[8] custom-call(f32[8] %p), custom_call_target="tpu_custom_call", metadata={op_name="x" stack_frame_id=5}
+  %fusion.11 = f32[8] fusion(f32[8] %p), kind=kLoop, calls=%f, metadata={op_name="x" stack_frame_id=5}
   %transpose.4 = f32[8] transpose(f32[8] %p), dimensions={0}, metadata={op_name="x" stack_frame_id=4}
   %convolution.10 = f32[8] convolution(f32[8] %p, f32[8] %p), metadata={op_name="jit(step)/transpose(jvp())/while/body/...h,hp->...p/dot_general" stack_frame_id=2}
   %while.3 = (f32[8]) while((f32[8]) %t), condition=%c, body=%b
@@ -126,6 +132,11 @@ def test_parse_hlo_reads_op_types_and_frames():
     ("convolution.9", ss.ATTENTION),   # inside models.blocks.attention
     ("splash_mqa_fwd_residuals.2", ss.ATTENTION),   # a splash kernel ...
     ("transpose.4", ss.ATTENTION),     # ... and its glue: frames in models/softmax_attention.py
+    # a splash kernel whose innermost frame is in jax's library (the backward,
+    # as the chip's step showed): by its kernel name; other instructions
+    # from library frames stay in rest
+    ("splash_mqa_dkv_no_residuals.1", ss.ATTENTION),
+    ("fusion.11", ss.REST),
     ("convolution.10", ss.REST),       # a projection (models.blocks.matmul)
     ("add.1", ss.REST),
     ("%add.1", ss.REST),

@@ -163,8 +163,18 @@ def classify_name(name: str, instructions: dict[str, Instruction] | None = None)
   if instructions:
     ins = instructions.get(name.lstrip("%"))
     if ins is not None:
-      return classify_instruction(ins)
+      return _by_instruction(name, ins)
   return _kernel_bucket(name) or REST
+
+
+def _by_instruction(name: str, ins: Instruction) -> str:
+  """An instruction's bucket; a kernel whose source frame is in a library
+  (splash attention's custom calls: their innermost frame is jax's own
+  file, not ours) goes by its kernel name."""
+  bucket = classify_instruction(ins)
+  if bucket == REST:
+    bucket = _kernel_bucket(name) or REST
+  return bucket
 
 
 def event_instruction(e: dict[str, Any], instructions: dict[str, Instruction]) -> str | None:
@@ -186,7 +196,7 @@ def resolve_event(e: dict[str, Any], instructions: dict[str, Instruction]) -> tu
   when neither finds it (it is then `rest`)."""
   name = event_instruction(e, instructions)
   if name is not None:
-    return classify_instruction(instructions[name]), True
+    return _by_instruction(name, instructions[name]), True
   bucket = _kernel_bucket(str(e.get("name", "")))
   return (bucket, True) if bucket else (REST, False)
 
