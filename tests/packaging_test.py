@@ -43,7 +43,18 @@ from tokamax_gdn.models.config import ModelConfig
 tiny = tokamax_gdn.layers.load_preset("qwen3.5-tiny")
 micro = ModelConfig.load("qwen3.5-micro")
 xla_gdn = registry.get("gated_delta_rule", "xla")
+# tokamax's own lookup (what a layer's call does) hits the shipped data:
+# the GDN calls `tokamax-gdn autotune` tunes, at a shape it shipped for CPU.
+import jax.numpy as jnp
+from tokamax_gdn.benchmarks import autotune as tune
+from tokamax_gdn.benchmarks import workload
+shape = workload.LayerShape(b=1, t=8192, hk=2, hv=4, k=128, v=128, dtype=jnp.bfloat16)
+lookups = []
+for label, ba in tune.bound_args("gated_delta_rule", "xla", shape):
+  data = ba.op.get_autotuning_cache("cpu").get(ba.autotuning_cache_key)
+  lookups.append([label, None if data is None else data.fastest_config.chunk_size])
 print(json.dumps(dict(
+    lookups=lookups,
     package=tokamax_gdn.__file__,
     sys_path=sys.path,
     presets=presets.list_presets(),
@@ -184,6 +195,19 @@ def test_installed_package_works_from_its_own_location(venv):
   # Entries of the shipped file, counted from the source tree's copy.
   source_entries = json.loads((source_data / "cpu" / "xla_gated_delta_rule.json").read_text())
   assert facts["cpu_xla_entries"] == len(source_entries) > 0
+  # The installed package's lookups hit, with the fastest configs the source
+  # tree's data gives for the same keys.
+  from tokamax_gdn import autotuning  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.benchmarks import autotune as tune  # pylint: disable=g-import-not-at-top
+  from tokamax_gdn.benchmarks import workload  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  autotuning.reload()
+  shape = workload.LayerShape(b=1, t=8192, hk=2, hv=4, k=128, v=128, dtype=jnp.bfloat16)
+  want = [[label, ba.op.get_autotuning_cache("cpu")[ba.autotuning_cache_key]
+           .fastest_config.chunk_size]
+          for label, ba in tune.bound_args("gated_delta_rule", "xla", shape)]
+  assert facts["lookups"] == want
+  assert [label for label, _ in want] == ["fwd", "fwd (in grad)", "vjp"]
 
   script = venv / "bin" / "tokamax-gdn"
   assert script.read_text().startswith(f"#!{python}"), script.read_text()[:200]
