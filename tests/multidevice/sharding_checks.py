@@ -157,11 +157,9 @@ def _mesh(shape, names):
   return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
 
 
-@check("cpu")
-def gdn_xla_batch_jit():
-  return _gdn_run(_mesh((8,), ("data",)), "data", None, b=8, hk=1, hv=2)
-
-
+# Batch over 8 devices: shard_map only. Under plain jit, batch-sharded
+# inputs to the xla implementation are XLA's partitioner's plainest case;
+# the heads check below runs jit on the harder one (a 2 x 4 mesh, GVA groups).
 @check("cpu")
 def gdn_xla_batch_shard_map():
   return _gdn_run(_mesh((8,), ("data",)), "data", None, b=8, hk=1, hv=2, mode="shard_map")

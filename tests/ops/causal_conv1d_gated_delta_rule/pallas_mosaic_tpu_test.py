@@ -316,22 +316,18 @@ def aot_v5e_cases(mesh, spec_names, layouts):
   return aot_cases_of(mesh, spec_names) + aot_layout_cases(mesh, layouts)
 
 
-# tokamax's layouts compiled for v5e, and the kernel each must call (None:
-# just compile). (The decodes and verify windows at DP8's 64 value heads,
-# dp8_ep8_decode_64 and dp8_ep8_spec3_decode_*, were compiled here too; they
-# run on the chip in the on-chip tier's named workloads, and 35 s of this
-# test's CI time went to them.)
+# tokamax's layouts compiled for v5e, and the kernel each must call. (The
+# decodes and verify windows at DP8's 64 value heads, dp8_ep8_decode_64 and
+# dp8_ep8_spec3_decode_*, and dp8_ep8_prefill_512, whose decode kernel once
+# needed 55.1 MiB of scoped VMEM, were compiled here too; they run on the
+# chip in the on-chip tier's named workloads, and CI's time went to them.)
 _V5E_SPECS = {
-    # DP8, 64 value heads (2 MiB states): a prefill of 512 (its decode kernel
-    # needed 55.1 MiB of scoped VMEM on the chip: a 53 MiB limit failed there
-    # and in this compile alike).
-    "dp8_ep8_prefill_512": None,
     # One chunked request whose qkv is past `_HBM_TOKEN_BYTES`: the chunked GDN
     # kernel pipelines its blocks from HBM and Mosaic allocates 41.1 MiB for it
     # on v5e. The training forward's VMEM model, which the op used for it,
     # estimated 29.7 and the limit it set (37.2 MiB) failed on the chip and in
-    # this compile alike; the 512-token prefill above keeps its arrays where
-    # XLA puts them (28.8 MiB).
+    # this compile alike (a 512-token prefill keeps its arrays where XLA puts
+    # them, 28.8 MiB).
     "dp8_ep8_prefill_1024": "gdn_fwd_requests",
     # TP8 verify windows: two requests' windows interleaved (`state_slots`).
     "tp8_spec3_decode_64_ctx1024": "gdn_serve_decode",

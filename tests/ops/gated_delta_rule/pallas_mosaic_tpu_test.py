@@ -106,29 +106,21 @@ def test_matches_reference(case):
   _check_matches_reference(case)
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[5]], ids=["f32", "bf16"])
-def test_v5e_forms_match_reference(case):
-  """Traced for v5e the kernels take other forms of some bf16 steps (the ones
-  libtpu's estimator accepts there, `pallas_mosaic_tpu_kernel`): same
-  contract. The float32 case with segments runs every one of them; the bf16
-  case the backward's f ⊙ β row sums of one bf16 piece as a row (v6e's
-  default runs them as columns: bf16 inputs only). The
-  stages alone, bf16 and float32, are in pallas_mosaic_tpu_kernel_test.py."""
-  tokamax_gdn.config.set_target_chip("v5e")
-  try:
-    _check_matches_reference(case)
-  finally:
-    tokamax_gdn.config.set_target_chip(None)
+# The forms the kernels take when traced for v5e (the ones libtpu's
+# estimator accepts there, `pallas_mosaic_tpu_kernel`) run on the chip: the
+# on-chip tier's conformance specs and GDN layer tests, bf16 and float32. The
+# stages alone, bf16 and float32, are in pallas_mosaic_tpu_kernel_test.py.
 
 
-@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+@pytest.mark.parametrize("chip", ["v6e", "tpu7x"])   # v5e: on the chip (tests/tpu)
 def test_heads_of_128_lanes_match_reference(chip):
   """Heads of 128 lanes, the other cases' are narrower: the kernels read q,
   k, v (and the backward's dO) from their blocks where the head groups use
   them (`common.head_copies`, `Static.bwd_copies`: the backward's on v5e and
   tpu7x), the NaN guard's selects there; v5e's backward takes dk's K Kᵀ
   terms as one product (`Static.dk_sym`) and the odd heads' T' as stored
-  (`common.tmat_transposed`). bf16 with segments and the prologue."""
+  (`common.tmat_transposed`; v5e runs this on the chip). bf16 with segments
+  and the prologue."""
   case = ("d128", 1, 130, 1, 2, 128, 128, jnp.bfloat16, "zeros", True, False, True, True, 64, 2)
   tokamax_gdn.config.set_target_chip(chip)
   try:

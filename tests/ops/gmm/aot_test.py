@@ -66,7 +66,9 @@ def _compile_vjp(target, fn, x, w, gs, *, transpose_rhs=False):
   return _compile(target, fn, x, w, gs, cotangent_bytes=m * n * 4)
 
 
-CASES = [("v6e", s) for s in SPECS] + [(t, SPECS[0]) for t in ("v5e", "tpu7x")]
+# v5e runs these kernels on the chip (the on-chip tier's MoE shapes and
+# conformance specs); its AOT compile here only repeated that.
+CASES = [("v6e", s) for s in SPECS] + [("tpu7x", SPECS[0])]
 
 
 @pytest.mark.parametrize("target,spec", CASES, ids=[f"{t}-{s.name}" for t, s in CASES])
