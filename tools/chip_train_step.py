@@ -24,20 +24,14 @@ next one runs. Exit code 1 if any part failed.
 
 import argparse
 import functools
-import math
 import sys
 import time
 import traceback
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 from tokamax_gdn import cli
-from tokamax_gdn import config
-from tokamax_gdn.cli import common
-from tokamax_gdn.benchmarks import timing
 from tokamax_gdn.models import softmax_attention
+
+import attention_probe  # tools/attention_probe.py, beside this script
 
 TINY = ["train", "--model", "qwen3.5-tiny", "--batch", "1", "--seq-len", "4096", "--dtype",
         "bfloat16", "--compare-impls", "pallas_mosaic_tpu,xla", "--top-ops", "10"]
@@ -46,52 +40,14 @@ MAIN = ["train"]
 ATTENTION_DEADLINE_S = 250
 
 
-def _splash_mha(q, k, v):
-  """Splash's MHA kernel with each key/value head repeated for its query
-  heads (the other GQA form), blocks as the model picks them."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk  # pylint: disable=g-import-not-at-top
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm  # pylint: disable=g-import-not-at-top
-  b, t, heads, d = q.shape
-  kv_heads = k.shape[2]
-  group, blk = heads // kv_heads, softmax_attention.splash_block(t)
-  mask = sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(heads)])
-  sizes = sk.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk,
-                        block_kv_dkv=blk, block_kv_dkv_compute=blk, block_q_dq=blk,
-                        block_kv_dq=blk)
-  kernel = sk.make_splash_mha_single_device(mask, block_sizes=sizes,
-                                            interpret=not config.on_tpu())
-  q = (q * (1.0 / math.sqrt(d))).astype(q.dtype).transpose(0, 2, 1, 3)
-  k, v = (jnp.repeat(x, group, axis=2).transpose(0, 2, 1, 3) for x in (k, v))
-  return jax.vmap(kernel)(q, k, v).transpose(0, 2, 1, 3)
-
-
-def attention_table(b=1, t=4096, heads=8, kv_heads=2, d=128) -> None:
-  """Part 4's table (module docstring); off TPU (a check of this script) only
-  in interpret mode and at small shapes."""
-  r = np.random.default_rng(0)
-  q = jnp.asarray(r.standard_normal((b, t, heads, d)), jnp.bfloat16)
-  k = jnp.asarray(r.standard_normal((b, t, kv_heads, d)), jnp.bfloat16)
-  v = jnp.asarray(r.standard_normal((b, t, kv_heads, d)), jnp.bfloat16)
-  ref = jax.jit(softmax_attention.xla_attention)(q, k, v).astype(jnp.float32)
-  rows = []
-  for name, f in (("model (splash MQA)", functools.partial(
-                      softmax_attention.causal_attention, implementation="pallas_mosaic_tpu")),
-                  ("splash MHA, K/V repeated", _splash_mha),
-                  ("jnp formula", softmax_attention.xla_attention)):
-    fwd = jax.jit(f)
-    step = jax.jit(jax.value_and_grad(
-        lambda q, k, v, f=f: jnp.sum(jnp.square(f(q, k, v).astype(jnp.float32))),
-        argnums=(0, 1, 2)))
-    out = fwd(q, k, v).astype(jnp.float32)
-    jax.block_until_ready(step(q, k, v))
-    err = float(jnp.sqrt(jnp.mean((out - ref) ** 2) / jnp.mean(ref ** 2)))
-    rows.append(dict(core=name, fwd_ms=f"{timing.wall_ms(fwd, q, k, v):.3f}",
-                     fwd_bwd_ms=f"{timing.wall_ms(step, q, k, v):.3f}",
-                     rel_rms_vs_jnp=f"{err:.1e}"))
-  print(f"attention core, B={b} T={t} H={heads} KV={kv_heads} D={d} bf16"
-        f" (jax {jax.__version__}, {jax.devices()[0].device_kind})")
-  common.print_table(rows, {"core": "core", "fwd_ms": "fwd ms",
-                                "fwd_bwd_ms": "fwd+bwd ms", "rel_rms_vs_jnp": "rel-RMS vs jnp"})
+def attention_table() -> bool:
+  """Part 4's table (module docstring); whether a core failed."""
+  rows = attention_probe.core_table([
+      ("model (splash MQA)", functools.partial(softmax_attention.causal_attention,
+                                               implementation="pallas_mosaic_tpu")),
+      ("splash MHA, K/V repeated", attention_probe.splash_mha),
+      ("jnp formula", softmax_attention.xla_attention)])
+  return any("error" in r for r in rows)
 
 
 def main() -> int:
@@ -112,7 +68,7 @@ def main() -> int:
   else:
     print()
     try:
-      attention_table()
+      failed |= attention_table()
     except Exception:  # pylint: disable=broad-exception-caught
       traceback.print_exc()
       failed = True
